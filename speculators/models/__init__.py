@@ -1,0 +1,1 @@
+"""Draft model implementations, one module per model."""

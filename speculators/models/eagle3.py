@@ -1,0 +1,477 @@
+"""EAGLE-3 drafter: one (or more) decoder layers fed with three of the verifier's hidden states.
+
+Forward of one draft step (see spec/eagle3.md), verifier hidden size Ht, draft hidden size H:
+
+    aux [T, 3*Ht] --(input_norm | fc_norm)--> fc --> h [T, H]
+    e = verifier embedding of the next token
+    layer 0:  attention over concat(input_layernorm(e), hidden_norm(h))  (width 2H), residual h
+    layers 1..: plain pre-norm decoder layers
+    logits = lm_head(norm(out)) over the draft vocab; draft id i means target id i + d2t[i]
+
+The tensor names match the speculators checkpoint format exactly (`fc.weight`, `layers.0.*`,
+`norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optional `embed_tokens.weight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from speculators.config import Eagle3Config
+from speculators.errors import SpeculatorsError
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: statistics in fp32, weight applied in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables from the layer config's rope parameters (default, llama3, yarn, ...)."""
+
+    def __init__(self, layer_config: dict):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf_config = LlamaConfig(**{k: v for k, v in layer_config.items() if k != "model_type"})
+        rope = hf_config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = layer_config["head_dim"]
+            base = rope.get("rope_theta", 10000.0)
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, hd/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.attention_scaling).to(dtype)
+        sin = (angles.sin() * self.attention_scaling).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, layer_config: dict, input_size: int):
+        super().__init__()
+        hidden = layer_config["hidden_size"]
+        self.num_heads = layer_config["num_attention_heads"]
+        self.num_kv_heads = layer_config["num_key_value_heads"]
+        self.head_dim = layer_config["head_dim"]
+        bias = bool(layer_config.get("attention_bias", False))
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if layer_config["model_type"] == "qwen3":
+            eps = layer_config["rms_norm_eps"]
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = rotary
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        new_kv = (k, v)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, layer_config: dict):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        hidden, inner = layer_config["hidden_size"], layer_config["intermediate_size"]
+        bias = bool(layer_config.get("mlp_bias", False))
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act = ACT2FN[layer_config["hidden_act"]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """Layer 0 attends over [embedding ; hidden] (width 2H); later layers are plain pre-norm layers."""
+
+    def __init__(self, config: Eagle3Config, layer_idx: int):
+        super().__init__()
+        layer = config.transformer_layer_config
+        hidden, eps = layer["hidden_size"], layer["rms_norm_eps"]
+        self.is_first = layer_idx == 0
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = DraftAttention(layer, 2 * hidden if self.is_first else hidden)
+        self.mlp = DraftMLP(layer)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        if self.is_first:
+            self.hidden_norm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.is_first:
+            normed_hidden = self.hidden_norm(hidden)
+            residual = normed_hidden if self.norm_before_residual else hidden
+            attn_input = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        else:
+            residual = hidden
+            attn_input = self.input_layernorm(hidden)
+        attn_out, new_kv = self.self_attn(attn_input, rotary, mask, past)
+        hidden = residual + attn_out
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, new_kv
+
+
+class DraftKVCache:
+    """Per-layer keys/values of the positions the drafter has processed, [B, kv_heads, T, hd]."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        first = self.layers[0]
+        return 0 if first is None else first[0].shape[2]
+
+    def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.layers[layer_idx]
+
+    def append(self, layer_idx: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        past = self.layers[layer_idx]
+        if past is None:
+            self.layers[layer_idx] = kv
+        else:
+            self.layers[layer_idx] = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+
+    def crop(self, length: int) -> None:
+        """Forget positions from `length` on (drafted positions the verifier rejected)."""
+        self.layers = [None if kv is None else (kv[0][:, :, :length], kv[1][:, :, :length]) for kv in self.layers]
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [B, T, draft_vocab]
+    hidden_states: torch.Tensor  # [B, T, H], fed to the next draft step
+    new_key_values: list[tuple[torch.Tensor, torch.Tensor]]  # this call's keys/values per layer
+
+
+def causal_mask(query_length: int, past_length: int, device: torch.device) -> torch.Tensor:
+    """bool [1, 1, Tq, past + Tq]: query i sees every past key and keys up to itself."""
+    keys = torch.arange(past_length + query_length, device=device)
+    queries = torch.arange(query_length, device=device) + past_length
+    return (keys[None, :] <= queries[:, None])[None, None]
+
+
+def ttt_attention_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Training-time-test mask for draft step `step` over a packed batch.
+
+    Keys are [step 0 | step 1 | ... | step `step`], T each. Step-0 keys are causal within a
+    document; every later step's block is diagonal (query i sees key i of that step).
+    Returns bool [B, 1, T, (step + 1) * T].
+    """
+    length = document_ids.shape[-1]
+    positions = torch.arange(length, device=document_ids.device)
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = positions[None, :] <= positions[:, None]
+    blocks = [same_doc & causal[None]]
+    diagonal = torch.eye(length, dtype=torch.bool, device=document_ids.device)
+    blocks += [diagonal[None].expand_as(blocks[0])] * step
+    return torch.cat(blocks, dim=-1)[:, None]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        layer = config.transformer_layer_config
+        hidden, verifier_hidden, eps = config.hidden_size, config.verifier_hidden_size, layer["rms_norm_eps"]
+        fc_input = config.num_aux_states * verifier_hidden
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(fc_input, eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(verifier_hidden, eps) for _ in range(config.num_aux_states)])
+        self.fc = nn.Linear(fc_input, hidden, bias=False)
+        self.layers = nn.ModuleList([DraftDecoderLayer(config, i) for i in range(config.num_draft_layers)])
+        self.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(layer)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.verifier_vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # Frozen verifier embeddings, supplied at run time; saved only when asked.
+        self.embed_tokens: nn.Embedding | None = None
+        self.save_embeddings = False
+        self.reset_parameters()
+
+    # ----- construction -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
+        """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""
+        ids = torch.as_tensor(selected_target_ids, dtype=torch.long).flatten()
+        if ids.numel() != self.config.draft_vocab_size:
+            raise SpeculatorsError(
+                f"{ids.numel()} selected token ids for a draft vocab of {self.config.draft_vocab_size}; "
+                f"select exactly draft_vocab_size ids"
+            )
+        if (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= self.config.verifier_vocab_size:
+            raise SpeculatorsError("selected token ids must be strictly ascending ids inside the verifier vocab")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def attach_verifier_embeddings(self, weight: torch.Tensor, save: bool = False) -> None:
+        """Use the verifier's (frozen) input embeddings; `save=True` writes them into the checkpoint."""
+        expected = (self.config.verifier_vocab_size, self.config.hidden_size)
+        if tuple(weight.shape) != expected:
+            raise SpeculatorsError(
+                f"verifier embeddings of shape {tuple(weight.shape)} do not fit this drafter, which "
+                f"expects {expected} (verifier vocab, draft hidden); pass the drafter's own verifier"
+            )
+        self.embed_tokens = nn.Embedding.from_pretrained(weight.detach(), freeze=True)
+        self.save_embeddings = save
+
+    # ----- forward ------------------------------------------------------------------------------
+
+    def project_aux(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3, Ht] or [B, T, 3*Ht] aux states -> fc output [B, T, H]."""
+        if aux_hidden_states.dim() == 4:
+            aux_hidden_states = aux_hidden_states.flatten(-2)
+        if self.config.fc_norm:
+            chunks = aux_hidden_states.chunk(self.config.num_aux_states, dim=-1)
+            aux_hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        elif self.config.norm_before_fc:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        return self.fc(aux_hidden_states)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise SpeculatorsError(
+                "the drafter has no token embeddings; call attach_verifier_embeddings() with the "
+                "verifier's input embedding matrix"
+            )
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        """One draft step over T positions.
+
+        input_ids [B, T]: the token after each position (the sequence shifted left by one);
+        hidden_states [B, T, H]: fc output of the aux states, or the previous step's output;
+        attention_mask: bool [B|1, 1, T, past + T], True = attend (default: causal);
+        past_key_values: per layer (k, v) of earlier positions, or None.
+        """
+        embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = embeds.to(hidden_states.dtype)
+        batch, length, _ = hidden_states.shape
+        past = past_key_values or [None] * len(self.layers)
+        past_length = 0 if past[0] is None else past[0][0].shape[2]
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + length, device=hidden_states.device)[None]
+        if attention_mask is None and (length > 1 or past_length == 0):
+            attention_mask = causal_mask(length, past_length, hidden_states.device)
+        rotary = self.rotary(position_ids.expand(batch, -1), hidden_states.dtype)
+        new_kv = []
+        for layer, layer_past in zip(self.layers, past, strict=True):
+            hidden_states, kv = layer(hidden_states, embeds, rotary, attention_mask, layer_past)
+            new_kv.append(kv)
+        normed = self.norm(hidden_states)
+        logits = self.lm_head(normed)
+        next_hidden = normed if self.config.norm_output else hidden_states
+        return DraftOutput(logits=logits, hidden_states=next_hidden, new_key_values=new_kv)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_steps: int,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Training-time test: logits [B, T, D] for each of `num_steps` draft steps.
+
+        input_ids [B, T] are the shifted tokens (token t+1 at position t), aux states those of
+        position t. Step s feeds the tokens shifted by s more (teacher forcing) with the drafter's
+        own hidden output of step s-1, at positions + s; its queries see step-0 keys causally
+        within their document and the diagonal of every later step.
+        """
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(1, length + 1, device=input_ids.device)[None].expand(batch, -1)
+        if document_ids is None:
+            document_ids = torch.zeros(batch, length, dtype=torch.long, device=input_ids.device)
+        hidden = self.project_aux(aux_hidden_states)
+        past: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
+        all_logits = []
+        for step in range(num_steps):
+            step_ids = F.pad(input_ids[:, step:], (0, step))  # tokens past the end are never scored
+            mask = ttt_attention_mask(document_ids, step)
+            out = self(step_ids, hidden, position_ids + step, mask, past)
+            past = [
+                kv if old is None else (torch.cat([old[0], kv[0]], 2), torch.cat([old[1], kv[1]], 2))
+                for old, kv in zip(past, out.new_key_values, strict=True)
+            ]
+            all_logits.append(out.logits)
+            hidden = out.hidden_states
+        return all_logits
+
+    @torch.no_grad()
+    def propose(
+        self,
+        aux_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        cache: DraftKVCache,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Draft `num_tokens` target token ids [B, K] (greedy, chain).
+
+        aux_hidden_states [B, T, 3*Ht] are the verifier's states of the T positions not yet seen by
+        the drafter, next_token_ids [B, T] the token after each of them (the last one is the token
+        the verifier just produced). The cache grows by T + K - 1 positions; after verification the
+        caller crops it back to the verified length.
+        """
+        hidden = self.project_aux(aux_hidden_states)
+        token_ids = next_token_ids
+        drafted = []
+        for _ in range(num_tokens):
+            past = [cache.get(i) for i in range(len(self.layers))]
+            out = self(token_ids, hidden, past_key_values=past)
+            for i, kv in enumerate(out.new_key_values):
+                cache.append(i, kv)
+            draft_ids = out.logits[:, -1].argmax(-1)
+            target_ids = self.draft_to_target(draft_ids)
+            drafted.append(target_ids)
+            token_ids, hidden = target_ids[:, None], out.hidden_states[:, -1:]
+        # The last drafted token was never fed back; nothing of it is in the cache.
+        return torch.stack(drafted, dim=1)
+
+    # ----- checkpoint ---------------------------------------------------------------------------
+
+    def checkpoint_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Tensors under their checkpoint names; floats cast to `dtype`, d2t int64, t2d bool."""
+        tensors = {}
+        for name, tensor in self.state_dict().items():
+            if name.startswith("embed_tokens.") and not self.save_embeddings:
+                continue
+            if tensor.is_floating_point() and dtype is not None:
+                tensor = tensor.to(dtype)
+            tensors[name] = tensor.detach().contiguous().cpu()
+        return tensors
+
+    def save_pretrained(self, directory: str | Path, dtype: str | None = None) -> Path:
+        """Write config.json + model.safetensors (each to a temporary name, then renamed)."""
+        from safetensors.torch import save_file
+
+        from speculators.atomic_io import write_with
+
+        dtype_name = dtype or self.config.dtype
+        if dtype_name not in TORCH_DTYPES:
+            raise SpeculatorsError(f"dtype '{dtype_name}' is not one of {', '.join(TORCH_DTYPES)}")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = self.checkpoint_tensors(TORCH_DTYPES[dtype_name])
+        write_with(
+            directory / "model.safetensors",
+            lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
+        )
+        config = self.config.model_copy(update={"dtype": dtype_name})
+        config.save(directory)
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        verifier_embeddings: torch.Tensor | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> Eagle3Drafter:
+        """Load our checkpoints and the reference library's (validated; clear error on a problem)."""
+        from speculators.checkpoint import read_checkpoint
+
+        checkpoint = read_checkpoint(directory)
+        model = cls(checkpoint.config)
+        tensors = dict(checkpoint.tensors)
+        embeddings = tensors.pop("embed_tokens.weight", None)
+        model.load_state_dict(tensors, strict=True, assign=False)
+        if embeddings is not None:
+            model.attach_verifier_embeddings(embeddings, save=True)
+        elif verifier_embeddings is not None:
+            model.attach_verifier_embeddings(verifier_embeddings)
+        if isinstance(dtype, str):
+            dtype = TORCH_DTYPES[dtype]
+        return model.to(dtype or TORCH_DTYPES[checkpoint.config.dtype])

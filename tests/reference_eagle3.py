@@ -1,0 +1,72 @@
+"""An independent, plain EAGLE-3 forward written from spec/eagle3.md, for numerical checks.
+
+Functional torch over a dict of checkpoint tensors; shares no code with speculators.models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rms(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(x, positions, theta):
+    # x [heads, T, d]; rotate pairs (i, i + d/2) by position * theta^(-2i/d)
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions[:, None].double() * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype), torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_draft_logits(
+    w,
+    aux,
+    embeds,
+    *,
+    heads,
+    kv_heads,
+    head_dim,
+    eps,
+    theta,
+    norm_before_residual,
+    norm_before_fc=False,
+    fc_norm=False,
+    norm_output=False,
+):
+    """One causal draft step over a single sequence. aux [T, 3*Ht], embeds [T, H] -> (logits, next hidden)."""
+    T = aux.shape[0]
+    if norm_before_fc:
+        aux = rms(aux, w["input_norm.weight"], eps)
+    if fc_norm:
+        parts = aux.chunk(3, -1)
+        aux = torch.cat([rms(p, w[f"fc_norm.{i}.weight"], eps) for i, p in enumerate(parts)], -1)
+    h = aux @ w["fc.weight"].T
+    p = "layers.0."
+    normed_h = rms(h, w[p + "hidden_norm.weight"], eps)
+    residual = normed_h if norm_before_residual else h
+    x = torch.cat([rms(embeds, w[p + "input_layernorm.weight"], eps), normed_h], -1)
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, heads, head_dim).transpose(0, 1)
+    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, kv_heads, head_dim).transpose(0, 1)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, kv_heads, head_dim).transpose(0, 1)
+    positions = torch.arange(T)
+    q, k = rope(q, positions, theta), rope(k, positions, theta)
+    outs = []
+    for head in range(heads):
+        kv = head // (heads // kv_heads)
+        scores = (q[head] @ k[kv].T) / math.sqrt(head_dim)
+        scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+        outs.append(scores.softmax(-1) @ v[kv])
+    attn = torch.cat(outs, -1) @ w[p + "self_attn.o_proj.weight"].T
+    h = residual + attn
+    m = rms(h, w[p + "post_attention_layernorm.weight"], eps)
+    gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+    h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    out = rms(h, w["norm.weight"], eps)
+    return out @ w["lm_head.weight"].T, (out if norm_output else h)
