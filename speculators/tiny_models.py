@@ -1,0 +1,255 @@
+"""Tiny random-weight verifiers of each supported family, with an offline tokenizer.
+
+Built from transformers configs (head_dim 32, which vLLM's CPU attention accepts) and a byte-level
+BPE tokenizer trained on a fixed built-in corpus, with a chat template in the family's style.
+Nothing is downloaded. Used by the tests, the benchmarks and the tiny Dagster variants.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2")
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+HARMONY_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}"
+    "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+# family -> (chat template, special tokens, bos, eos, pad)
+TOKENIZER_STYLES: dict[str, tuple[str, list[str], str | None, str, str | None]] = {
+    "llama": (
+        LLAMA3_TEMPLATE,
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+    ),
+    "chatml": (
+        CHATML_TEMPLATE,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+    ),
+    "harmony": (
+        HARMONY_TEMPLATE,
+        ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"],
+        "<|startoftext|>",
+        "<|return|>",
+        "<|endoftext|>",
+    ),
+    "mistral": (MISTRAL_TEMPLATE, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "<unk>"),
+}
+FAMILY_TOKENIZER_STYLE = {
+    "llama": "llama",
+    "qwen3": "chatml",
+    "qwen3_moe": "chatml",
+    "qwen2": "chatml",
+    "gpt_oss": "harmony",
+    "mistral": "mistral",
+}
+
+_SUBJECTS = [
+    "the model",
+    "a drafter",
+    "the verifier",
+    "our team",
+    "the scheduler",
+    "a student",
+    "the cluster",
+    "this function",
+    "the dataset",
+    "a good answer",
+    "the kernel",
+    "every request",
+]
+_VERBS = [
+    "explains",
+    "predicts",
+    "compares",
+    "summarises",
+    "writes",
+    "lists",
+    "rewrites",
+    "answers",
+    "checks",
+    "measures",
+    "accepts",
+    "rejects",
+    "trains",
+    "serves",
+    "computes",
+    "returns",
+]
+_OBJECTS = [
+    "the next token",
+    "three hidden states",
+    "a short poem",
+    "the latency",
+    "a Python function",
+    "the main idea",
+    "two numbers",
+    "a list of steps",
+    "the final answer",
+    "every word",
+    "the speed-up",
+    "a summary of the article",
+    "the acceptance rate",
+    "a recipe for bread",
+]
+_TAILS = [
+    "quickly.",
+    "in one pass.",
+    "with care.",
+    "for the user.",
+    "step by step.",
+    "on a CPU.",
+    "without errors.",
+    "as a table.",
+    "in plain English.",
+    "before lunch.",
+    "and then stops.",
+]
+
+
+def training_corpus() -> list[str]:
+    """Deterministic English-like sentences (plus digits and code) to train the tiny BPE on."""
+    lines = []
+    for i, subject in enumerate(_SUBJECTS):
+        for j, verb in enumerate(_VERBS):
+            obj = _OBJECTS[(i * 7 + j) % len(_OBJECTS)]
+            tail = _TAILS[(i + j * 3) % len(_TAILS)]
+            lines.append(f"{subject.capitalize()} {verb} {obj} {tail}")
+    lines += [f"{a} + {b} = {a + b}" for a in range(12) for b in range(0, 40, 7)]
+    lines += [
+        "def add(a, b):\n    return a + b",
+        "for i in range(10):\n    print(i)",
+        "Hello! How can I help you today?",
+    ]
+    return lines
+
+
+def build_tokenizer(family: str, vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer (fast) with the family's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if family not in FAMILY_TOKENIZER_STYLE:
+        raise SpeculatorsError(f"unknown tiny verifier family '{family}'; choose one of {', '.join(FAMILIES)}")
+    template, specials, bos, eos, pad = TOKENIZER_STYLES[FAMILY_TOKENIZER_STYLE[family]]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad)
+    fast.chat_template = template
+    return fast
+
+
+def tiny_config(family: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64) -> Any:
+    """A transformers config for a tiny verifier of `family` (head_dim 32, 2 heads, 1 kv head)."""
+    from transformers import (
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
+    if family == "gpt_oss":
+        # Alternating sliding/full attention and attention sinks, as the real model has.
+        common["max_position_embeddings"] = 131072  # what its YaRN rope parameters assume
+        return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)
+    raise SpeculatorsError(f"unknown tiny verifier family '{family}'; choose one of {', '.join(FAMILIES)}")
+
+
+def make_tiny_verifier(
+    family: str,
+    directory: str | Path,
+    seed: int = 0,
+    num_layers: int = 8,
+    hidden_size: int = 64,
+    vocab_size: int = 512,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-weight verifier of `family` (model + tokenizer) to `directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speculators.atomic_io import atomic_directory
+
+    tokenizer = build_tokenizer(family, vocab_size)
+    config = tiny_config(family, len(tokenizer), num_layers, hidden_size)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    directory = Path(directory)
+    with atomic_directory(directory) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tiny_verifier.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+    return directory

