@@ -63,6 +63,9 @@ def expected_tensors(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], s
 
 
 OPTIONAL_TENSORS = ("embed_tokens.weight",)
+# Training-time copies of the verifier's head that some reference-library versions saved; vLLM does
+# not expect them. Loading drops them with a note, `validate` flags them, `convert` removes them.
+TRAINING_ONLY_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def check_tensor_layout(config: Eagle3Config, layout: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
@@ -160,25 +163,32 @@ def read_tensor_layout(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return {name: (tuple(info["shape"]), info["dtype"]) for name, info in header.items()}
 
 
-def read_checkpoint(directory: str | Path, load_tensors: bool = True) -> Checkpoint:
-    """Config + tensors of a speculators-format checkpoint, or one CheckpointFormatError listing problems."""
+def read_checkpoint(directory: str | Path, drop_training_only: bool = True) -> Checkpoint:
+    """Config + tensors of a speculators-format checkpoint, or one CheckpointFormatError listing problems.
+
+    `drop_training_only=False` keeps the verifier-head copies in the check, so `validate` flags them.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise SpeculatorsError(f"checkpoint directory {directory} does not exist")
     config, notes = load_eagle3_config(directory)
     path = weights_path(directory)
     layout = read_tensor_layout(path)
+    dropped = sorted(name for name in layout if name in TRAINING_ONLY_TENSORS)
+    if dropped and drop_training_only:
+        notes.append(f"training-only tensors ignored: {', '.join(dropped)}")
+        layout = {name: info for name, info in layout.items() if name not in dropped}
+    elif dropped:
+        notes.append("'speculators convert' writes a copy without the training-only tensors")
     problems = check_tensor_layout(config, layout)
     if problems:
         raise CheckpointFormatError(problems, str(directory))
-    tensors: dict[str, Any] = {}
-    if load_tensors:
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        tensors = load_file(str(path))
-        problems = check_vocab_mapping(config, tensors["d2t"], tensors["t2d"])
-        if problems:
-            raise CheckpointFormatError(problems, str(directory))
+    tensors = {name: tensor for name, tensor in load_file(str(path)).items() if name in layout}
+    problems = check_vocab_mapping(config, tensors["d2t"], tensors["t2d"])
+    if problems:
+        raise CheckpointFormatError(problems, str(directory))
     if (directory / "config.py").exists():
         notes.append("config.py (reference-library class code) ignored; it is never executed")
     return Checkpoint(directory=directory, config=config, tensors=tensors, notes=notes)

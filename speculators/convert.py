@@ -158,6 +158,12 @@ def convert_checkpoint(
         values["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(verifier_config.num_hidden_layers)
         notes.append(f"aux layer ids set to the verifier default {values['eagle_aux_hidden_state_layer_ids']}")
 
+    from speculators.checkpoint import TRAINING_ONLY_TENSORS
+
+    training_only = sorted(name for name in tensors if name in TRAINING_ONLY_TENSORS)
+    if training_only:
+        tensors = {name: t for name, t in tensors.items() if name not in training_only}
+        notes.append(f"training-only tensors dropped: {', '.join(training_only)}")
     embeddings = tensors.pop("embed_tokens.weight", None)
     if embeddings is not None:
         if keep_embeddings:

@@ -90,7 +90,7 @@ def validate_checkpoint(directory: str | Path, verifier: str | None = None) -> V
     """Check format, tensors, vocab mapping, and (given a verifier) its sizes; never raises on a bad checkpoint."""
     report = ValidationReport(directory=Path(directory))
     try:
-        checkpoint = read_checkpoint(directory)
+        checkpoint = read_checkpoint(directory, drop_training_only=False)
     except CheckpointFormatError as error:
         report.problems.extend(error.problems)
         return report

@@ -336,3 +336,18 @@ def test_cli_validate_and_convert_exit_codes(tmp_path, tiny_verifier_dir, capsys
     assert "PROBLEM: missing tensors: norm.weight" in capsys.readouterr().out
     assert main(["validate", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_training_only_verifier_head_copies_are_dropped_on_load_flagged_by_validate(tmp_path, tiny_verifier_dir):
+    source = write_reference_library_checkpoint(tmp_path / "reference", research_tensors(seed=3))
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["verifier_lm_head.weight"] = torch.zeros(V, H, dtype=torch.bfloat16)
+    tensors["verifier_norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    save_file(tensors, str(source / "model.safetensors"))
+    drafter = Eagle3Drafter.from_pretrained(source)
+    assert "verifier_lm_head.weight" not in drafter.checkpoint_tensors()
+    report = validate_checkpoint(source)
+    assert any("unexpected tensors" in p and "verifier_lm_head.weight" in p for p in report.problems)
+    result = convert_checkpoint(source, str(tiny_verifier_dir("llama")), tmp_path / "clean")
+    assert any("training-only tensors dropped" in note for note in result.notes)
+    assert validate_checkpoint(tmp_path / "clean").ok

@@ -250,3 +250,44 @@ def test_loading_rejects_a_checkpoint_with_a_wrong_tensor(tmp_path):
         Eagle3Drafter.from_pretrained(tmp_path)
     assert "missing tensors: norm.weight" in str(error.value)
     assert "fc.weight has shape [64, 190], expected [64, 192]" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(norm_before_fc=False, fc_norm=True, draft_layer_type="qwen3"),
+        dict(norm_before_residual=False, norm_output=False, num_draft_layers=2),
+        dict(draft_layer_type="qwen3", num_draft_layers=3, norm_before_fc=False),
+    ],
+)
+def test_forward_matches_an_independent_implementation(options):
+    from .reference_eagle3 import reference_draft_logits
+
+    drafter = make_drafter(seed=7, **options)
+    for name, param in drafter.named_parameters():  # q/k norms away from 1 as well
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            param.data.uniform_(0.5, 1.5)
+    config = drafter.config
+    weights = {name: tensor.detach() for name, tensor in drafter.checkpoint_tensors().items()}
+    aux, ids = torch.randn(6, 3 * H), torch.randint(0, V, (6,))
+    with torch.no_grad():
+        ours = drafter(ids[None], drafter.project_aux(aux[None]))
+    logits, hidden = reference_draft_logits(
+        weights,
+        aux,
+        drafter.embed_tokens.weight[ids],
+        heads=2,
+        kv_heads=1,
+        head_dim=32,
+        eps=1e-6,
+        theta=10000.0,
+        norm_before_residual=config.norm_before_residual,
+        norm_before_fc=config.norm_before_fc,
+        fc_norm=config.fc_norm,
+        norm_output=config.norm_output,
+        qk_norm=config.draft_layer_type == "qwen3",
+        num_layers=config.num_draft_layers,
+    )
+    torch.testing.assert_close(ours.logits[0], logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.hidden_states[0], hidden, atol=1e-5, rtol=1e-5)
