@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from speculators.errors import SpeculatorsError
 
@@ -129,6 +130,139 @@ def cmd_tiny_verifier(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from speculators.atomic_io import write_text_atomic
+    from speculators.prompts import prepare_conversations, write_conversations
+
+    output = Path(args.output)
+    require_assistant = not args.regenerate if args.require_assistant is None else args.require_assistant
+    conversations, report = prepare_conversations(
+        args.source, require_assistant=require_assistant, max_samples=args.max_samples,
+        hf_subset=args.hf_subset, hf_split=args.hf_split, seed=args.seed,
+    )  # fmt: skip
+    write_conversations(output / "conversations.jsonl", conversations)
+    result: dict = {"prompts": report.to_dict()}
+    print(report.summary())
+    if args.verifier:
+        result["tokenization"] = tokenize_or_regenerate(args, conversations, output)
+    if not conversations:
+        write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
+        raise SpeculatorsError(f"no usable conversation in {', '.join(args.source)}; see the rejection reasons above")
+    write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if args.verifier else ""))
+    return 0
+
+
+def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output: Path) -> dict:
+    from collections import Counter
+
+    from speculators.prompts import RowRejected
+    from speculators.tokenization import token_statistics, tokenize_conversation, write_samples
+
+    if args.regenerate:
+        from speculators.regenerate import regenerate, transformers_generate_fn, vllm_generate_fn
+        from speculators.tokenization import turn_end_ids
+        from speculators.verifier import load_verifier, resolve_verifier_source
+
+        if args.backend == "vllm":
+            from transformers import AutoTokenizer
+
+            kind, location = resolve_verifier_source(args.verifier)
+            if kind == "gguf":
+                from speculators.verifier import convert_gguf_to_hf
+
+                location = str(convert_gguf_to_hf(location))
+            tokenizer = AutoTokenizer.from_pretrained(location)
+            generate = vllm_generate_fn(
+                location, args.max_new_tokens, args.temperature, args.seed, args.dtype, turn_end_ids(tokenizer)
+            )
+        else:
+            verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+            tokenizer = verifier.tokenizer
+            generate = transformers_generate_fn(
+                verifier.model, tokenizer, args.max_new_tokens, args.temperature, args.seed
+            )
+        samples, regen = regenerate(
+            conversations,
+            tokenizer,
+            generate,
+            output / "samples.partial.jsonl",
+            args.max_length,
+            batch_size=args.batch_size,
+        )
+        details = {"regeneration": regen.to_dict(), "rejected": regen.to_dict()["rejected"]}
+    else:
+        from transformers import AutoTokenizer
+
+        from speculators.verifier import load_verifier_config
+
+        _, location = load_verifier_config(args.verifier)
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        samples, rejected = [], Counter()
+        for conversation in conversations:
+            try:
+                samples.append(
+                    tokenize_conversation(tokenizer, conversation.id, conversation.messages, args.max_length)
+                )
+            except RowRejected as reason:
+                rejected[str(reason)] += 1
+        details = {"rejected": dict(rejected)}
+    write_samples(output / "samples.jsonl", samples)
+    (output / "samples.partial.jsonl").unlink(missing_ok=True)
+    details["statistics"] = token_statistics(samples)
+    for reason, count in sorted(details["rejected"].items()):
+        print(f"  tokenization rejected {count}: {reason}")
+    stats = details["statistics"]
+    print(f"tokenized {stats['samples']} samples: {stats['tokens']} tokens, {stats['supervised_tokens']} supervised")
+    return details
+
+
+def cmd_datagen(args: argparse.Namespace) -> int:
+    from speculators.datagen import run_datagen
+    from speculators.tokenization import read_samples
+    from speculators.verifier import load_verifier
+
+    samples = read_samples(args.data)
+    data_version = None
+    report_path = Path(args.data).with_name("prepare_report.json")
+    if report_path.is_file():
+        data_version = json.loads(report_path.read_text())["prompts"].get("data_version")
+    verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+    report = run_datagen(
+        samples,
+        verifier,
+        args.output,
+        aux_layer_ids=args.aux_layer_ids,
+        batch_size=args.batch_size,
+        storage=args.storage,
+        backend=args.backend,
+        data_version=data_version,
+    )
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from speculators.vocab import build_store_vocab
+
+    vocab = build_store_vocab(args.store, args.draft_vocab_size)
+    print(
+        f"draft vocab of {args.draft_vocab_size} over {vocab.distinct_tokens} distinct supervised tokens: "
+        f"coverage {vocab.coverage:.4f} of {vocab.supervised_tokens} supervised tokens"
+    )
+    return 0
+
+
+def cmd_verify_store(args: argparse.Namespace) -> int:
+    from speculators.hidden_state_store import HiddenStateStore
+
+    problems = HiddenStateStore(args.store).verify()
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print("store: valid" if not problems else f"store: INVALID ({len(problems)} problem(s))")
+    return 0 if not problems else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculators", description="EAGLE-3 speculators for vLLM")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +310,55 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--num-layers", type=int, default=8)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_tiny_verifier)
+    prepare = commands.add_parser("prepare", help="prompt sources -> conversations (+ tokenized samples)")
+    prepare.add_argument(
+        "--source",
+        action="append",
+        required=True,
+        help="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train or demo:eval; repeatable",
+    )
+    prepare.add_argument("--output", required=True, help="output directory")
+    prepare.add_argument("--max-samples", type=int)
+    prepare.add_argument("--hf-subset")
+    prepare.add_argument("--hf-split")
+    prepare.add_argument("--seed", type=int, default=0)
+    prepare.add_argument(
+        "--require-assistant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reject rows without an assistant turn (default: on unless --regenerate)",
+    )
+    prepare.add_argument("--verifier", help="tokenize with this verifier's chat template (writes samples.jsonl)")
+    prepare.add_argument("--max-length", type=int, default=2048, help="clip samples to this many tokens")
+    prepare.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the verifier")
+    prepare.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    prepare.add_argument("--max-new-tokens", type=int, default=512)
+    prepare.add_argument("--temperature", type=float, default=0.0)
+    prepare.add_argument("--batch-size", type=int, default=8)
+    prepare.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    prepare.add_argument("--device", default="cpu")
+    prepare.set_defaults(func=cmd_prepare)
+
+    datagen = commands.add_parser("datagen", help="tokenized samples -> hidden-state store")
+    datagen.add_argument("--data", required=True, help="samples.jsonl written by 'speculators prepare --verifier'")
+    datagen.add_argument("--verifier", required=True)
+    datagen.add_argument("--output", required=True, help="store directory (reused: only new samples are computed)")
+    datagen.add_argument("--aux-layer-ids", type=parse_layer_ids, help="default: the verifier's [2, N//2, N-3]")
+    datagen.add_argument("--batch-size", type=int, default=4)
+    datagen.add_argument("--storage", choices=("bfloat16", "float32", "fp8_e4m3"), default="bfloat16")
+    datagen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    datagen.add_argument("--device", default="cpu")
+    datagen.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    datagen.set_defaults(func=cmd_datagen)
+
+    vocab = commands.add_parser("vocab", help="draft vocabulary (d2t, t2d) from a hidden-state store")
+    vocab.add_argument("--store", required=True)
+    vocab.add_argument("--draft-vocab-size", type=int, required=True)
+    vocab.set_defaults(func=cmd_vocab)
+
+    verify_store = commands.add_parser("verify-store", help="re-read every shard of a store: checksums, shapes, values")
+    verify_store.add_argument("store")
+    verify_store.set_defaults(func=cmd_verify_store)
     return parser
 
 

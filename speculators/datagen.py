@@ -1,0 +1,185 @@
+"""`speculators datagen`: tokenized samples -> the hidden-state store, with the verifier.
+
+Batches are formed from the data order alone (windows of 64 samples, sorted by length inside a
+window, then cut into batches), so a sample is always computed in the same batch: a resumed or
+incremental run writes exactly what an uninterrupted run would. A batch whose shards all exist is
+skipped; new prompts appended to the data only cost their own batches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.hidden_state_store import (
+    STORAGE_FORMATS,
+    STORE_FORMAT,
+    STORE_VERSION,
+    HiddenStateStore,
+    file_sha256,
+    sample_key,
+)
+from speculators.tokenization import TokenizedSample
+
+WINDOW = 64
+
+
+@dataclass
+class DatagenReport:
+    samples: int
+    computed: int
+    reused: int
+    tokens: int
+    computed_tokens: int
+    seconds: float
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "computed": self.computed,
+            "reused": self.reused,
+            "tokens": self.tokens,
+            "computed_tokens": self.computed_tokens,
+            "seconds": round(self.seconds, 2),
+            "tokens_per_second": round(self.computed_tokens / self.seconds, 1) if self.seconds else None,
+            "bytes": self.bytes,
+            "bytes_per_token": round(self.bytes / self.tokens, 1) if self.tokens else None,
+        }
+
+
+def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[int]]:
+    """Sample indices per batch; depends only on the data order and the lengths."""
+    batches = []
+    for start in range(0, len(samples), WINDOW):
+        window = sorted(range(start, min(start + WINDOW, len(samples))), key=lambda i: (len(samples[i].input_ids), i))
+        batches += [window[i : i + batch_size] for i in range(0, len(window), batch_size)]
+    return batches
+
+
+def check_backend(backend: str) -> None:
+    if backend == "transformers":
+        return
+    if backend == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpeculatorsError(
+                "the vllm hidden-state backend needs a CUDA GPU (vLLM's extract_hidden_states path fails on CPU); "
+                "use --backend transformers here"
+            )
+        raise SpeculatorsError(
+            "the vllm hidden-state backend is not available in this version; use --backend transformers "
+            "(same store layout, GPU or CPU)"
+        )
+    raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
+
+
+def run_datagen(
+    samples: list[TokenizedSample],
+    verifier: Any,
+    store_dir: str | Path,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 4,
+    storage: str = "bfloat16",
+    backend: str = "transformers",
+    data_version: str | None = None,
+    progress: bool = True,
+) -> DatagenReport:
+    import torch
+    from tqdm import tqdm
+
+    check_backend(backend)
+    if storage not in STORAGE_FORMATS:
+        raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
+    if not samples:
+        raise SpeculatorsError("no samples to capture; the prepared data is empty")
+    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
+    if len(aux_ids) != 3:
+        raise SpeculatorsError(f"aux layer ids {aux_ids} must be 3 ids (EAGLE-3 reads 3 states)")
+    capture_ids = [*aux_ids, verifier.num_layers]
+    verifier.check_layer_ids(capture_ids)
+    vocab = verifier.vocab_size
+    for sample in samples:
+        if max(sample.input_ids) >= vocab:
+            raise SpeculatorsError(
+                f"sample {sample.id} has token id {max(sample.input_ids)} outside the verifier vocab {vocab}; "
+                f"prepare the data with this verifier's tokenizer"
+            )
+    store = HiddenStateStore(store_dir)
+    previous = store.previous_entries()
+    fingerprint = verifier.fingerprint
+    keys = [sample_key(fingerprint, capture_ids, storage, s.input_ids) for s in samples]
+    written: dict[str, tuple[str, int]] = {}
+    computed = computed_tokens = 0
+    started = time.perf_counter()
+    device = verifier.model.device
+    pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
+    batches = plan_batches(samples, batch_size)
+    total_tokens = sum(len(s.input_ids) for s in samples)
+    with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
+        for batch in batches:
+            missing = [i for i in batch if not store.has(keys[i])]
+            if not missing:
+                bar.update(sum(len(samples[i].input_ids) for i in batch))
+                continue
+            width = max(len(samples[i].input_ids) for i in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros_like(ids)
+            for row, i in enumerate(batch):  # right padding: real tokens never attend to pads (causal)
+                length = len(samples[i].input_ids)
+                ids[row, :length] = torch.tensor(samples[i].input_ids)
+                attention[row, :length] = 1
+            states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device))
+            for row, i in enumerate(batch):
+                if i not in missing:
+                    continue
+                sample, length = samples[i], len(samples[i].input_ids)
+                written[keys[i]] = store.write_sample(
+                    keys[i], sample.id, ids[row, :length], torch.tensor(sample.loss_mask),
+                    states[row, :length, :3], states[row, :length, 3], storage,
+                )  # fmt: skip
+                computed += 1
+                computed_tokens += length
+            bar.update(sum(len(samples[i].input_ids) for i in batch))
+            bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+    seconds = time.perf_counter() - started
+
+    entries = []
+    for sample, key in zip(samples, keys, strict=True):
+        path = store.shard_path(key)
+        if key in written:
+            checksum, size = written[key]
+        elif key in previous and previous[key].get("bytes") == path.stat().st_size:
+            checksum, size = previous[key]["checksum"], previous[key]["bytes"]
+        else:
+            checksum, size = file_sha256(path), path.stat().st_size
+        entries.append({
+            "id": sample.id, "key": key, "shard": str(path.relative_to(store.root)),
+            "num_tokens": len(sample.input_ids), "supervised_tokens": sample.supervised_tokens,
+            "checksum": checksum, "bytes": size,
+        })  # fmt: skip
+    total_bytes = sum(e["bytes"] for e in entries)
+    report = DatagenReport(
+        len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
+    )
+    store.write_manifest({
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "verifier": {
+            "fingerprint": fingerprint, "name_or_path": verifier.name_or_path, "model_type": verifier.model_type,
+            "num_layers": verifier.num_layers, "hidden_size": verifier.hidden_size, "vocab_size": verifier.vocab_size,
+            "dtype": str(verifier.model.dtype).removeprefix("torch."),
+        },
+        "aux_layer_ids": aux_ids,
+        "target_layer_id": verifier.num_layers,
+        "storage": storage,
+        "data_version": data_version,
+        "totals": {"samples": len(samples), "tokens": total_tokens,
+                   "supervised_tokens": sum(e["supervised_tokens"] for e in entries), "bytes": total_bytes},
+        "samples": entries,
+    })  # fmt: skip
+    return report

@@ -1,0 +1,291 @@
+"""Prompt sources -> normalised, deduplicated conversations with a report and a data version.
+
+Shapes understood, in JSONL, JSON (a list, or an object holding one) or Parquet files, and in
+Hugging Face datasets:
+- ShareGPT: `conversations` of {from, value}
+- OpenAI chat: `messages` of {role, content} (content may be a list of text parts)
+- single turn: `prompt` with an optional `response`
+
+Every row read ends as kept, duplicate, or rejected with a reason; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+ROLE_ALIASES = {
+    "user": "user", "human": "user", "prompter": "user",
+    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "system": "system",
+}  # fmt: skip
+# Hugging Face dataset presets for users with network: name -> (dataset id, subset, split).
+HF_PRESETS = {
+    "sharegpt": ("anon8231489123/ShareGPT_Vicuna_unfiltered", None, "train"),
+    "ultrachat": ("HuggingFaceH4/ultrachat_200k", None, "train_sft"),
+}
+EXAMPLES_PER_REASON = 5
+
+
+class RowRejected(Exception):
+    """A row that cannot become a conversation; the message is the reason shown in the report."""
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "messages": self.messages}, ensure_ascii=False)
+
+
+def conversation_id(messages: list[dict[str, str]]) -> str:
+    """Content hash of the normalised messages: same conversation, same id, whatever its source."""
+    canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        parts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        if len(parts) == len(content):
+            return "".join(parts)
+        raise RowRejected("non-text message content")
+    raise RowRejected("message content is not text")
+
+
+def normalise_messages(raw_messages: Any, role_key: str, content_key: str) -> list[dict[str, str]]:
+    if not isinstance(raw_messages, list):
+        raise RowRejected("messages are not a list")
+    messages = []
+    for message in raw_messages:
+        if not isinstance(message, dict) or role_key not in message or content_key not in message:
+            raise RowRejected(f"a message lacks '{role_key}' or '{content_key}'")
+        role = ROLE_ALIASES.get(str(message[role_key]).strip().lower())
+        if role is None:
+            raise RowRejected(f"unknown role '{message[role_key]}'")
+        content = text_of(message[content_key]).strip()
+        if content:
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+def parse_row(row: Any, require_assistant: bool) -> list[dict[str, str]]:
+    """One source row -> normalised messages, or RowRejected with the reason."""
+    if not isinstance(row, dict):
+        raise RowRejected("row is not an object")
+    if "conversations" in row:
+        messages = normalise_messages(row["conversations"], "from", "value")
+    elif "messages" in row:
+        messages = normalise_messages(row["messages"], "role", "content")
+    elif "prompt" in row:
+        messages = normalise_messages(
+            [{"role": "user", "content": row["prompt"]}]
+            + ([{"role": "assistant", "content": row["response"]}] if row.get("response") is not None else []),
+            "role",
+            "content",
+        )
+    else:
+        raise RowRejected("unrecognised shape (no conversations, messages or prompt)")
+    if not any(m["role"] == "user" for m in messages):
+        raise RowRejected("empty conversation" if not messages else "no user turn")
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    if any(m["role"] == "assistant" for m in messages[:first_user]):
+        raise RowRejected("assistant turn before the first user turn")
+    if require_assistant:
+        if not any(m["role"] == "assistant" for m in messages):
+            raise RowRejected("no assistant turn")
+        last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        messages = messages[: last_assistant + 1]  # a trailing unanswered user turn teaches nothing
+    return messages
+
+
+# ----- reading sources -----------------------------------------------------------------------------
+
+
+def iter_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, row) for each row of a JSONL / JSON / Parquet file; bad JSON lines yield a RowRejected."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path.name}:{number}", json.loads(line)
+                except json.JSONDecodeError as error:
+                    yield f"{path.name}:{number}", RowRejected(f"malformed JSON ({error.msg})")
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise SpeculatorsError(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+        if isinstance(data, dict):
+            lists = [value for value in data.values() if isinstance(value, list)]
+            if len(lists) != 1:
+                raise SpeculatorsError(f"{path} is a JSON object without exactly one list of rows; pass a list")
+            data = lists[0]
+        for index, row in enumerate(data):
+            yield f"{path.name}[{index}]", row
+    elif suffix == ".parquet":
+        import datasets
+
+        table = datasets.Dataset.from_parquet(str(path))
+        for index, row in enumerate(table):
+            yield f"{path.name}[{index}]", row
+    else:
+        raise SpeculatorsError(f"{path} is not .jsonl, .json or .parquet; convert it or pass a dataset name")
+
+
+def iter_hf_rows(name: str, subset: str | None, split: str | None) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    dataset_id, preset_subset, preset_split = HF_PRESETS.get(name, (name, None, "train"))
+    try:
+        data = datasets.load_dataset(dataset_id, subset or preset_subset, split=split or preset_split, streaming=True)
+    except Exception as error:  # network, auth, missing dataset: one clear line
+        raise SpeculatorsError(
+            f"could not load dataset '{dataset_id}' ({str(error).splitlines()[0]}); check the name and network, "
+            f"or pass a local file"
+        ) from None
+    for index, row in enumerate(data):
+        yield f"{dataset_id}[{index}]", row
+
+
+def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0):
+    """Rows of a source: a local file, `hf:<preset or dataset id>`, or `demo:train` / `demo:eval`."""
+    if source.startswith("demo"):
+        from speculators.demo_prompts import demo_prompts
+
+        split = source.partition(":")[2] or "train"
+        if split not in ("train", "eval"):
+            raise SpeculatorsError(f"demo split '{split}' is not train or eval; use demo:train or demo:eval")
+        for index, prompt in enumerate(demo_prompts(split, seed=seed)):
+            yield f"demo-{split}[{index}]", {"prompt": prompt}
+        return
+    if source.startswith("hf:"):
+        yield from iter_hf_rows(source.removeprefix("hf:"), hf_subset, hf_split)
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SpeculatorsError(f"prompt source {source} does not exist; pass a file, hf:<dataset> or demo:train")
+    files = (
+        sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")) if path.is_dir() else [path]
+    )
+    for file in files:
+        yield from iter_file_rows(file)
+
+
+# ----- preparing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PrepareReport:
+    rows_read: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    data_version: str = ""
+    sources: list[str] = field(default_factory=list)
+
+    def reject(self, reason: str, location: str) -> None:
+        self.rejected[reason] += 1
+        if len(self.examples[reason]) < EXAMPLES_PER_REASON:
+            self.examples[reason].append(location)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sources": self.sources,
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "duplicates": self.duplicates,
+            "rejected": dict(sorted(self.rejected.items())),
+            "rejected_total": sum(self.rejected.values()),
+            "rejected_examples": {k: v for k, v in sorted(self.examples.items())},
+            "data_version": self.data_version,
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"read {self.rows_read} rows: kept {self.kept}, duplicates {self.duplicates}, "
+            f"rejected {sum(self.rejected.values())}; data version {self.data_version}"
+        ]
+        lines += [
+            f"  rejected {count}: {reason} (e.g. {', '.join(self.examples[reason])})"
+            for reason, count in sorted(self.rejected.items())
+        ]
+        return "\n".join(lines)
+
+
+def data_version(ids: Iterable[str]) -> str:
+    """Content hash of a prompt set: independent of row order and of the file it came from."""
+    digest = hashlib.sha256()
+    for item in sorted(ids):
+        digest.update(item.encode())
+    return digest.hexdigest()[:16]
+
+
+def prepare_conversations(
+    sources: list[str],
+    require_assistant: bool = True,
+    max_samples: int | None = None,
+    hf_subset: str | None = None,
+    hf_split: str | None = None,
+    seed: int = 0,
+) -> tuple[list[Conversation], PrepareReport]:
+    report = PrepareReport(sources=list(sources))
+    seen: set[str] = set()
+    conversations: list[Conversation] = []
+    for source in sources:
+        for location, row in iter_source_rows(source, hf_subset, hf_split, seed):
+            if max_samples is not None and len(conversations) >= max_samples:
+                break
+            report.rows_read += 1
+            try:
+                if isinstance(row, RowRejected):
+                    raise row
+                messages = parse_row(row, require_assistant)
+            except RowRejected as reason:
+                report.reject(str(reason), location)
+                continue
+            key = conversation_id(messages)
+            if key in seen:
+                report.duplicates += 1
+                continue
+            seen.add(key)
+            conversations.append(Conversation(key, messages))
+    report.kept = len(conversations)
+    report.data_version = data_version(c.id for c in conversations)
+    return conversations, report
+
+
+def write_conversations(path: str | Path, conversations: list[Conversation]) -> Path:
+    from speculators.atomic_io import write_text_atomic
+
+    return write_text_atomic(path, "".join(c.to_json() + "\n" for c in conversations))
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculatorsError(f"{path} does not exist; run 'speculators prepare' first")
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                data = json.loads(line)
+                rows.append(Conversation(data["id"], data["messages"]))
+            except (json.JSONDecodeError, KeyError):
+                raise SpeculatorsError(f"{path}:{number} is not a prepared conversation; re-run prepare") from None
+    return rows

@@ -1,0 +1,159 @@
+"""Conversations -> token ids + loss mask (1 on assistant tokens only) with the verifier's chat template.
+
+For each assistant turn the conversation is rendered up to the turn with the generation prompt and
+again with the turn; the tokens between the two are the turn (what the model would generate,
+including template tokens such as a channel header), cut after its end-of-turn token. Templates
+that rewrite earlier turns once a later one exists (e.g. reasoning stripped from history) fall back
+to locating each assistant text by character offsets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.prompts import RowRejected
+
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "</s>", "<|endoftext|>", "<end_of_turn>", "<|end_of_text|>",
+)  # fmt: skip
+
+
+@dataclass
+class TokenizedSample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def supervised_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "input_ids": self.input_ids, "loss_mask": self.loss_mask})
+
+
+def turn_end_ids(tokenizer: Any) -> set[int]:
+    ids = {tokenizer.convert_tokens_to_ids(token) for token in END_OF_TURN_TOKENS if token in tokenizer.get_vocab()}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def render_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
+    )
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def cut_after_turn_end(span: list[int], ends: set[int]) -> int:
+    """Length of `span` up to and including its last end-of-turn token (all of it if none)."""
+    positions = [i for i, token in enumerate(span) if token in ends]
+    return positions[-1] + 1 if positions else len(span)
+
+
+def mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]], full: list[int]) -> list[int] | None:
+    ends = turn_end_ids(tokenizer)
+    mask = [0] * len(full)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_ids(tokenizer, messages[:index], add_generation_prompt=True)
+        with_turn = render_ids(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        if with_turn[: len(before)] != before or full[: len(with_turn)] != with_turn:
+            return None
+        end = len(before) + cut_after_turn_end(with_turn[len(before) :], ends)
+        mask[len(before) : end] = [1] * (end - len(before))
+    return mask
+
+
+def mask_by_offsets(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    text = render_text(tokenizer, messages, add_generation_prompt=False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    ends = turn_end_ids(tokenizer)
+    mask = [0] * len(ids)
+    cursor = 0
+    for message in messages:
+        start = text.find(message["content"], cursor)
+        if start < 0:
+            continue
+        stop = start + len(message["content"])
+        cursor = stop
+        if message["role"] != "assistant":
+            continue
+        inside = [i for i, (a, b) in enumerate(offsets) if a < stop and b > start]
+        if not inside:
+            continue
+        last = inside[-1]
+        if last + 1 < len(ids) and ids[last + 1] in ends:  # the model also predicts the end of its turn
+            last += 1
+        for i in range(inside[0], last + 1):
+            mask[i] = 1
+    return ids, mask
+
+
+def tokenize_conversation(
+    tokenizer: Any, sample_id: str, messages: list[dict[str, str]], max_length: int
+) -> TokenizedSample:
+    """Token ids and assistant-only loss mask, clipped to `max_length`; RowRejected if nothing is supervised."""
+    full = render_ids(tokenizer, messages, add_generation_prompt=False)
+    mask = mask_by_prefixes(tokenizer, messages, full)
+    if mask is None:
+        full, mask = mask_by_offsets(tokenizer, messages)
+    if not any(mask):
+        raise RowRejected("no assistant token after tokenization")
+    first_supervised = mask.index(1)
+    if first_supervised >= max_length:
+        raise RowRejected(f"over-length (the prompt alone exceeds max length {max_length})")
+    return TokenizedSample(sample_id, full[:max_length], mask[:max_length])
+
+
+def write_samples(path: str | Path, samples: list[TokenizedSample]) -> Path:
+    from speculators.atomic_io import write_text_atomic
+
+    return write_text_atomic(path, "".join(s.to_json() + "\n" for s in samples))
+
+
+def read_samples(path: str | Path) -> list[TokenizedSample]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculatorsError(f"{path} does not exist; run 'speculators prepare --verifier ...' first")
+    samples = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                row = json.loads(line)
+                sample = TokenizedSample(row["id"], row["input_ids"], row["loss_mask"])
+            except (json.JSONDecodeError, KeyError):
+                raise SpeculatorsError(f"{path}:{number} is not a tokenized sample; re-run prepare") from None
+            if len(sample.input_ids) != len(sample.loss_mask):
+                raise SpeculatorsError(f"{path}:{number} has {len(sample.input_ids)} ids but a longer/shorter mask")
+            samples.append(sample)
+    return samples
+
+
+def token_statistics(samples: list[TokenizedSample]) -> dict[str, Any]:
+    lengths = sorted(len(s.input_ids) for s in samples)
+    supervised = sum(s.supervised_tokens for s in samples)
+    total = sum(lengths)
+    if not lengths:
+        return {"samples": 0, "tokens": 0, "supervised_tokens": 0}
+    return {
+        "samples": len(samples),
+        "tokens": total,
+        "supervised_tokens": supervised,
+        "supervised_share": round(supervised / total, 4),
+        "length_min": lengths[0],
+        "length_median": lengths[len(lengths) // 2],
+        "length_max": lengths[-1],
+    }

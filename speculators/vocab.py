@@ -1,0 +1,109 @@
+"""`speculators vocab`: the draft vocabulary from token frequencies over supervised tokens.
+
+Top D token ids by count (ties by smaller id), padded with the smallest unused ids when fewer than
+D distinct tokens occur, sorted ascending; d2t = selected - arange(D) (offsets), t2d marks the
+selection over the verifier vocab. Saved beside the store as `draft_vocab.safetensors` with a JSON
+summary including coverage (share of supervised tokens inside the draft vocab).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+VOCAB_FILE = "draft_vocab.safetensors"
+VOCAB_SUMMARY = "draft_vocab.json"
+
+
+@dataclass
+class DraftVocab:
+    selected: Any  # [D] ascending target ids
+    d2t: Any  # [D] int64 offsets
+    t2d: Any  # [V] bool
+    coverage: float
+    distinct_tokens: int
+    supervised_tokens: int
+
+
+def select_draft_vocab(counts: Any, draft_vocab_size: int) -> DraftVocab:
+    """counts: [V] int64 frequencies of supervised tokens."""
+    import torch
+
+    vocab = counts.numel()
+    if draft_vocab_size > vocab:
+        raise SpeculatorsError(
+            f"draft vocab size {draft_vocab_size} exceeds the verifier vocab {vocab}; choose at most {vocab}"
+        )
+    if draft_vocab_size < 1:
+        raise SpeculatorsError(f"draft vocab size {draft_vocab_size} must be positive")
+    ids = torch.arange(vocab)
+    # Sort by count descending, then id ascending: a stable sort on -count over ascending ids does both.
+    order = torch.sort(-counts, stable=True).indices
+    seen = order[counts[order] > 0][:draft_vocab_size]
+    if seen.numel() < draft_vocab_size:
+        unused = ids[~torch.isin(ids, seen)][: draft_vocab_size - seen.numel()]
+        seen = torch.cat([seen, unused])
+    selected = torch.sort(seen).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[selected] = True
+    total = int(counts.sum())
+    covered = int(counts[selected].sum())
+    return DraftVocab(
+        selected=selected,
+        d2t=selected - torch.arange(draft_vocab_size),
+        t2d=t2d,
+        coverage=covered / total if total else 0.0,
+        distinct_tokens=int((counts > 0).sum()),
+        supervised_tokens=total,
+    )
+
+
+def count_supervised_tokens(store_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from speculators.hidden_state_store import HiddenStateStore
+
+    store = HiddenStateStore(store_dir)
+    manifest = store.manifest()
+    vocab = manifest["verifier"]["vocab_size"]
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for entry in manifest["samples"]:
+        ids, mask = store.read_tokens(entry)
+        counts += torch.bincount(ids[mask.bool()], minlength=vocab)
+    return counts, manifest
+
+
+def build_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVocab:
+    from safetensors.torch import save_file
+
+    from speculators.atomic_io import write_text_atomic, write_with
+
+    counts, manifest = count_supervised_tokens(store_dir)
+    vocab = select_draft_vocab(counts, draft_vocab_size)
+    root = Path(store_dir)
+    tensors = {"selected_ids": vocab.selected, "d2t": vocab.d2t, "t2d": vocab.t2d, "counts": counts}
+    write_with(root / VOCAB_FILE, lambda tmp: save_file(tensors, str(tmp)))
+    summary = {
+        "draft_vocab_size": draft_vocab_size,
+        "verifier_vocab_size": counts.numel(),
+        "supervised_tokens": vocab.supervised_tokens,
+        "distinct_supervised_tokens": vocab.distinct_tokens,
+        "coverage": round(vocab.coverage, 6),
+        "verifier_fingerprint": manifest["verifier"]["fingerprint"],
+        "data_version": manifest.get("data_version"),
+    }
+    write_text_atomic(root / VOCAB_SUMMARY, json.dumps(summary, indent=2) + "\n")
+    return vocab
+
+
+def load_draft_vocab(store_dir: str | Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    path = Path(store_dir) / VOCAB_FILE
+    if not path.is_file():
+        raise SpeculatorsError(f"no {VOCAB_FILE} in {store_dir}; run 'speculators vocab --store {store_dir}' first")
+    return load_file(str(path))
