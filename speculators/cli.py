@@ -174,7 +174,13 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
                 location = str(convert_gguf_to_hf(location))
             tokenizer = AutoTokenizer.from_pretrained(location)
             generate = vllm_generate_fn(
-                location, args.max_new_tokens, args.temperature, args.seed, args.dtype, turn_end_ids(tokenizer)
+                location,
+                args.max_new_tokens,
+                args.temperature,
+                args.seed,
+                args.dtype,
+                turn_end_ids(tokenizer),
+                max_model_len=args.max_length + args.max_new_tokens,
             )
         else:
             verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)

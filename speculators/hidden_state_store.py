@@ -104,7 +104,7 @@ class HiddenStateStore:
             tensors["aux_hidden_states"], tensors["target_hidden_states"] = aux.to(dtype), target.to(dtype)
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
         path = self.shard_path(key)
-        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key, "id": sample_id}))
+        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))  # one entry: byte-stable
         return file_sha256(path), path.stat().st_size
 
     def write_manifest(self, manifest: dict[str, Any]) -> Path:

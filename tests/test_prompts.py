@@ -1,0 +1,165 @@
+"""Prompt sources: every shape, every rejection reason, dedup, data version, demo prompts, HF presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculators.demo_prompts import TASKS, all_demo_prompts, demo_prompts
+from speculators.errors import SpeculatorsError
+from speculators.prompts import HF_PRESETS, prepare_conversations
+
+SHAREGPT = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]}
+OPENAI = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                       {"role": "assistant", "content": "4"}]}  # fmt: skip
+PARTS = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
+                      {"role": "assistant", "content": "hi"}]}  # fmt: skip
+SINGLE = {"prompt": "Name a colour.", "response": "Blue."}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def test_every_shape_normalises_to_messages(tmp_path):
+    conversations, report = prepare_conversations(
+        [write_jsonl(tmp_path / "a.jsonl", [SHAREGPT, OPENAI, PARTS, SINGLE])]
+    )
+    assert report.kept == 4 and not report.rejected
+    assert conversations[0].messages == [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+    ]
+    assert conversations[1].messages[0] == {"role": "system", "content": "Be brief."}
+    assert conversations[2].messages[0]["content"] == "Say hi"
+    assert conversations[3].messages == [{"role": "user", "content": "Name a colour."},
+                                         {"role": "assistant", "content": "Blue."}]  # fmt: skip
+
+
+def test_json_list_json_object_parquet_and_folder(tmp_path):
+    import datasets
+
+    (tmp_path / "list.json").write_text(json.dumps([SHAREGPT]))
+    (tmp_path / "object.json").write_text(json.dumps({"data": [OPENAI]}))
+    datasets.Dataset.from_list([{"prompt": "Name a fruit.", "response": "Apple."}]).to_parquet(
+        str(tmp_path / "t.parquet")
+    )
+    conversations, report = prepare_conversations([str(tmp_path)])
+    assert report.rows_read == 3 and report.kept == 3
+    assert {c.messages[-1]["content"] for c in conversations} == {"Hello!", "4", "Apple."}
+
+
+def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
+    rows = [
+        SHAREGPT,
+        '{"messages": [ broken',
+        {"messages": []},
+        {"messages": [{"role": "system", "content": "only a system prompt"}]},
+        {"prompt": "No answer here"},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"text": "plain text"},
+        {"messages": [{"role": "assistant", "content": "I speak first"}, {"role": "user", "content": "ok"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        "[1, 2]",
+    ]
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "bad.jsonl", rows)])
+    assert report.rows_read == 10 and report.kept == 1
+    assert report.rejected == {
+        "malformed JSON (Expecting value)": 1,
+        "empty conversation": 1,
+        "no user turn": 1,
+        "no assistant turn": 1,
+        "unknown role 'tool'": 1,
+        "unrecognised shape (no conversations, messages or prompt)": 1,
+        "assistant turn before the first user turn": 1,
+        "non-text message content": 1,
+        "row is not an object": 1,
+    }
+    assert report.examples["malformed JSON (Expecting value)"] == ["bad.jsonl:2"]
+    assert report.examples["no assistant turn"] == ["bad.jsonl:5"]
+    assert report.rows_read == report.kept + report.duplicates + sum(report.rejected.values())
+
+
+def test_prompts_without_answers_are_kept_for_regeneration(tmp_path):
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])],
+                                                  require_assistant=False)  # fmt: skip
+    assert report.kept == 1 and conversations[0].messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_trailing_unanswered_user_turn_is_cut_when_answers_are_required(tmp_path):
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "user", "content": "c"}]}  # fmt: skip
+    conversations, _ = prepare_conversations([write_jsonl(tmp_path / "p.jsonl", [row])])
+    assert [m["content"] for m in conversations[0].messages] == ["a", "b"]
+
+
+def test_deduplication_and_data_version(tmp_path):
+    same_as_sharegpt = {
+        "messages": [{"role": "user", "content": " Hi there "}, {"role": "assistant", "content": "Hello!"}]
+    }
+    first, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", [SHAREGPT, same_as_sharegpt, OPENAI])])
+    assert report.kept == 2 and report.duplicates == 1
+    reordered, report2 = prepare_conversations([write_jsonl(tmp_path / "b.jsonl", [OPENAI, SHAREGPT])])
+    assert report2.data_version == report.data_version  # same set, other order and file
+    changed, report3 = prepare_conversations([write_jsonl(tmp_path / "c.jsonl", [OPENAI, SINGLE])])
+    assert report3.data_version != report.data_version
+
+
+def test_missing_source_and_unknown_extension_are_clear(tmp_path):
+    with pytest.raises(SpeculatorsError, match="does not exist"):
+        prepare_conversations([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(SpeculatorsError, match=r"not \.jsonl, \.json or \.parquet"):
+        prepare_conversations([str(tmp_path / "data.csv")])
+
+
+def test_demo_prompts_are_many_varied_deterministic_and_split():
+    train, held_out = demo_prompts("train", seed=0), demo_prompts("eval", seed=0)
+    assert len(set(train)) == len(train) >= 2000
+    assert len(held_out) >= 200 and not set(train) & set(held_out)
+    assert sorted(train) == sorted(demo_prompts("train", seed=1)) and train != demo_prompts("train", seed=1)
+    assert train == demo_prompts("train", seed=0)
+    assert len(train) + len(held_out) == len(all_demo_prompts())
+    verbs = {task.split()[0] for task in TASKS}
+    assert {"Explain", "Summarise", "Write", "List", "Compare", "Rewrite"} <= verbs
+    for verb in ("Explain", "Summarise", "Write", "Compare", "Rewrite"):
+        assert any(p.startswith(verb) for p in held_out), verb
+
+
+def test_demo_source_through_prepare():
+    conversations, report = prepare_conversations(["demo:eval"], require_assistant=False, max_samples=50)
+    assert report.kept == 50 and all(c.messages[0]["role"] == "user" for c in conversations)
+    with pytest.raises(SpeculatorsError, match="demo split 'test'"):
+        prepare_conversations(["demo:test"], require_assistant=False)
+
+
+def test_hf_presets_reach_datasets_with_their_arguments(monkeypatch):
+    """The hub cannot be reached here: the call to `datasets` is checked, the rows parsed for real."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, subset, split, streaming):
+        calls.append((name, subset, split, streaming))
+        return [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
+                {"conversations": []}]  # fmt: skip
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    conversations, report = prepare_conversations(["hf:ultrachat"])
+    assert calls == [(HF_PRESETS["ultrachat"][0], None, "train_sft", True)]
+    assert report.kept == 1 and report.rejected == {"empty conversation": 1}
+    prepare_conversations(["hf:sharegpt"], hf_split="train[:10]")
+    assert calls[-1] == (HF_PRESETS["sharegpt"][0], None, "train[:10]", True)
+
+
+def test_hf_failure_is_one_clear_error(monkeypatch):
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the hub\nmore detail")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(SpeculatorsError, match="could not load dataset 'acme/chats' \\(Couldn't reach the hub\\)"):
+        prepare_conversations(["hf:acme/chats"])

@@ -1,0 +1,157 @@
+"""On-policy regeneration: generated ids kept exactly, masks on them only, multi-turn, truncation, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculators.prompts import Conversation
+from speculators.regenerate import regenerate, transformers_generate_fn
+from speculators.tokenization import render_ids, turn_end_ids
+from speculators.verifier import load_verifier
+
+PROMPTS = ["Explain black holes.", "Write a haiku about tea.", "List three rivers.", "Compare cats and dogs.",
+           "What is recursion?"]  # fmt: skip
+
+
+def conversations(n=5):
+    return [Conversation(f"c{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + " " * (i // 5)}])
+            for i in range(n)]  # fmt: skip
+
+
+def greedy_reference(model, prompt, max_new_tokens, ends):
+    """Plain greedy decoding without a cache or padding: the ids the verifier itself produces."""
+    ids = list(prompt)
+    generated = []
+    for _ in range(max_new_tokens):
+        with torch.inference_mode():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        generated.append(token)
+        ids.append(token)
+        if token in ends:
+            break
+    return generated
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_verifier_dir):
+    return load_verifier(tiny_verifier_dir("llama"), dtype="float32")
+
+
+def test_generated_ids_are_kept_exactly_and_masked(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=12, temperature=0.0, seed=0)
+    samples, report = regenerate(conversations(), tokenizer, generate, tmp_path / "partial.jsonl", max_length=512,
+                                 batch_size=3, progress=False)  # fmt: skip
+    assert report.regenerated == 5 and [s.id for s in samples] == [f"c{i}" for i in range(5)]
+    ends = turn_end_ids(tokenizer)
+    for sample, conversation in zip(samples, conversations(), strict=True):
+        prompt = render_ids(tokenizer, conversation.messages, add_generation_prompt=True)
+        assert sample.input_ids[: len(prompt)] == prompt
+        generated = sample.input_ids[len(prompt) :]
+        assert generated == greedy_reference(llama.model, prompt, 12, ends)
+        assert sample.loss_mask == [0] * len(prompt) + [1] * len(generated)
+    assert report.generated_tokens == sum(s.supervised_tokens for s in samples)
+
+
+class ScriptedModel:
+    """A verifier stand-in with fixed replies, to exercise turn bookkeeping precisely."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.calls = tokenizer, list(replies), []
+
+    def __call__(self, prompts):
+        self.calls.append([list(p) for p in prompts])
+        return [self.replies.pop(0) for _ in prompts]
+
+
+def test_multi_turn_keeps_generated_ids_and_templates_the_next_user_turn(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    first = tokenizer("Short answer.", add_special_tokens=False)["input_ids"] + [eot]
+    second = tokenizer("Second answer.", add_special_tokens=False)["input_ids"] + [eot]
+    conversation = Conversation("m", [
+        {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "old answer one"},
+        {"role": "user", "content": "Second question?"}, {"role": "assistant", "content": "old answer two"},
+    ])  # fmt: skip
+    scripted = ScriptedModel(tokenizer, [first, second])
+    samples, report = regenerate([conversation], tokenizer, scripted, tmp_path / "p.jsonl", 512, progress=False)
+    sample = samples[0]
+    # The second prompt is the first prompt + generated ids + the templated next user turn.
+    expected_second_prompt = render_ids(tokenizer, [
+        {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "Short answer."},
+        {"role": "user", "content": "Second question?"}], add_generation_prompt=True)  # fmt: skip
+    assert scripted.calls[1][0] == expected_second_prompt
+    assert sample.input_ids == expected_second_prompt + second
+    masked = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
+    assert masked == first + second
+    assert report.truncated_turns == 0 and not report.dropped_turns
+
+
+def test_truncated_turn_gets_no_end_token_and_ends_the_conversation(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    cut = tokenizer("An answer that goes on", add_special_tokens=False)["input_ids"]  # no end-of-turn token
+    conversation = Conversation("t", [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                                      {"role": "user", "content": "Q2"}])  # fmt: skip
+    samples, report = regenerate([conversation], tokenizer, ScriptedModel(tokenizer, [cut]), tmp_path / "p.jsonl",
+                                 512, progress=False)  # fmt: skip
+    prompt = render_ids(tokenizer, conversation.messages[:1], add_generation_prompt=True)
+    assert samples[0].input_ids == prompt + cut
+    assert report.truncated_turns == 1 and report.dropped_turns == {"turn cut by the token limit": 1}
+
+
+def test_prompt_over_max_length_is_rejected_and_counted(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    long = Conversation("long", [{"role": "user", "content": "word " * 200}])
+    samples, report = regenerate([long, *conversations(1)], tokenizer,
+                                 transformers_generate_fn(llama.model, tokenizer, 4, 0.0, 0), tmp_path / "p.jsonl",
+                                 max_length=64, progress=False)  # fmt: skip
+    assert [s.id for s in samples] == ["c0"]
+    assert report.rejected == {"over-length (the prompt alone exceeds max length 64)": 1}
+
+
+def test_resume_after_an_interrupted_run_equals_an_uninterrupted_one(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=8, temperature=0.0, seed=0)
+    full, _ = regenerate(conversations(7), tokenizer, generate, tmp_path / "full.jsonl", 512, batch_size=2,
+                         progress=False)  # fmt: skip
+    # An interrupted run: two finished samples on disk, then a line torn by the kill.
+    partial = tmp_path / "resumed.jsonl"
+    lines = (tmp_path / "full.jsonl").read_text().splitlines()
+    partial.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][: len(lines[2]) // 2])
+    counting = ScriptedCounter(generate)
+    resumed, report = regenerate(conversations(7), tokenizer, counting, partial, 512, batch_size=2, progress=False)
+    assert report.resumed == 2 and report.regenerated == 5 and counting.prompts == 5
+    assert [(s.id, s.input_ids, s.loss_mask) for s in resumed] == [(s.id, s.input_ids, s.loss_mask) for s in full]
+
+
+class ScriptedCounter:
+    def __init__(self, generate):
+        self.generate, self.prompts = generate, 0
+
+    def __call__(self, prompts):
+        self.prompts += len(prompts)
+        return self.generate(prompts)
+
+
+@pytest.mark.slow
+def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
+    """vLLM's CPU build regenerates the same ids as transformers (fp32, greedy) through the CLI."""
+    import json
+    import subprocess
+    import sys
+
+    from speculators.cli import main
+
+    verifier = str(tiny_verifier_dir("llama"))
+    rows = [{"prompt": p} for p in PROMPTS]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["prepare", "--source", str(tmp_path / "rows.jsonl"), "--verifier", verifier, "--regenerate",
+              "--dtype", "float32", "--max-new-tokens", "16", "--max-length", "256"]  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "speculators.cli", *common, "--backend", "vllm",
+                             "--output", str(tmp_path / "vllm")], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert main([*common, "--backend", "transformers", "--output", str(tmp_path / "hf")]) == 0
+    read = lambda name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("vllm") == read("hf")
+    assert all(sum(row["loss_mask"]) > 0 for row in read("vllm"))
