@@ -1,6 +1,6 @@
 """`speculators datagen`: tokenized samples -> the hidden-state store, with the verifier.
 
-Batches are formed from the data order alone (windows of 64 samples, sorted by length inside a
+Batches are formed from the data order alone (windows of 8 samples, sorted by length inside a
 window, then cut into batches), so a sample is always computed in the same batch: a resumed or
 incremental run writes exactly what an uninterrupted run would. A batch whose shards all exist is
 skipped; new prompts appended to the data only cost their own batches.
@@ -24,7 +24,7 @@ from speculators.hidden_state_store import (
 )
 from speculators.tokenization import TokenizedSample
 
-WINDOW = 64
+WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
 @dataclass
