@@ -48,16 +48,20 @@ def main() -> None:
         fp8 = run_datagen(samples, verifier, root / "fp8", storage="fp8_e4m3", progress=False)
 
     tokens = full.tokens
-    print(f"verifier {verifier.name_or_path} (bf16), {len(samples)} samples, {tokens} tokens, "
-          f"hidden {verifier.hidden_size}, 4 states per token")
+    print(
+        f"verifier {verifier.name_or_path} (bf16), {len(samples)} samples, {tokens} tokens, "
+        f"hidden {verifier.hidden_size}, 4 states per token"
+    )
     print("| measure | value |")
     print("|---|---|")
     print(f"| bytes/token, bf16 store | {full.bytes / tokens:,.0f} |")
     print(f"| bytes/token, fp8 e4m3 store | {fp8.bytes / tokens:,.0f} |")
     print(f"| ratio fp8 / bf16 bytes | {fp8.bytes / full.bytes:.3f} |")
     print(f"| full run seconds ({full.computed} samples computed) | {full_seconds:.1f} |")
-    print(f"| rerun with 10% new prompts, seconds ({incremental.computed} computed, {incremental.reused} reused) "
-          f"| {incremental_seconds:.1f} |")
+    print(
+        f"| rerun with 10% new prompts, seconds ({incremental.computed} computed, {incremental.reused} reused) "
+        f"| {incremental_seconds:.1f} |"
+    )
     print(f"| ratio incremental / full, tokens computed | {incremental.computed_tokens / full.computed_tokens:.3f} |")
     print(f"| ratio incremental / full, seconds | {incremental_seconds / full_seconds:.3f} |")
 

@@ -4,11 +4,15 @@ Batches are formed from the data order alone (windows of 8 samples, sorted by le
 window, then cut into batches), so a sample is always computed in the same batch: a resumed or
 incremental run writes exactly what an uninterrupted run would. A batch whose shards all exist is
 skipped; new prompts appended to the data only cost their own batches.
+
+Backends: `transformers` (padded batches, hooks on the decoder layers) and `vllm` (hooks inside
+vLLM's worker, see vllm_capture.py); both write the same store layout.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from speculators.hidden_state_store import (
 )
 from speculators.tokenization import TokenizedSample
 
+# token id lists -> states [T, len(capture ids), H] per prompt
+CaptureFn = Callable[[list[list[int]]], list[Any]]
 WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
@@ -60,21 +66,33 @@ def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[i
     return batches
 
 
-def check_backend(backend: str) -> None:
-    if backend == "transformers":
-        return
-    if backend == "vllm":
-        import torch
+def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
+    import torch
 
-        if not torch.cuda.is_available():
-            raise SpeculatorsError(
-                "the vllm hidden-state backend needs a CUDA GPU (vLLM's extract_hidden_states path fails on CPU); "
-                "use --backend transformers here"
-            )
-        raise SpeculatorsError(
-            "the vllm hidden-state backend is not available in this version; use --backend transformers "
-            "(same store layout, GPU or CPU)"
-        )
+    device = verifier.model.device
+    pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
+
+    def capture(prompts: list[list[int]]) -> list[Any]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # right padding: real tokens never attend to pads (causal)
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+            attention[row, : len(prompt)] = 1
+        states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device))
+        return [states[row, : len(prompt)] for row, prompt in enumerate(prompts)]
+
+    return capture
+
+
+def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int) -> CaptureFn:
+    if backend == "transformers":
+        return transformers_capture_fn(verifier, capture_ids)
+    if backend == "vllm":
+        from speculators.vllm_capture import VllmCapture
+
+        dtype = str(verifier.model.dtype).removeprefix("torch.")
+        return VllmCapture(verifier.name_or_path, capture_ids, dtype, max_model_len=max_length + 1)
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
 
@@ -92,7 +110,6 @@ def run_datagen(
     import torch
     from tqdm import tqdm
 
-    check_backend(backend)
     if storage not in STORAGE_FORMATS:
         raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
     if not samples:
@@ -109,6 +126,9 @@ def run_datagen(
                 f"sample {sample.id} has token id {max(sample.input_ids)} outside the verifier vocab {vocab}; "
                 f"prepare the data with this verifier's tokenizer"
             )
+    if backend not in ("transformers", "vllm"):
+        raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
+    capture: CaptureFn | None = None  # built on first need: a fully reused store starts no engine
     store = HiddenStateStore(store_dir)
     previous = store.previous_entries()
     fingerprint = verifier.fingerprint
@@ -116,8 +136,6 @@ def run_datagen(
     written: dict[str, tuple[str, int]] = {}
     computed = computed_tokens = 0
     started = time.perf_counter()
-    device = verifier.model.device
-    pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
     batches = plan_batches(samples, batch_size)
     total_tokens = sum(len(s.input_ids) for s in samples)
     with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
@@ -126,26 +144,23 @@ def run_datagen(
             if not missing:
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
                 continue
-            width = max(len(samples[i].input_ids) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attention = torch.zeros_like(ids)
-            for row, i in enumerate(batch):  # right padding: real tokens never attend to pads (causal)
-                length = len(samples[i].input_ids)
-                ids[row, :length] = torch.tensor(samples[i].input_ids)
-                attention[row, :length] = 1
-            states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device))
+            if capture is None:
+                capture = make_capture_fn(backend, verifier, capture_ids, max(len(s.input_ids) for s in samples))
+            states = capture([samples[i].input_ids for i in batch])
             for row, i in enumerate(batch):
                 if i not in missing:
                     continue
-                sample, length = samples[i], len(samples[i].input_ids)
+                sample = samples[i]
                 written[keys[i]] = store.write_sample(
-                    keys[i], sample.id, ids[row, :length], torch.tensor(sample.loss_mask),
-                    states[row, :length, :3], states[row, :length, 3], storage,
+                    keys[i], sample.id, torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask),
+                    states[row][:, :3], states[row][:, 3], storage,
                 )  # fmt: skip
                 computed += 1
-                computed_tokens += length
+                computed_tokens += len(sample.input_ids)
             bar.update(sum(len(samples[i].input_ids) for i in batch))
             bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+    if hasattr(capture, "close"):
+        capture.close()
     seconds = time.perf_counter() - started
 
     entries = []

@@ -11,10 +11,19 @@ from speculators.errors import SpeculatorsError
 from speculators.prompts import HF_PRESETS, prepare_conversations
 
 SHAREGPT = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]}
-OPENAI = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                       {"role": "assistant", "content": "4"}]}  # fmt: skip
-PARTS = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
-                      {"role": "assistant", "content": "hi"}]}  # fmt: skip
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+}
+PARTS = {
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hi"},
+    ]
+}
 SINGLE = {"prompt": "Name a colour.", "response": "Blue."}
 
 
@@ -34,8 +43,10 @@ def test_every_shape_normalises_to_messages(tmp_path):
     ]
     assert conversations[1].messages[0] == {"role": "system", "content": "Be brief."}
     assert conversations[2].messages[0]["content"] == "Say hi"
-    assert conversations[3].messages == [{"role": "user", "content": "Name a colour."},
-                                         {"role": "assistant", "content": "Blue."}]  # fmt: skip
+    assert conversations[3].messages == [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
 
 
 def test_json_list_json_object_parquet_and_folder(tmp_path):
@@ -64,7 +75,7 @@ def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
         "[1, 2]",
     ]
-    conversations, report = prepare_conversations([write_jsonl(tmp_path / "bad.jsonl", rows)])
+    _conversations, report = prepare_conversations([write_jsonl(tmp_path / "bad.jsonl", rows)])
     assert report.rows_read == 10 and report.kept == 1
     assert report.rejected == {
         "malformed JSON (Expecting value)": 1,
@@ -83,14 +94,20 @@ def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
 
 
 def test_prompts_without_answers_are_kept_for_regeneration(tmp_path):
-    conversations, report = prepare_conversations([write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])],
-                                                  require_assistant=False)  # fmt: skip
+    conversations, report = prepare_conversations(
+        [write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])], require_assistant=False
+    )
     assert report.kept == 1 and conversations[0].messages == [{"role": "user", "content": "Hi"}]
 
 
 def test_trailing_unanswered_user_turn_is_cut_when_answers_are_required(tmp_path):
-    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                        {"role": "user", "content": "c"}]}  # fmt: skip
+    row = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    }
     conversations, _ = prepare_conversations([write_jsonl(tmp_path / "p.jsonl", [row])])
     assert [m["content"] for m in conversations[0].messages] == ["a", "b"]
 
@@ -99,11 +116,11 @@ def test_deduplication_and_data_version(tmp_path):
     same_as_sharegpt = {
         "messages": [{"role": "user", "content": " Hi there "}, {"role": "assistant", "content": "Hello!"}]
     }
-    first, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", [SHAREGPT, same_as_sharegpt, OPENAI])])
+    _first, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", [SHAREGPT, same_as_sharegpt, OPENAI])])
     assert report.kept == 2 and report.duplicates == 1
-    reordered, report2 = prepare_conversations([write_jsonl(tmp_path / "b.jsonl", [OPENAI, SHAREGPT])])
+    _reordered, report2 = prepare_conversations([write_jsonl(tmp_path / "b.jsonl", [OPENAI, SHAREGPT])])
     assert report2.data_version == report.data_version  # same set, other order and file
-    changed, report3 = prepare_conversations([write_jsonl(tmp_path / "c.jsonl", [OPENAI, SINGLE])])
+    _changed, report3 = prepare_conversations([write_jsonl(tmp_path / "c.jsonl", [OPENAI, SINGLE])])
     assert report3.data_version != report.data_version
 
 
@@ -143,11 +160,13 @@ def test_hf_presets_reach_datasets_with_their_arguments(monkeypatch):
 
     def fake_load_dataset(name, subset, split, streaming):
         calls.append((name, subset, split, streaming))
-        return [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
-                {"conversations": []}]  # fmt: skip
+        return [
+            {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
+            {"conversations": []},
+        ]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    conversations, report = prepare_conversations(["hf:ultrachat"])
+    _conversations, report = prepare_conversations(["hf:ultrachat"])
     assert calls == [(HF_PRESETS["ultrachat"][0], None, "train_sft", True)]
     assert report.kept == 1 and report.rejected == {"empty conversation": 1}
     prepare_conversations(["hf:sharegpt"], hf_split="train[:10]")

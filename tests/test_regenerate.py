@@ -10,13 +10,20 @@ from speculators.regenerate import regenerate, transformers_generate_fn
 from speculators.tokenization import render_ids, turn_end_ids
 from speculators.verifier import load_verifier
 
-PROMPTS = ["Explain black holes.", "Write a haiku about tea.", "List three rivers.", "Compare cats and dogs.",
-           "What is recursion?"]  # fmt: skip
+PROMPTS = [
+    "Explain black holes.",
+    "Write a haiku about tea.",
+    "List three rivers.",
+    "Compare cats and dogs.",
+    "What is recursion?",
+]
 
 
 def conversations(n=5):
-    return [Conversation(f"c{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + " " * (i // 5)}])
-            for i in range(n)]  # fmt: skip
+    return [
+        Conversation(f"c{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + " " * (i // 5)}])
+        for i in range(n)
+    ]
 
 
 def greedy_reference(model, prompt, max_new_tokens, ends):
@@ -41,8 +48,9 @@ def llama(tiny_verifier_dir):
 def test_generated_ids_are_kept_exactly_and_masked(llama, tmp_path):
     tokenizer = llama.tokenizer
     generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=12, temperature=0.0, seed=0)
-    samples, report = regenerate(conversations(), tokenizer, generate, tmp_path / "partial.jsonl", max_length=512,
-                                 batch_size=3, progress=False)  # fmt: skip
+    samples, report = regenerate(
+        conversations(), tokenizer, generate, tmp_path / "partial.jsonl", max_length=512, batch_size=3, progress=False
+    )
     assert report.regenerated == 5 and [s.id for s in samples] == [f"c{i}" for i in range(5)]
     ends = turn_end_ids(tokenizer)
     for sample, conversation in zip(samples, conversations(), strict=True):
@@ -70,17 +78,28 @@ def test_multi_turn_keeps_generated_ids_and_templates_the_next_user_turn(llama, 
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     first = tokenizer("Short answer.", add_special_tokens=False)["input_ids"] + [eot]
     second = tokenizer("Second answer.", add_special_tokens=False)["input_ids"] + [eot]
-    conversation = Conversation("m", [
-        {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "old answer one"},
-        {"role": "user", "content": "Second question?"}, {"role": "assistant", "content": "old answer two"},
-    ])  # fmt: skip
+    conversation = Conversation(
+        "m",
+        [
+            {"role": "user", "content": "First question?"},
+            {"role": "assistant", "content": "old answer one"},
+            {"role": "user", "content": "Second question?"},
+            {"role": "assistant", "content": "old answer two"},
+        ],
+    )
     scripted = ScriptedModel(tokenizer, [first, second])
     samples, report = regenerate([conversation], tokenizer, scripted, tmp_path / "p.jsonl", 512, progress=False)
     sample = samples[0]
     # The second prompt is the first prompt + generated ids + the templated next user turn.
-    expected_second_prompt = render_ids(tokenizer, [
-        {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "Short answer."},
-        {"role": "user", "content": "Second question?"}], add_generation_prompt=True)  # fmt: skip
+    expected_second_prompt = render_ids(
+        tokenizer,
+        [
+            {"role": "user", "content": "First question?"},
+            {"role": "assistant", "content": "Short answer."},
+            {"role": "user", "content": "Second question?"},
+        ],
+        add_generation_prompt=True,
+    )
     assert scripted.calls[1][0] == expected_second_prompt
     assert sample.input_ids == expected_second_prompt + second
     masked = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
@@ -91,10 +110,13 @@ def test_multi_turn_keeps_generated_ids_and_templates_the_next_user_turn(llama, 
 def test_truncated_turn_gets_no_end_token_and_ends_the_conversation(llama, tmp_path):
     tokenizer = llama.tokenizer
     cut = tokenizer("An answer that goes on", add_special_tokens=False)["input_ids"]  # no end-of-turn token
-    conversation = Conversation("t", [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                                      {"role": "user", "content": "Q2"}])  # fmt: skip
-    samples, report = regenerate([conversation], tokenizer, ScriptedModel(tokenizer, [cut]), tmp_path / "p.jsonl",
-                                 512, progress=False)  # fmt: skip
+    conversation = Conversation(
+        "t",
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
+    )
+    samples, report = regenerate(
+        [conversation], tokenizer, ScriptedModel(tokenizer, [cut]), tmp_path / "p.jsonl", 512, progress=False
+    )
     prompt = render_ids(tokenizer, conversation.messages[:1], add_generation_prompt=True)
     assert samples[0].input_ids == prompt + cut
     assert report.truncated_turns == 1 and report.dropped_turns == {"turn cut by the token limit": 1}
@@ -103,9 +125,14 @@ def test_truncated_turn_gets_no_end_token_and_ends_the_conversation(llama, tmp_p
 def test_prompt_over_max_length_is_rejected_and_counted(llama, tmp_path):
     tokenizer = llama.tokenizer
     long = Conversation("long", [{"role": "user", "content": "word " * 200}])
-    samples, report = regenerate([long, *conversations(1)], tokenizer,
-                                 transformers_generate_fn(llama.model, tokenizer, 4, 0.0, 0), tmp_path / "p.jsonl",
-                                 max_length=64, progress=False)  # fmt: skip
+    samples, report = regenerate(
+        [long, *conversations(1)],
+        tokenizer,
+        transformers_generate_fn(llama.model, tokenizer, 4, 0.0, 0),
+        tmp_path / "p.jsonl",
+        max_length=64,
+        progress=False,
+    )
     assert [s.id for s in samples] == ["c0"]
     assert report.rejected == {"over-length (the prompt alone exceeds max length 64)": 1}
 
@@ -113,8 +140,9 @@ def test_prompt_over_max_length_is_rejected_and_counted(llama, tmp_path):
 def test_resume_after_an_interrupted_run_equals_an_uninterrupted_one(llama, tmp_path):
     tokenizer = llama.tokenizer
     generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=8, temperature=0.0, seed=0)
-    full, _ = regenerate(conversations(7), tokenizer, generate, tmp_path / "full.jsonl", 512, batch_size=2,
-                         progress=False)  # fmt: skip
+    full, _ = regenerate(
+        conversations(7), tokenizer, generate, tmp_path / "full.jsonl", 512, batch_size=2, progress=False
+    )
     # An interrupted run: two finished samples on disk, then a line torn by the kill.
     partial = tmp_path / "resumed.jsonl"
     lines = (tmp_path / "full.jsonl").read_text().splitlines()
@@ -146,10 +174,26 @@ def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
     verifier = str(tiny_verifier_dir("llama"))
     rows = [{"prompt": p} for p in PROMPTS]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = ["prepare", "--source", str(tmp_path / "rows.jsonl"), "--verifier", verifier, "--regenerate",
-              "--dtype", "float32", "--max-new-tokens", "16", "--max-length", "256"]  # fmt: skip
-    result = subprocess.run([sys.executable, "-m", "speculators.cli", *common, "--backend", "vllm",
-                             "--output", str(tmp_path / "vllm")], capture_output=True, text=True, timeout=900)  # fmt: skip
+    common = [
+        "prepare",
+        "--source",
+        str(tmp_path / "rows.jsonl"),
+        "--verifier",
+        verifier,
+        "--regenerate",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "16",
+        "--max-length",
+        "256",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "speculators.cli", *common, "--backend", "vllm", "--output", str(tmp_path / "vllm")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert main([*common, "--backend", "transformers", "--output", str(tmp_path / "hf")]) == 0
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]  # noqa: E731

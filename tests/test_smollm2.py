@@ -60,8 +60,12 @@ def test_smollm2_chat_template_loss_mask(speculators_cache):
     from speculators.verifier import convert_gguf_to_hf, smollm2_gguf_path
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_hf(smollm2_gguf_path()))
-    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, like grass."}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green, like grass."},
+    ]
     sample = tokenize_conversation(tokenizer, "x", messages, max_length=4096)
     spans, current = [], []
     for token, flag in zip(sample.input_ids, sample.loss_mask, strict=True):

@@ -52,7 +52,9 @@ def test_mistral_template_masks_answer_and_eos():
     tokenizer = build_tokenizer("mistral")
     sample = tokenize_conversation(tokenizer, "x", TWO_TURNS[1:], max_length=4096)
     assert masked_spans(tokenizer, sample) == [
-        "A drafter predicts two numbers quickly.</s>", "The verifier checks every word.</s>"]  # fmt: skip
+        "A drafter predicts two numbers quickly.</s>",
+        "The verifier checks every word.</s>",
+    ]
 
 
 def test_a_template_that_rewrites_history_falls_back_to_offsets():
