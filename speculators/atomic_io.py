@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 @contextmanager
@@ -36,6 +37,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> Path:
+    """One JSON line per row (rows provide `to_json()`), written atomically."""
+    return write_text_atomic(path, "".join(row.to_json() + "\n" for row in rows))
 
 
 def write_with(path: str | Path, writer: Callable[[Path], None]) -> Path:

@@ -131,8 +131,8 @@ def cmd_tiny_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from speculators.atomic_io import write_text_atomic
-    from speculators.prompts import prepare_conversations, write_conversations
+    from speculators.atomic_io import write_jsonl_atomic, write_text_atomic
+    from speculators.prompts import prepare_conversations
 
     output = Path(args.output)
     require_assistant = not args.regenerate if args.require_assistant is None else args.require_assistant
@@ -140,7 +140,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         args.source, require_assistant=require_assistant, max_samples=args.max_samples,
         hf_subset=args.hf_subset, hf_split=args.hf_split, seed=args.seed,
     )  # fmt: skip
-    write_conversations(output / "conversations.jsonl", conversations)
+    write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict = {"prompts": report.to_dict()}
     print(report.summary())
     if args.verifier:
@@ -156,8 +156,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output: Path) -> dict:
     from collections import Counter
 
+    from speculators.atomic_io import write_jsonl_atomic
     from speculators.prompts import RowRejected
-    from speculators.tokenization import token_statistics, tokenize_conversation, write_samples
+    from speculators.tokenization import token_statistics, tokenize_conversation
 
     if args.regenerate:
         from speculators.regenerate import regenerate, transformers_generate_fn, vllm_generate_fn
@@ -213,7 +214,7 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             except RowRejected as reason:
                 rejected[str(reason)] += 1
         details = {"rejected": dict(rejected)}
-    write_samples(output / "samples.jsonl", samples)
+    write_jsonl_atomic(output / "samples.jsonl", samples)
     (output / "samples.partial.jsonl").unlink(missing_ok=True)
     details["statistics"] = token_statistics(samples)
     for reason, count in sorted(details["rejected"].items()):

@@ -21,11 +21,12 @@ from speculators.errors import SpeculatorsError
 def run(output: Path, verifier_source: str, draft_vocab_size: int, num_prompts: int, max_new_tokens: int) -> None:
     import torch
 
+    from speculators.atomic_io import write_jsonl_atomic
     from speculators.datagen import run_datagen
     from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
-    from speculators.prompts import prepare_conversations, write_conversations
+    from speculators.prompts import prepare_conversations
     from speculators.regenerate import regenerate, transformers_generate_fn
-    from speculators.tokenization import token_statistics, write_samples
+    from speculators.tokenization import token_statistics
     from speculators.validation import validate_checkpoint
     from speculators.verifier import draft_config_for_verifier, load_verifier
     from speculators.vocab import build_store_vocab
@@ -43,11 +44,11 @@ def run(output: Path, verifier_source: str, draft_vocab_size: int, num_prompts: 
     data_dir = output / "data"
     conversations, prompt_report = prepare_conversations(["demo:train"], require_assistant=False,
                                                          max_samples=num_prompts)  # fmt: skip
-    write_conversations(data_dir / "conversations.jsonl", conversations)
+    write_jsonl_atomic(data_dir / "conversations.jsonl", conversations)
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, max_new_tokens, temperature=0.0, seed=0)
     samples, regen = regenerate(conversations, verifier.tokenizer, generate, data_dir / "samples.partial.jsonl",
                                 max_length=1024, batch_size=8)  # fmt: skip
-    write_samples(data_dir / "samples.jsonl", samples)
+    write_jsonl_atomic(data_dir / "samples.jsonl", samples)
     stats = token_statistics(samples)
     print(
         f"      data version {prompt_report.data_version}; {stats['samples']} samples, {stats['tokens']} tokens "

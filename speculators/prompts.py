@@ -268,24 +268,3 @@ def prepare_conversations(
     report.kept = len(conversations)
     report.data_version = data_version(c.id for c in conversations)
     return conversations, report
-
-
-def write_conversations(path: str | Path, conversations: list[Conversation]) -> Path:
-    from speculators.atomic_io import write_text_atomic
-
-    return write_text_atomic(path, "".join(c.to_json() + "\n" for c in conversations))
-
-
-def read_conversations(path: str | Path) -> list[Conversation]:
-    path = Path(path)
-    if not path.is_file():
-        raise SpeculatorsError(f"{path} does not exist; run 'speculators prepare' first")
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            try:
-                data = json.loads(line)
-                rows.append(Conversation(data["id"], data["messages"]))
-            except (json.JSONDecodeError, KeyError):
-                raise SpeculatorsError(f"{path}:{number} is not a prepared conversation; re-run prepare") from None
-    return rows

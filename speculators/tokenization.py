@@ -118,12 +118,6 @@ def tokenize_conversation(
     return TokenizedSample(sample_id, full[:max_length], mask[:max_length])
 
 
-def write_samples(path: str | Path, samples: list[TokenizedSample]) -> Path:
-    from speculators.atomic_io import write_text_atomic
-
-    return write_text_atomic(path, "".join(s.to_json() + "\n" for s in samples))
-
-
 def read_samples(path: str | Path) -> list[TokenizedSample]:
     path = Path(path)
     if not path.is_file():

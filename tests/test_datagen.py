@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators.atomic_io import write_jsonl_atomic
 from speculators.datagen import run_datagen
 from speculators.errors import SpeculatorsError
 from speculators.hidden_state_store import HiddenStateStore
-from speculators.tokenization import TokenizedSample, tokenize_conversation, write_samples
+from speculators.tokenization import TokenizedSample, tokenize_conversation
 from speculators.verifier import load_verifier
 from speculators.vocab import build_store_vocab, load_draft_vocab, select_draft_vocab
 
@@ -146,7 +147,7 @@ run_datagen(read_samples(sys.argv[2]), verifier, sys.argv[3], aux_layer_ids=[1, 
 
 def test_sigkill_and_resume_equals_an_uninterrupted_run(llama, tiny_verifier_dir, tmp_path):
     samples = make_samples(llama.tokenizer, 30)
-    write_samples(tmp_path / "samples.jsonl", samples)
+    write_jsonl_atomic(tmp_path / "samples.jsonl", samples)
     run_datagen(samples, llama, tmp_path / "reference", aux_layer_ids=AUX, batch_size=2, progress=False)
 
     killed = tmp_path / "killed"
@@ -278,7 +279,7 @@ if __name__ == "__main__":
 def test_vllm_backend_writes_the_same_store(llama, tiny_verifier_dir, tmp_path):
     """vLLM's CPU build as the capture engine: same layout, same keys, states equal within fp32 rounding."""
     samples = make_samples(llama.tokenizer, 7)
-    write_samples(tmp_path / "samples.jsonl", samples)
+    write_jsonl_atomic(tmp_path / "samples.jsonl", samples)
     script = tmp_path / "vllm_datagen.py"
     script.write_text(VLLM_DATAGEN_SCRIPT)
     result = subprocess.run(
