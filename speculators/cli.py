@@ -270,6 +270,28 @@ def cmd_verify_store(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from speculators.train import TrainConfig, train
+
+    options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
+    summary = train(TrainConfig(**options))
+    if summary:
+        final = summary["final_train"]
+        print(
+            f"trained {summary['steps']} steps ({summary['epochs']:.2f} epochs) at {summary['tokens_per_second']} "
+            f"tokens/s; train full_acc {[round(a, 3) for a in final['full_acc']]}, "
+            f"acceptance length estimate {final['acceptance_length']:.2f}"
+        )
+        if summary["best_validation"]:
+            best = summary["best_validation"]
+            print(
+                f"best validation: full_acc {[round(a, 3) for a in best['full_acc']]}, "
+                f"acceptance length estimate {best['acceptance_length']:.2f}"
+            )
+        print(f"drafter: {summary['drafter']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculators", description="EAGLE-3 speculators for vLLM")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -362,6 +384,40 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--store", required=True)
     vocab.add_argument("--draft-vocab-size", type=int, required=True)
     vocab.set_defaults(func=cmd_vocab)
+
+    train = commands.add_parser("train", help="train an EAGLE-3 drafter (training-time test) from a store")
+    train.add_argument("--store", required=True, help="hidden-state store with draft_vocab.safetensors")
+    train.add_argument("--verifier", required=True, help="the verifier the store was captured from")
+    train.add_argument("--output", required=True)
+    for flag, kind, help_text in (
+        ("ttt-steps", int, "draft steps simulated in training (default 3)"),
+        ("step-decay", float, "loss weight gamma**s of step s (default 1.0)"),
+        ("token-budget", int, "tokens per packed sequence (default 2048)"),
+        ("grad-accumulation", int, "packs per optimizer step and rank (default 1)"),
+        ("epochs", float, "default 1"),
+        ("max-steps", int, "stop after this many optimizer steps (overrides --epochs)"),
+        ("lr", float, "peak learning rate (default 3e-4)"),
+        ("warmup", float, "share of steps with linear warmup (default 0.01)"),
+        ("weight-decay", float, "default 0"),
+        ("grad-clip", float, "default 1.0"),
+        ("seed", int, "default 0"),
+        ("validation-share", float, "share of samples held out (by id hash; default 0.05)"),
+        ("log-every", int, "default 10"),
+        ("eval-every", int, "default 100"),
+        ("checkpoint-every", int, "default 100"),
+        ("num-draft-layers", int, "default 1"),
+        ("speculative-tokens", int, "K written into the checkpoint (default: --ttt-steps)"),
+        ("warm-start", str, "start from an earlier drafter (retraining on new data)"),
+        ("device", str, "auto (cuda:LOCAL_RANK if present, else cpu), cpu, cuda"),
+    ):
+        train.add_argument(f"--{flag}", type=kind, help=help_text)
+    train.add_argument("--optimizer", choices=("adamw", "muon"))
+    train.add_argument("--precision", choices=("auto", "bf16", "fp32"), help="auto: bf16 autocast where supported")
+    train.add_argument("--draft-layer-type", choices=("llama", "qwen3"))
+    train.add_argument("--train-lm-head", action="store_true", default=None)
+    train.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 sharding (GPUs, under torchrun)")
+    train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    train.set_defaults(func=cmd_train)
 
     verify_store = commands.add_parser("verify-store", help="re-read every shard of a store: checksums, shapes, values")
     verify_store.add_argument("store")

@@ -185,7 +185,9 @@ def build_tokenizer(family: str, vocab_size: int = 512) -> Any:
     return fast
 
 
-def tiny_config(family: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64) -> Any:
+def tiny_config(
+    family: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64, initializer_range: float = 0.02
+) -> Any:
     """A transformers config for a tiny verifier of `family` (head_dim 32, 2 heads, 1 kv head)."""
     from transformers import (
         GptOssConfig,
@@ -207,6 +209,7 @@ def tiny_config(family: str, vocab_size: int, num_layers: int = 8, hidden_size: 
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
     if family == "llama":
         return LlamaConfig(**common)
@@ -233,15 +236,20 @@ def make_tiny_verifier(
     hidden_size: int = 64,
     vocab_size: int = 512,
     dtype: str = "float32",
+    initializer_range: float = 0.02,
 ) -> Path:
-    """Write a random-weight verifier of `family` (model + tokenizer) to `directory`."""
+    """Write a random-weight verifier of `family` (model + tokenizer) to `directory`.
+
+    A larger `initializer_range` gives peaked, model-like next-token distributions (random weights at
+    the default 0.02 predict almost uniformly, so a drafter has nothing to learn).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     from speculators.atomic_io import atomic_directory
 
     tokenizer = build_tokenizer(family, vocab_size)
-    config = tiny_config(family, len(tokenizer), num_layers, hidden_size)
+    config = tiny_config(family, len(tokenizer), num_layers, hidden_size, initializer_range)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

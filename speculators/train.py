@@ -1,0 +1,470 @@
+"""`speculators train`: EAGLE-3 drafter training with training-time test, from a hidden-state store.
+
+One loop, readable top to bottom (`train`); distributed, precision, checkpoint and logging details
+live in the small helpers around it. Launch with `torchrun --nproc-per-node N speculators train ...`
+for DDP (gloo on CPU, NCCL on GPUs) or add `--fsdp` on GPUs for FSDP2 sharding.
+
+Outputs under --output:
+    drafter/                 the final drafter (speculators format, validated)
+    checkpoints/last/        resumable state every --checkpoint-every steps (drafter + trainer state)
+    checkpoints/best/        the drafter with the best validation loss
+    train_log.jsonl          one JSON line per log / eval event
+    summary.json             final metrics, tokens/s, wall time
+    training_curves.png      loss and per-step accuracy
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from speculators.errors import SpeculatorsError
+
+
+class TrainConfig(BaseModel):
+    store: str
+    verifier: str
+    output: str
+    ttt_steps: int = Field(3, ge=1)
+    step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
+    token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
+    grad_accumulation: int = Field(1, ge=1)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = None
+    lr: float = 3e-4
+    warmup: float = Field(0.01, ge=0, le=1, description="share of steps with linear warmup")
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    seed: int = 0
+    validation_share: float = Field(0.05, ge=0, lt=1)
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    num_draft_layers: int = 1
+    draft_layer_type: Literal["llama", "qwen3"] | None = None
+    speculative_tokens: int | None = Field(None, description="K written into the checkpoint (default: ttt_steps)")
+    train_lm_head: bool = False
+    warm_start: str | None = None
+    fsdp: bool = False
+    device: str = "auto"
+    progress: bool = True
+
+
+# ----- distributed and precision helpers ---------------------------------------------------------
+
+
+def init_distributed(config: TrainConfig) -> tuple[int, int, Any]:
+    """(rank, world size, device); starts the process group under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if config.device == "auto":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if config.fsdp and device.type != "cuda":
+        raise SpeculatorsError("--fsdp shards over CUDA GPUs; on CPU train with DDP (the default under torchrun)")
+    return rank, world, device
+
+
+def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
+    """The module the loop calls: TTT forward, wrapped for DDP / FSDP2 so gradients synchronise."""
+    import torch
+
+    class TrainingForward(torch.nn.Module):
+        def __init__(self, drafter: Any):
+            super().__init__()
+            self.drafter = drafter
+
+        def forward(self, *args: Any) -> Any:
+            return self.drafter.ttt_forward(*args)
+
+    model = TrainingForward(drafter)
+    if world == 1:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in drafter.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
+    if world == 1:
+        return sums
+    import torch.distributed as dist
+
+    for value in sums.values():
+        dist.all_reduce(value)
+    return sums
+
+
+def autocast_context(config: TrainConfig, device: Any) -> Any:
+    import torch
+
+    use_bf16 = config.precision == "bf16" or (
+        config.precision == "auto"
+        and ((device.type == "cuda" and torch.cuda.is_bf16_supported()) or (device.type == "cpu" and cpu_has_bf16()))
+    )
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def lr_at(step: int, total: int, config: TrainConfig) -> float:
+    """Linear warmup, then linear decay to zero."""
+    warmup = max(1, math.ceil(config.warmup * total))
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    return config.lr * max(0.0, (total - step) / max(1, total - warmup))
+
+
+def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
+    import torch
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if config.optimizer == "muon":
+        matrices = [p for n, p in trainable if p.dim() == 2]
+        others = [p for n, p in trainable if p.dim() != 2]
+        return [
+            torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay),
+            torch.optim.AdamW(others, lr=config.lr, weight_decay=0.0),
+        ]
+    return [torch.optim.AdamW([p for _, p in trainable], lr=config.lr, weight_decay=config.weight_decay,
+                              betas=(0.9, 0.95))]  # fmt: skip
+
+
+# ----- model construction and checks -------------------------------------------------------------
+
+
+def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], vocab: dict[str, Any]) -> Any:
+    import torch
+
+    from speculators.models.eagle3 import Eagle3Drafter
+    from speculators.verifier import draft_config_for_verifier
+
+    selected = vocab["selected_ids"]
+    if config.warm_start:
+        drafter = Eagle3Drafter.from_pretrained(config.warm_start, dtype="float32")
+        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest["aux_layer_ids"]:
+            raise SpeculatorsError(
+                f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
+                f"but the store holds {manifest['aux_layer_ids']}"
+            )
+        if drafter.config.draft_vocab_size != selected.numel():
+            raise SpeculatorsError(
+                f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
+                f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
+            )
+    else:
+        draft_config = draft_config_for_verifier(
+            verifier.config, verifier.name_or_path, draft_vocab_size=selected.numel(),
+            aux_layer_ids=manifest["aux_layer_ids"], draft_layer_type=config.draft_layer_type,
+            num_draft_layers=config.num_draft_layers, speculative_tokens=config.speculative_tokens or config.ttt_steps,
+        )  # fmt: skip
+        drafter = Eagle3Drafter(draft_config)
+        drafter.reset_parameters(seed=config.seed)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(verifier.lm_head_weight[selected].float())
+    drafter.set_vocab_mapping(selected)
+    drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
+    drafter.lm_head.weight.requires_grad_(config.train_lm_head)
+    return drafter
+
+
+def check_store_fits_verifier(manifest: dict[str, Any], verifier: Any, store: str) -> None:
+    stored = manifest["verifier"]
+    if stored["hidden_size"] != verifier.hidden_size or stored["vocab_size"] != verifier.vocab_size:
+        raise SpeculatorsError(
+            f"store {store} was captured from a verifier with hidden {stored['hidden_size']} / vocab "
+            f"{stored['vocab_size']}, not {verifier.hidden_size} / {verifier.vocab_size}; pass the store's verifier "
+            f"({stored['name_or_path']})"
+        )
+    if stored["fingerprint"] != verifier.fingerprint:
+        raise SpeculatorsError(
+            f"store {store} was captured from verifier {stored['name_or_path']} (fingerprint {stored['fingerprint']}), "
+            f"whose weights differ from {verifier.name_or_path}; pass the same verifier or re-run datagen"
+        )
+
+
+# ----- checkpoints -------------------------------------------------------------------------------
+
+
+def save_checkpoint(directory: Path, drafter: Any, optimizers: list[Any], state: dict[str, Any]) -> None:
+    """Drafter (speculators format) + optimizer tensors (safetensors) + trainer state (JSON), atomically."""
+    from safetensors.torch import save_file
+
+    from speculators.atomic_io import atomic_directory
+
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    tensors, scalars = {}, {}
+    for index, optimizer in enumerate(optimizers):
+        for param, param_state in optimizer.state.items():
+            for key, value in param_state.items():
+                name = f"{index}.{names[id(param)]}.{key}"
+                if hasattr(value, "dim") and value.dim() > 0:
+                    tensors[name] = value.detach().contiguous().cpu()
+                else:
+                    scalars[name] = float(value)
+    with atomic_directory(directory) as tmp:
+        drafter.save_pretrained(tmp / "drafter", dtype="float32")
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "optimizer_scalars": scalars}, indent=1))
+
+
+def load_checkpoint(directory: Path, drafter: Any, optimizers: list[Any]) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    from speculators.models.eagle3 import Eagle3Drafter
+
+    saved = Eagle3Drafter.from_pretrained(directory / "drafter", dtype="float32")
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens."):
+                param.copy_(dict(saved.named_parameters())[name])
+    state = json.loads((directory / "trainer_state.json").read_text())
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    params = dict(drafter.named_parameters())
+    for index, optimizer in enumerate(optimizers):
+        for name, param in params.items():
+            prefix = f"{index}.{name}."
+            entries = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            entries.update({k[len(prefix) :]: torch.tensor(v) for k, v in state["optimizer_scalars"].items()
+                            if k.startswith(prefix)})  # fmt: skip
+            if entries:
+                optimizer.state[param] = entries
+    return state
+
+
+# ----- evaluation, logging, plots ----------------------------------------------------------------
+
+
+def run_validation(drafter: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any) -> dict | None:
+    import torch
+
+    from speculators.ttt import summarize, ttt_loss, verifier_target_logits
+
+    plan = packs.pack_plan(0) if packs.entries else []
+    if not plan:
+        return None
+    sums = None
+    drafter.eval()
+    with torch.no_grad(), autocast_context(config, device):
+        for indices in plan:
+            pack = to_device(packs.load_pack(indices), device)
+            logits = drafter.ttt_forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
+                                         pack.document_ids)  # fmt: skip
+            targets = verifier_target_logits(pack.target_hidden_states, *head)
+            _, step_sums = ttt_loss(logits, targets, pack.loss_mask, pack.document_ids, config.step_decay)
+            sums = step_sums if sums is None else {k: sums[k] + v for k, v in step_sums.items()}
+    drafter.train()
+    return summarize(sums)
+
+
+def to_device(pack: Any, device: Any) -> Any:
+    from dataclasses import fields, replace
+
+    return replace(pack, **{f.name: getattr(pack, f.name).to(device) for f in fields(pack)})
+
+
+def plot_curves(log_path: Path, output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    train = [r for r in rows if r["event"] == "train"]
+    val = [r for r in rows if r["event"] == "validation"]
+    figure, (loss_axis, acc_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for kind, series, style in (("train", train, "-"), ("validation", val, "o--")):
+        if not series:
+            continue
+        steps = [r["step"] for r in series]
+        loss_axis.plot(steps, [sum(r["loss"]) for r in series], style, label=f"{kind} total loss")
+        for s in range(len(series[0]["full_acc"])):
+            acc_axis.plot(steps, [r["full_acc"][s] for r in series], style, label=f"{kind} step {s} accuracy")
+    loss_axis.set(xlabel="optimizer step", ylabel="KL (sum over TTT steps)", title="loss")
+    acc_axis.set(xlabel="optimizer step", ylabel="argmax agreement", title="per-step accuracy", ylim=(0, 1))
+    loss_axis.legend(), acc_axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+
+
+# ----- the loop ----------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+
+    from speculators.training_data import PackedStore
+    from speculators.ttt import summarize, ttt_loss, verifier_target_logits
+    from speculators.validation import validate_checkpoint
+    from speculators.verifier import load_verifier
+    from speculators.vocab import load_draft_vocab
+
+    rank, world, device = init_distributed(config)
+    torch.manual_seed(config.seed)
+    output = Path(config.output)
+    train_packs = PackedStore(config.store, config.token_budget, "train", config.validation_share, config.seed)
+    val_packs = PackedStore(config.store, config.token_budget, "validation", config.validation_share, seed=-1)
+    manifest = train_packs.manifest
+    vocab = load_draft_vocab(config.store)
+    verifier = load_verifier(config.verifier, dtype=manifest["verifier"]["dtype"])
+    check_store_fits_verifier(manifest, verifier, config.store)
+    drafter = build_drafter(config, verifier, manifest, vocab).to(device)
+    head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
+    del verifier
+    model = wrap_model(drafter, world, device, config.fsdp)
+    optimizers = build_optimizer(drafter, config)
+
+    packs_per_step = world * config.grad_accumulation
+    steps_per_epoch = len(train_packs.pack_plan(0)) // packs_per_step
+    if steps_per_epoch == 0:
+        raise SpeculatorsError(
+            f"the store has fewer training packs ({len(train_packs.pack_plan(0))}) than one optimizer step uses "
+            f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
+        )
+    total_steps = config.max_steps or max(1, int(config.epochs * steps_per_epoch))
+    state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
+    last = output / "checkpoints" / "last"
+    if (last / "trainer_state.json").is_file():
+        state = load_checkpoint(last, drafter, optimizers)
+        if rank == 0:
+            print(f"resuming from {last} at step {state['step']}", flush=True)
+    log_path = output / "train_log.jsonl"
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        if state["step"] == 0:
+            log_path.write_text("")
+    log = open(log_path, "a", encoding="utf-8") if rank == 0 else None  # noqa: SIM115 (held for the loop)
+
+    window_sums, window_tokens, window_start = None, 0, time.perf_counter()
+    model.train()
+    bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
+               disable=not config.progress or rank != 0)  # fmt: skip
+    try:
+        for step in range(state["step"], total_steps):
+            epoch, in_epoch = divmod(step, steps_per_epoch)
+            plan = train_packs.pack_plan(epoch)
+            for group in optimizers:
+                for param_group in group.param_groups:
+                    param_group["lr"] = lr_at(step, total_steps, config)
+            for micro in range(config.grad_accumulation):
+                pack_index = (in_epoch * config.grad_accumulation + micro) * world + rank
+                pack = to_device(train_packs.load_pack(plan[pack_index]), device)
+                sync = micro == config.grad_accumulation - 1 or world == 1
+                with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
+                        autocast_context(config, device):  # fmt: skip
+                    logits = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
+                                   pack.document_ids)  # fmt: skip
+                    targets = verifier_target_logits(pack.target_hidden_states, *head)
+                    loss, sums = ttt_loss(logits, targets, pack.loss_mask, pack.document_ids, config.step_decay)
+                    (loss / config.grad_accumulation).backward()
+                window_sums = sums if window_sums is None else {k: window_sums[k] + v for k, v in sums.items()}
+                window_tokens += pack.num_tokens
+            torch.nn.utils.clip_grad_norm_([p for p in drafter.parameters() if p.requires_grad], config.grad_clip)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            state["step"] = step + 1
+            bar.update(1)
+
+            if state["step"] % config.log_every == 0 or state["step"] == total_steps:
+                window_sums["tokens"] = torch.tensor([float(window_tokens)], dtype=torch.float64)
+                window_sums = all_reduce_sums(window_sums, world)
+                seconds = time.perf_counter() - window_start
+                tokens = int(window_sums.pop("tokens").item())
+                state["tokens"] += tokens
+                state["train_seconds"] += seconds
+                metrics = summarize(window_sums)
+                record = {"event": "train", "step": state["step"], "lr": lr_at(step, total_steps, config),
+                          "tokens_per_second": tokens / seconds, **metrics}  # fmt: skip
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                bar.set_postfix(loss=f"{sum(metrics['loss']):.3f}", acc0=f"{metrics['full_acc'][0]:.3f}",
+                                tok_s=f"{tokens / seconds:.0f}")  # fmt: skip
+                window_sums, window_tokens, window_start = None, 0, time.perf_counter()
+
+            evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
+            if evaluate and rank == 0:
+                metrics = run_validation(drafter, val_packs, head, config, device)
+                if metrics is not None:
+                    log.write(json.dumps({"event": "validation", "step": state["step"], **metrics}) + "\n")
+                    log.flush()
+                    if state["best_validation_loss"] is None or sum(metrics["loss"]) < state["best_validation_loss"]:
+                        state["best_validation_loss"] = sum(metrics["loss"])
+                        state["best_validation"] = metrics
+                        drafter.save_pretrained(output / "checkpoints" / "best")
+                window_start = time.perf_counter()  # validation time is not training throughput
+            if rank == 0 and (state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps):
+                save_checkpoint(last, drafter, optimizers, state)
+                window_start = time.perf_counter()
+    except RuntimeError as error:
+        if "out of memory" in str(error).lower() or "can't allocate" in str(error).lower():
+            raise SpeculatorsError(
+                f"ran out of memory with --token-budget {config.token_budget}; reduce it (or --ttt-steps)"
+            ) from None
+        raise
+    finally:
+        bar.close()
+        if log:
+            log.close()
+
+    summary: dict[str, Any] = {}
+    if rank == 0:
+        drafter.save_pretrained(output / "drafter", dtype="bfloat16")
+        report = validate_checkpoint(output / "drafter", verifier=config.verifier)
+        if not report.ok:
+            raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
+        last_train = [json.loads(x) for x in log_path.read_text().splitlines() if '"train"' in x][-1]
+        summary = {
+            "steps": state["step"],
+            "epochs": state["step"] / steps_per_epoch,
+            "train_tokens": state["tokens"],
+            "train_seconds": round(state["train_seconds"], 2),
+            "tokens_per_second": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
+            "world_size": world,
+            "final_train": {k: v for k, v in last_train.items() if k not in ("event",)},
+            "best_validation_loss": state["best_validation_loss"],
+            "best_validation": state.get("best_validation"),
+            "drafter": str(output / "drafter"),
+            "config": config.model_dump(),
+        }
+        (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_curves(log_path, output / "training_curves.png")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary

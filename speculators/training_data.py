@@ -1,0 +1,97 @@
+"""Training data from a hidden-state store: shifted samples packed into fixed token budgets.
+
+Per sample (spec/eagle3.md): input_ids = x[1:], aux = g[:-1], target states = y[1:],
+loss_mask = mask[1:], positions 1..T-1. Samples are packed in a seeded, per-epoch order into
+sequences of at most `token_budget` tokens (batch dimension 1); document ids keep attention and
+step targets inside their own sample. The train/validation split is a hash of the sample id, so
+it never changes when the store grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.hidden_state_store import HiddenStateStore
+
+
+@dataclass
+class Pack:
+    input_ids: Any  # [1, T] long
+    aux_hidden_states: Any  # [1, T, 3, H]
+    target_hidden_states: Any  # [1, T, H]
+    loss_mask: Any  # [1, T] bool
+    position_ids: Any  # [1, T] long, restarting at 1 per document
+    document_ids: Any  # [1, T] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def is_validation(sample_id: str, share: float) -> bool:
+    bucket = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < share
+
+
+class PackedStore:
+    """Packs of a store's training or validation samples, deterministic per (seed, epoch)."""
+
+    def __init__(self, store_dir: str | Path, token_budget: int, split: str = "train", validation_share: float = 0.05,
+                 seed: int = 0, dtype: Any = None):  # fmt: skip
+        self.store = HiddenStateStore(store_dir)
+        self.manifest = self.store.manifest()
+        self.token_budget = token_budget
+        self.seed = seed
+        self.dtype = dtype
+        entries = [e for e in self.manifest["samples"] if e["num_tokens"] >= 3 and e["supervised_tokens"] > 0]
+        self.entries = [e for e in entries if is_validation(e["id"], validation_share) == (split == "validation")]
+        if split == "train" and not self.entries:
+            raise SpeculatorsError(
+                f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
+            )
+
+    def pack_plan(self, epoch: int) -> list[list[int]]:
+        """Entry indices per pack; the order is shuffled per epoch (not for validation: seed < 0)."""
+        order = list(range(len(self.entries)))
+        if self.seed >= 0:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        packs, current, used = [], [], 0
+        for index in order:
+            length = min(self.entries[index]["num_tokens"] - 1, self.token_budget)
+            if current and used + length > self.token_budget:
+                packs.append(current)
+                current, used = [], 0
+            current.append(index)
+            used += length
+        if current:
+            packs.append(current)
+        return packs
+
+    def load_pack(self, indices: list[int]) -> Pack:
+        import torch
+
+        parts: dict[str, list[Any]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
+        room = self.token_budget
+        for doc, index in enumerate(indices):
+            sample = self.store.read_sample(self.entries[index], verify=False, dtype=self.dtype)
+            length = min(sample.input_ids.numel() - 1, room)
+            room -= length
+            parts["ids"].append(sample.input_ids[1 : length + 1])
+            parts["aux"].append(sample.aux_hidden_states[:length])
+            parts["target"].append(sample.target_hidden_states[1 : length + 1])
+            parts["mask"].append(sample.loss_mask[1 : length + 1])
+            parts["pos"].append(torch.arange(1, length + 1))
+            parts["doc"].append(torch.full((length,), doc))
+        return Pack(
+            input_ids=torch.cat(parts["ids"])[None],
+            aux_hidden_states=torch.cat(parts["aux"])[None],
+            target_hidden_states=torch.cat(parts["target"])[None],
+            loss_mask=torch.cat(parts["mask"])[None],
+            position_ids=torch.cat(parts["pos"])[None],
+            document_ids=torch.cat(parts["doc"])[None],
+        )

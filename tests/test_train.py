@@ -1,0 +1,206 @@
+"""EAGLE-3 training: TTT loss against a plain computation, overfitting, kill-and-resume, DDP on CPU, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from speculators.errors import SpeculatorsError
+from speculators.models.eagle3 import Eagle3Drafter
+from speculators.train import TrainConfig, train
+from speculators.ttt import expected_acceptance_length, ttt_loss
+from speculators.validation import validate_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+AUX = [1, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def peaked_verifier(tmp_path_factory):
+    """A tiny Llama whose next-token distributions are peaked, like a trained model's."""
+    from speculators.tiny_models import make_tiny_verifier
+
+    return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def store(peaked_verifier, tmp_path_factory):
+    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+    from speculators.datagen import run_datagen
+    from speculators.demo_prompts import demo_prompts
+    from speculators.prompts import Conversation
+    from speculators.regenerate import regenerate, transformers_generate_fn
+    from speculators.verifier import load_verifier
+    from speculators.vocab import build_store_vocab
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    directory = tmp_path_factory.mktemp("train-store")
+    conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(demo_prompts()[:8])]
+    generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
+    samples, _ = regenerate(conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512,
+                            progress=False)  # fmt: skip
+    run_datagen(samples, verifier, directory, aux_layer_ids=AUX, storage="float32", progress=False)
+    build_store_vocab(directory, 128)
+    return directory
+
+
+def config_for(store, verifier, output, **overrides) -> TrainConfig:
+    options = dict(store=str(store), verifier=str(verifier), output=str(output), token_budget=128, lr=2e-3,
+                   precision="fp32", log_every=2, eval_every=4, checkpoint_every=4, progress=False,
+                   validation_share=0.15)  # fmt: skip
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def test_ttt_loss_equals_a_plain_loop():
+    torch.manual_seed(0)
+    B, T, D, steps = 2, 9, 11, 3
+    step_logits = [torch.randn(B, T, D) for _ in range(steps)]
+    targets = torch.randn(B, T, D)
+    mask = torch.rand(B, T) > 0.3
+    documents = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])
+    gamma = 0.8
+    loss, sums = ttt_loss(step_logits, targets, mask, documents, decay=gamma)
+
+    expected_loss = 0.0
+    chain_ok = {(b, t): True for b in range(B) for t in range(T)}
+    for s in range(steps):
+        kl_sum, count, correct, cond_correct, cond_count = 0.0, 0, 0, 0, 0
+        for b in range(B):
+            for t in range(T - s):
+                if not (mask[b, t + s] and documents[b, t] == documents[b, t + s]):
+                    ok = chain_ok[(b, t)]
+                    chain_ok[(b, t)] = ok and bool(step_logits[s][b, t].argmax() == targets[b, t + s].argmax())
+                    continue
+                p = F.softmax(targets[b, t + s], -1)
+                log_q = F.log_softmax(step_logits[s][b, t], -1)
+                kl_sum += float((p * (p.log() - log_q)).sum())
+                count += 1
+                hit = bool(step_logits[s][b, t].argmax() == targets[b, t + s].argmax())
+                correct += hit
+                if chain_ok[(b, t)]:
+                    cond_count += 1
+                    cond_correct += hit
+                chain_ok[(b, t)] = chain_ok[(b, t)] and hit
+        expected_loss += gamma**s * kl_sum / count
+        assert sums["count"][s] == count and sums["correct"][s] == correct
+        assert sums["cond_correct"][s] == cond_correct and sums["cond_count"][s] == cond_count
+        assert sums["kl"][s].item() == pytest.approx(kl_sum, rel=1e-5)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert expected_acceptance_length([0.0, 1.0]) == 1.0
+    assert expected_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_verifier, tmp_path):
+    verifier = peaked_verifier
+    summary = train(config_for(store, verifier, tmp_path / "run", epochs=80, lr=1e-2, warmup=0.05,
+                               validation_share=0.0, token_budget=512, eval_every=1000, checkpoint_every=1000,
+                               log_every=5))  # fmt: skip
+    assert summary["final_train"]["full_acc"][0] > 0.9
+    assert validate_checkpoint(tmp_path / "run" / "drafter", verifier=str(verifier)).ok
+    config = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX and config["draft_vocab_size"] == 128
+    assert (tmp_path / "run" / "training_curves.png").stat().st_size > 10_000
+    rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert rows[-1]["event"] in ("train", "validation") and summary["tokens_per_second"] > 0
+    # lm_head stays the verifier's rows (frozen by default).
+    from speculators.verifier import load_verifier
+    from speculators.vocab import load_draft_vocab
+
+    rows_expected = load_verifier(verifier, dtype="float32").lm_head_weight[load_draft_vocab(store)["selected_ids"]]
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "run" / "drafter", dtype="float32")
+    torch.testing.assert_close(drafter.lm_head.weight, rows_expected.bfloat16().float())
+
+
+TRAIN_SCRIPT = """
+import sys
+from speculators.train import TrainConfig, train
+import speculators.train as module
+original = module.save_checkpoint
+def slow_save(*args, **kwargs):
+    original(*args, **kwargs)
+    import time; time.sleep(0.5)  # widen the window in which the test kills us
+module.save_checkpoint = slow_save
+train(TrainConfig.model_validate_json(sys.argv[1]))
+"""
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp_path):
+    verifier = peaked_verifier
+    reference = config_for(store, verifier, tmp_path / "reference", max_steps=16)
+    train(reference)
+    resumed = config_for(store, verifier, tmp_path / "resumed", max_steps=16)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", TRAIN_SCRIPT, resumed.model_dump_json()], env=env)
+    state_file = tmp_path / "resumed" / "checkpoints" / "last" / "trainer_state.json"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (state_file.is_file() and json.loads(state_file.read_text())["step"] >= 8):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = json.loads(state_file.read_text())["step"]
+    assert 8 <= killed_at < 16
+    summary = train(resumed)
+    assert summary["steps"] == 16
+    a = Eagle3Drafter.from_pretrained(tmp_path / "reference" / "checkpoints" / "last" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(tmp_path / "resumed" / "checkpoints" / "last" / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_ddp_on_two_cpu_processes_equals_one_process(store, peaked_verifier, tmp_path):
+    verifier = peaked_verifier
+    train(config_for(store, verifier, tmp_path / "single", max_steps=6, grad_accumulation=2))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train",
+               "--store", str(store), "--verifier", str(verifier), "--output", str(tmp_path / "ddp"),
+               "--token-budget", "128", "--lr", "2e-3", "--precision", "fp32", "--max-steps", "6",
+               "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4", "--validation-share", "0.15",
+               "--no-progress"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp["world_size"] == 2 and ddp["train_tokens"] == single["train_tokens"]
+    a = Eagle3Drafter.from_pretrained(tmp_path / "single" / "checkpoints" / "last" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(tmp_path / "ddp" / "checkpoints" / "last" / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+def test_warm_start_continues_from_an_earlier_drafter(store, peaked_verifier, tmp_path):
+    verifier = peaked_verifier
+    train(config_for(store, verifier, tmp_path / "first", max_steps=8))
+    warm = train(config_for(store, verifier, tmp_path / "second", max_steps=1, lr=1e-9,
+                            warm_start=str(tmp_path / "first" / "drafter")))  # fmt: skip
+    cold = train(config_for(store, verifier, tmp_path / "cold", max_steps=1, lr=1e-9))
+    assert sum(warm["final_train"]["loss"]) < sum(cold["final_train"]["loss"])
+
+
+def test_clear_errors(store, peaked_verifier, tmp_path):
+    from speculators.tiny_models import make_tiny_verifier
+
+    other = make_tiny_verifier("llama", tmp_path / "other", seed=3)
+    with pytest.raises(SpeculatorsError, match="whose weights differ"):
+        train(config_for(store, other, tmp_path / "x"))
+    wide = make_tiny_verifier("llama", tmp_path / "wide", hidden_size=96)
+    with pytest.raises(SpeculatorsError, match="hidden 64 / vocab 512, not 96 / 512"):
+        train(config_for(store, wide, tmp_path / "y"))
+    with pytest.raises(SpeculatorsError, match="fewer training packs"):
+        train(config_for(store, peaked_verifier, tmp_path / "z", grad_accumulation=10_000))
+    with pytest.raises(SpeculatorsError, match="FSDP2 sharding needs|--fsdp shards over CUDA"):
+        train(config_for(store, peaked_verifier, tmp_path / "w", fsdp=True))
