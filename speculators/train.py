@@ -77,32 +77,40 @@ def init_distributed(config: TrainConfig) -> tuple[int, int, Any]:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if config.fsdp and device.type != "cuda":
-        raise SpeculatorsError("--fsdp shards over CUDA GPUs; on CPU train with DDP (the default under torchrun)")
+    if config.fsdp and world == 1:
+        raise SpeculatorsError("--fsdp shards over several processes; launch with torchrun --nproc-per-node N")
     return rank, world, device
 
 
 def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
-    """The module the loop calls: TTT forward, wrapped for DDP / FSDP2 so gradients synchronise."""
+    """The module the loop calls: TTT forward (normed outputs), wrapped for DDP or FSDP2.
+
+    Under FSDP2 each decoder layer and the lm_head are their own units (the lm_head is applied
+    outside the forward, where the loss looks) and this wrapper is the root, so the fc and norms
+    stay gathered for the whole TTT forward.
+    """
     import torch
 
-    class TrainingForward(torch.nn.Module):
+    class TTTForward(torch.nn.Module):
         def __init__(self, drafter: Any):
             super().__init__()
             self.drafter = drafter
 
         def forward(self, *args: Any) -> Any:
-            return self.drafter.ttt_forward(*args)
+            return self.drafter.ttt_forward(*args, return_normed=True)
 
-    model = TrainingForward(drafter)
+    model = TTTForward(drafter)
     if world == 1:
         return model
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh(device.type, (world,))
         for layer in drafter.layers:
-            fully_shard(layer)
-        return fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(drafter.lm_head, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -118,14 +126,18 @@ def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
     return sums
 
 
+def uses_bf16(config: TrainConfig, device: Any) -> bool:
+    import torch
+
+    if config.precision != "auto":
+        return config.precision == "bf16"
+    return (device.type == "cuda" and torch.cuda.is_bf16_supported()) or (device.type == "cpu" and cpu_has_bf16())
+
+
 def autocast_context(config: TrainConfig, device: Any) -> Any:
     import torch
 
-    use_bf16 = config.precision == "bf16" or (
-        config.precision == "auto"
-        and ((device.type == "cuda" and torch.cuda.is_bf16_supported()) or (device.type == "cpu" and cpu_has_bf16()))
-    )
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(config, device) else nullcontext()
 
 
 def cpu_has_bf16() -> bool:
@@ -156,7 +168,7 @@ def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
             torch.optim.AdamW(others, lr=config.lr, weight_decay=0.0),
         ]
     return [torch.optim.AdamW([p for _, p in trainable], lr=config.lr, weight_decay=config.weight_decay,
-                              betas=(0.9, 0.95))]  # fmt: skip
+                              betas=(0.9, 0.95), fused=True)]  # fmt: skip
 
 
 # ----- model construction and checks -------------------------------------------------------------
@@ -215,57 +227,96 @@ def check_store_fits_verifier(manifest: dict[str, Any], verifier: Any, store: st
 # ----- checkpoints -------------------------------------------------------------------------------
 
 
-def save_checkpoint(directory: Path, drafter: Any, optimizers: list[Any], state: dict[str, Any]) -> None:
+def drafter_key(fqn: str) -> str:
+    """The drafter's own parameter name from a wrapped model's fully qualified name."""
+    return fqn.removeprefix("module.").removeprefix("drafter.")
+
+
+def gather_full_state(model: Any, optimizers: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Unsharded model and optimizer state on CPU (collective under DDP/FSDP; full on rank 0)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = {drafter_key(k): v for k, v in get_model_state_dict(model, options=options).items()}
+    optimizer_states = [get_optimizer_state_dict(model, optimizer, options=options) for optimizer in optimizers]
+    return model_state, optimizer_states
+
+
+def drafter_from_state(config: Any, model_state: dict[str, Any]) -> Any:
+    """A plain (unsharded) drafter holding `model_state`, for writing checkpoints."""
+    from speculators.models.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter(config)
+    weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
+    drafter.load_state_dict(weights, strict=True)
+    return drafter
+
+
+def save_checkpoint(
+    directory: Path, drafter: Any, optimizer_states: list[dict[str, Any]], state: dict[str, Any]
+) -> None:
     """Drafter (speculators format) + optimizer tensors (safetensors) + trainer state (JSON), atomically."""
     from safetensors.torch import save_file
 
     from speculators.atomic_io import atomic_directory
 
-    names = {id(p): n for n, p in drafter.named_parameters()}
-    tensors, scalars = {}, {}
-    for index, optimizer in enumerate(optimizers):
-        for param, param_state in optimizer.state.items():
+    tensors, scalars, groups = {}, {}, []
+    for index, optimizer_state in enumerate(optimizer_states):
+        for fqn, param_state in optimizer_state["state"].items():
             for key, value in param_state.items():
-                name = f"{index}.{names[id(param)]}.{key}"
+                name = f"{index}/{fqn}/{key}"
                 if hasattr(value, "dim") and value.dim() > 0:
                     tensors[name] = value.detach().contiguous().cpu()
                 else:
                     scalars[name] = float(value)
+        groups.append(optimizer_state["param_groups"])
     with atomic_directory(directory) as tmp:
         drafter.save_pretrained(tmp / "drafter", dtype="float32")
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "optimizer_scalars": scalars}, indent=1))
+        trainer_state = {**state, "optimizer_scalars": scalars, "optimizer_param_groups": groups}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
 
 
-def load_checkpoint(directory: Path, drafter: Any, optimizers: list[Any]) -> dict[str, Any]:
+def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """Restore model and optimizer state on every rank (each reads the full checkpoint)."""
     import torch
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    from speculators.models.eagle3 import Eagle3Drafter
-
-    saved = Eagle3Drafter.from_pretrained(directory / "drafter", dtype="float32")
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if not name.startswith("embed_tokens."):
-                param.copy_(dict(saved.named_parameters())[name])
+    saved = load_file(str(directory / "drafter" / "model.safetensors"))
+    names = {drafter_key(k): k for k in get_model_state_dict(model)}
+    model_state = {names[k]: v for k, v in saved.items()}
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, model_state, options=full)
     state = json.loads((directory / "trainer_state.json").read_text())
     tensors = load_file(str(directory / "optimizer.safetensors"))
-    params = dict(drafter.named_parameters())
     for index, optimizer in enumerate(optimizers):
-        for name, param in params.items():
-            prefix = f"{index}.{name}."
-            entries = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            entries.update({k[len(prefix) :]: torch.tensor(v) for k, v in state["optimizer_scalars"].items()
-                            if k.startswith(prefix)})  # fmt: skip
-            if entries:
-                optimizer.state[param] = entries
+        per_param: dict[str, dict[str, Any]] = {}
+        for name, value in [*tensors.items(), *((k, torch.tensor(v)) for k, v in state["optimizer_scalars"].items())]:
+            owner, fqn, key = name.split("/")
+            if int(owner) == index:
+                per_param.setdefault(fqn, {})[key] = value
+        saved_state = {"state": per_param, "param_groups": state["optimizer_param_groups"][index]}
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=saved_state,
+                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
     return state
 
 
 # ----- evaluation, logging, plots ----------------------------------------------------------------
 
 
-def run_validation(drafter: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any) -> dict | None:
+def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any,
+                   rank: int, world: int) -> dict | None:  # fmt: skip
+    """Validation metrics; every rank scores its share of the packs (collective)."""
     import torch
 
     from speculators.ttt import summarize, ttt_loss, verifier_target_logits
@@ -273,18 +324,26 @@ def run_validation(drafter: Any, packs: Any, head: tuple[Any, Any], config: Trai
     plan = packs.pack_plan(0) if packs.entries else []
     if not plan:
         return None
-    sums = None
-    drafter.eval()
+    # DDP's forward broadcasts buffers (a collective); validation needs none, so use the inner module.
+    # FSDP2's forward gathers parameters: every rank runs the same number of forwards, and a rank
+    # past the end of the plan repeats pack 0 without counting it.
+    forward = getattr(model, "module", model)
+    sums = {k: torch.zeros(config.ttt_steps, dtype=torch.float64, device=device)
+            for k in ("kl", "count", "correct", "cond_correct", "cond_count")}  # fmt: skip
+    model.eval()
     with torch.no_grad(), autocast_context(config, device):
-        for indices in plan:
-            pack = to_device(packs.load_pack(indices), device)
-            logits = drafter.ttt_forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                                         pack.document_ids)  # fmt: skip
-            targets = verifier_target_logits(pack.target_hidden_states, *head)
-            _, step_sums = ttt_loss(logits, targets, pack.loss_mask, pack.document_ids, config.step_decay)
-            sums = step_sums if sums is None else {k: sums[k] + v for k, v in step_sums.items()}
-    drafter.train()
-    return summarize(sums)
+        for start in range(0, len(plan), world):
+            index = start + rank
+            pack = to_device(packs.load_pack(plan[index if index < len(plan) else 0]), device)
+            normed = forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
+                             pack.document_ids)  # fmt: skip
+            targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
+            _, step_sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
+                                    lm_head=lm_head)  # fmt: skip
+            if index < len(plan):
+                sums = {k: sums[k] + v.to(device) for k, v in step_sums.items()}
+    model.train()
+    return summarize(all_reduce_sums(sums, world))
 
 
 def to_device(pack: Any, device: Any) -> Any:
@@ -341,6 +400,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     verifier = load_verifier(config.verifier, dtype=manifest["verifier"]["dtype"])
     check_store_fits_verifier(manifest, verifier, config.store)
     drafter = build_drafter(config, verifier, manifest, vocab).to(device)
+    if uses_bf16(config, device) and not config.train_lm_head:
+        drafter.lm_head.to(torch.bfloat16)  # frozen: autocast would re-cast it on every call
     head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
     del verifier
     model = wrap_model(drafter, world, device, config.fsdp)
@@ -357,7 +418,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
     last = output / "checkpoints" / "last"
     if (last / "trainer_state.json").is_file():
-        state = load_checkpoint(last, drafter, optimizers)
+        state = load_checkpoint(last, model, optimizers)
         if rank == 0:
             print(f"resuming from {last} at step {state['step']}", flush=True)
     log_path = output / "train_log.jsonl"
@@ -368,6 +429,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
     log = open(log_path, "a", encoding="utf-8") if rank == 0 else None  # noqa: SIM115 (held for the loop)
 
     window_sums, window_tokens, window_start = None, 0, time.perf_counter()
+    run_started, wall_before = time.perf_counter(), state.get("wall_seconds", 0.0)
+
+    def wall_seconds() -> float:  # wall time of the whole run, across resumes
+        return round(wall_before + time.perf_counter() - run_started, 2)
+
     model.train()
     bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
                disable=not config.progress or rank != 0)  # fmt: skip
@@ -384,10 +450,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 sync = micro == config.grad_accumulation - 1 or world == 1
                 with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
                         autocast_context(config, device):  # fmt: skip
-                    logits = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
+                    normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
                                    pack.document_ids)  # fmt: skip
-                    targets = verifier_target_logits(pack.target_hidden_states, *head)
-                    loss, sums = ttt_loss(logits, targets, pack.loss_mask, pack.document_ids, config.step_decay)
+                    targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
+                    loss, sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
+                                          lm_head=drafter.lm_head)  # fmt: skip
                     (loss / config.grad_accumulation).backward()
                 window_sums = sums if window_sums is None else {k: window_sums[k] + v for k, v in sums.items()}
                 window_tokens += pack.num_tokens
@@ -406,8 +473,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 state["tokens"] += tokens
                 state["train_seconds"] += seconds
                 metrics = summarize(window_sums)
-                record = {"event": "train", "step": state["step"], "lr": lr_at(step, total_steps, config),
-                          "tokens_per_second": tokens / seconds, **metrics}  # fmt: skip
+                record = {"event": "train", "step": state["step"], "wall_seconds": wall_seconds(),
+                          "lr": lr_at(step, total_steps, config), "tokens_per_second": tokens / seconds,
+                          **metrics}  # fmt: skip
                 if log:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
@@ -416,19 +484,31 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 window_sums, window_tokens, window_start = None, 0, time.perf_counter()
 
             evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
-            if evaluate and rank == 0:
-                metrics = run_validation(drafter, val_packs, head, config, device)
-                if metrics is not None:
-                    log.write(json.dumps({"event": "validation", "step": state["step"], **metrics}) + "\n")
+            checkpoint = state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps
+            if evaluate:
+                metrics = run_validation(model, drafter.lm_head, val_packs, head, config, device, rank, world)
+                improved = metrics is not None and (
+                    state["best_validation_loss"] is None or sum(metrics["loss"]) < state["best_validation_loss"]
+                )
+                if metrics is not None and log:
+                    log.write(json.dumps({"event": "validation", "step": state["step"],
+                                          "wall_seconds": wall_seconds(), **metrics}) + "\n")  # fmt: skip
                     log.flush()
-                    if state["best_validation_loss"] is None or sum(metrics["loss"]) < state["best_validation_loss"]:
-                        state["best_validation_loss"] = sum(metrics["loss"])
-                        state["best_validation"] = metrics
-                        drafter.save_pretrained(output / "checkpoints" / "best")
-                window_start = time.perf_counter()  # validation time is not training throughput
-            if rank == 0 and (state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps):
-                save_checkpoint(last, drafter, optimizers, state)
-                window_start = time.perf_counter()
+                if improved:
+                    state["best_validation_loss"] = sum(metrics["loss"])
+                    state["best_validation"] = metrics
+                checkpoint = checkpoint or improved
+            if checkpoint:
+                state["wall_seconds"] = wall_seconds()
+                model_state, optimizer_states = gather_full_state(model, optimizers)
+                if rank == 0:
+                    snapshot = drafter_from_state(drafter.config, model_state)
+                    if evaluate and improved:
+                        snapshot.save_pretrained(output / "checkpoints" / "best")
+                    if state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps:
+                        save_checkpoint(last, snapshot, optimizer_states, state)
+            if evaluate or checkpoint:
+                window_start = time.perf_counter()  # validation and saving are not training throughput
     except RuntimeError as error:
         if "out of memory" in str(error).lower() or "can't allocate" in str(error).lower():
             raise SpeculatorsError(
@@ -441,8 +521,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             log.close()
 
     summary: dict[str, Any] = {}
+    model_state, _ = gather_full_state(model, [])
     if rank == 0:
-        drafter.save_pretrained(output / "drafter", dtype="bfloat16")
+        drafter_from_state(drafter.config, model_state).save_pretrained(output / "drafter", dtype="bfloat16")
         report = validate_checkpoint(output / "drafter", verifier=config.verifier)
         if not report.ok:
             raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
@@ -452,6 +533,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             "epochs": state["step"] / steps_per_epoch,
             "train_tokens": state["tokens"],
             "train_seconds": round(state["train_seconds"], 2),
+            "wall_seconds": wall_seconds(),
             "tokens_per_second": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
             "world_size": world,
             "final_train": {k: v for k, v in last_train.items() if k not in ("event",)},

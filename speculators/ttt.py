@@ -1,14 +1,18 @@
 """Training-time-test loss and metrics (spec/eagle3.md).
 
-Step s scores logits[:, :T-s] against the verifier's distribution at [:, s:] (forward
-KL(p_verifier || q_draft) over the draft vocab), where the loss mask holds and the target lies in
-the same packed document. Per step: loss, full accuracy (argmax agrees) and conditional accuracy
-(agrees given all earlier steps of the same chain agreed). Counts are returned as sums so they
-aggregate exactly over packs, ranks and logging windows.
+Step s scores the drafter's step-s outputs at [:, :T-s] against the verifier's distribution at
+[:, s:] (forward KL(p_verifier || q_draft) over the draft vocab), where the loss mask holds and the
+target lies in the same packed document. Per step: loss, full accuracy (argmax agrees) and
+conditional accuracy (agrees given every earlier step of the same chain was scored and agreed).
+Counts are returned as sums so they aggregate exactly over packs, ranks and logging windows.
+
+Logits are computed only at scored positions (the loss mask is typically half of a pack), both for
+the drafter (pass its normed outputs and `lm_head`) and for the verifier targets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,43 +20,61 @@ from torch.nn import functional as F
 
 
 def verifier_target_logits(target_states: torch.Tensor, final_norm: Any, lm_head_rows: torch.Tensor) -> torch.Tensor:
-    """Verifier logits restricted to the draft vocab: rows of lm_head(final_norm(y)), in fp32."""
+    """Verifier logits restricted to the draft vocab: lm_head(final_norm(y)) rows, in fp32, for the
+    given states (pass only the scored positions' states to compute nothing else)."""
     with torch.no_grad():
-        normed = final_norm(target_states.to(lm_head_rows.dtype))
-        return (normed @ lm_head_rows.T).float()
+        return (final_norm(target_states.to(lm_head_rows.dtype)) @ lm_head_rows.T).float()
 
 
 def ttt_loss(
-    step_logits: list[torch.Tensor],
+    step_outputs: list[torch.Tensor],
     target_logits: torch.Tensor,
     loss_mask: torch.Tensor,
     document_ids: torch.Tensor,
     decay: float = 1.0,
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total loss (sum over steps of decay**s x masked-mean KL) and per-step count sums [steps]."""
-    length = target_logits.shape[1]
-    target_logp = F.log_softmax(target_logits.float(), dim=-1)
+    """Total loss (sum over steps of decay**s x masked-mean KL) and per-step count sums [steps].
+
+    `step_outputs` are per-step logits [B, T, D], or normed hidden states [B, T, H] with `lm_head`.
+    `target_logits` are the verifier's, either [B, T, D] or only at the loss-mask positions
+    [mask.sum(), D] (in row-major order of the mask).
+    """
+    length = loss_mask.shape[1]
+    needed = loss_mask.bool()
+    if target_logits.dim() == 3:
+        target_logits = target_logits[needed]
+    target_logp = F.log_softmax(target_logits.float(), dim=-1)  # [n, D], one row per needed position
+    target_p = target_logp.exp()
+    neg_entropy = (target_p * target_logp).sum(-1)
     target_ids = target_logp.argmax(-1)
-    chain_ok = torch.ones_like(loss_mask, dtype=torch.bool)
-    total = target_logits.new_zeros(())
+    row_of = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+    row_of[needed] = torch.arange(target_logp.shape[0], device=needed.device)
+
+    chain_ok = torch.ones_like(needed)
+    total = target_logp.new_zeros(())
     sums: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "count", "correct", "cond_correct", "cond_count")}
-    for step, logits in enumerate(step_logits):
+    for step, output in enumerate(step_outputs):
         span = length - step
-        draft_logp = F.log_softmax(logits[:, :span].float(), dim=-1)
-        p_logp = target_logp[:, step:]
-        mask = loss_mask[:, step:].bool() & (document_ids[:, :span] == document_ids[:, step:])
-        kl = (p_logp.exp() * (p_logp - draft_logp)).sum(-1)
+        mask = needed[:, step:] & (document_ids[:, :span] == document_ids[:, step:])
+        rows = mask.nonzero(as_tuple=True)  # (batch, chain start t); target position t + step
+        targets = row_of[:, step:][rows]
+        scored = output[:, :span][rows]
+        logits = lm_head(scored) if lm_head is not None else scored
+        draft_logp = F.log_softmax(logits.float(), dim=-1)
+        kl = neg_entropy[targets] - (target_p[targets] * draft_logp).sum(-1)
         count = mask.sum()
-        kl_sum = (kl * mask).sum()
-        total = total + decay**step * kl_sum / count.clamp(min=1)
-        correct = draft_logp.argmax(-1) == target_ids[:, step:]
+        total = total + decay**step * kl.sum() / count.clamp(min=1)
+        hit = draft_logp.argmax(-1) == target_ids[targets]
+        correct = torch.zeros_like(mask)
+        correct[rows] = hit
         chain_ok = chain_ok[:, :span]
-        sums["kl"].append(kl_sum.detach())
+        sums["kl"].append(kl.sum().detach())
         sums["count"].append(count)
-        sums["correct"].append((correct & mask).sum())
-        sums["cond_correct"].append((correct & mask & chain_ok).sum())
+        sums["correct"].append(hit.sum())
+        sums["cond_correct"].append((correct & chain_ok).sum())
         sums["cond_count"].append((mask & chain_ok).sum())
-        chain_ok = chain_ok & correct
+        chain_ok = chain_ok & correct  # an unscored step breaks the chain
     return total, {k: torch.stack(v).double() for k, v in sums.items()}
 
 

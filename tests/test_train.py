@@ -78,8 +78,7 @@ def test_ttt_loss_equals_a_plain_loop():
         for b in range(B):
             for t in range(T - s):
                 if not (mask[b, t + s] and documents[b, t] == documents[b, t + s]):
-                    ok = chain_ok[(b, t)]
-                    chain_ok[(b, t)] = ok and bool(step_logits[s][b, t].argmax() == targets[b, t + s].argmax())
+                    chain_ok[(b, t)] = False  # an unscored step breaks the chain
                     continue
                 p = F.softmax(targets[b, t + s], -1)
                 log_q = F.log_softmax(step_logits[s][b, t], -1)
@@ -96,6 +95,13 @@ def test_ttt_loss_equals_a_plain_loop():
         assert sums["cond_correct"][s] == cond_correct and sums["cond_count"][s] == cond_count
         assert sums["kl"][s].item() == pytest.approx(kl_sum, rel=1e-5)
     assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    # Normed outputs + lm_head (logits only where scored) give the same loss and counts.
+    head = torch.nn.Linear(5, D, bias=False)
+    hidden = [torch.randn(B, T, 5) for _ in range(steps)]
+    full, full_sums = ttt_loss([head(h) for h in hidden], targets, mask, documents, decay=gamma)
+    sparse, sparse_sums = ttt_loss(hidden, targets, mask, documents, decay=gamma, lm_head=head)
+    assert sparse.item() == pytest.approx(full.item(), rel=1e-6)
+    assert all(torch.equal(full_sums[k], sparse_sums[k]) for k in full_sums)
 
 
 def test_expected_acceptance_length():
@@ -161,23 +167,26 @@ def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
 
 
-def test_ddp_on_two_cpu_processes_equals_one_process(store, peaked_verifier, tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, sharding):
+    """torchrun with 2 ranks (gloo): DDP, and FSDP2 sharding, match one process with the same global batch."""
     verifier = peaked_verifier
     train(config_for(store, verifier, tmp_path / "single", max_steps=6, grad_accumulation=2))
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train",
-               "--store", str(store), "--verifier", str(verifier), "--output", str(tmp_path / "ddp"),
+               "--store", str(store), "--verifier", str(verifier), "--output", str(tmp_path / sharding),
                "--token-budget", "128", "--lr", "2e-3", "--precision", "fp32", "--max-steps", "6",
                "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4", "--validation-share", "0.15",
-               "--no-progress"]  # fmt: skip
+               "--no-progress", *(["--fsdp"] if sharding == "fsdp" else [])]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     single = json.loads((tmp_path / "single" / "summary.json").read_text())
-    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
-    assert ddp["world_size"] == 2 and ddp["train_tokens"] == single["train_tokens"]
+    multi = json.loads((tmp_path / sharding / "summary.json").read_text())
+    assert multi["world_size"] == 2 and multi["train_tokens"] == single["train_tokens"]
+    assert multi["best_validation"]["full_acc"] == pytest.approx(single["best_validation"]["full_acc"], abs=1e-6)
     a = Eagle3Drafter.from_pretrained(tmp_path / "single" / "checkpoints" / "last" / "drafter").state_dict()
-    b = Eagle3Drafter.from_pretrained(tmp_path / "ddp" / "checkpoints" / "last" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(tmp_path / sharding / "checkpoints" / "last" / "drafter").state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
 
@@ -202,5 +211,5 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
         train(config_for(store, wide, tmp_path / "y"))
     with pytest.raises(SpeculatorsError, match="fewer training packs"):
         train(config_for(store, peaked_verifier, tmp_path / "z", grad_accumulation=10_000))
-    with pytest.raises(SpeculatorsError, match="FSDP2 sharding needs|--fsdp shards over CUDA"):
+    with pytest.raises(SpeculatorsError, match="--fsdp shards over several processes"):
         train(config_for(store, peaked_verifier, tmp_path / "w", fsdp=True))

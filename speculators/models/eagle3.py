@@ -99,7 +99,7 @@ class DraftAttention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | TTTMask | None,
         past: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         batch, length, _ = x.shape
@@ -118,7 +118,10 @@ class DraftAttention(nn.Module):
             v = torch.cat([past[1], v], dim=2)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, TTTMask):
+            out = ttt_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
 
@@ -204,7 +207,8 @@ class DraftKVCache:
 
 @dataclass
 class DraftOutput:
-    logits: torch.Tensor  # [B, T, draft_vocab]
+    logits: torch.Tensor | None  # [B, T, draft_vocab] (None when not asked for)
+    normed: torch.Tensor  # [B, T, H], final-norm output: logits = lm_head(normed)
     hidden_states: torch.Tensor  # [B, T, H], fed to the next draft step
     new_key_values: list[tuple[torch.Tensor, torch.Tensor]]  # this call's keys/values per layer
 
@@ -214,6 +218,51 @@ def causal_mask(query_length: int, past_length: int, device: torch.device) -> to
     keys = torch.arange(past_length + query_length, device=device)
     queries = torch.arange(query_length, device=device) + past_length
     return (keys[None, :] <= queries[:, None])[None, None]
+
+
+@dataclass
+class TTTMask:
+    """The training-time-test mask in structured form: contiguous document segments of a packed
+    sequence (batch 1) plus `step` diagonal key blocks. Same semantics as `ttt_attention_mask`,
+    computed in O(sum of squared document lengths) instead of O(T x (step + 1) T)."""
+
+    segments: list[tuple[int, int]]
+    step: int
+
+    @classmethod
+    def from_document_ids(cls, document_ids: torch.Tensor, step: int) -> TTTMask:
+        if document_ids.shape[0] != 1:
+            raise SpeculatorsError("structured TTT attention packs one sequence per batch (batch size 1)")
+        ids = document_ids[0]
+        starts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist()]
+        ends = [*starts[1:], ids.numel()]
+        return cls(list(zip(starts, ends, strict=True)), step)
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TTTMask) -> torch.Tensor:
+    """Attention of step `mask.step`: causal over step-0 keys inside each document, plus the
+    diagonal of every later step's keys. q [B, h, T, d]; k, v [B, h, (step + 1) T, d]."""
+    length, head_dim = q.shape[2], q.shape[3]
+    scale = head_dim**-0.5
+    k0, v0 = k[:, :, :length], v[:, :, :length]
+    diag_k = k[:, :, length:].unflatten(2, (mask.step, length))  # [B, h, step, T, d]
+    diag_v = v[:, :, length:].unflatten(2, (mask.step, length))
+    diag_scores = (q.unsqueeze(2) * diag_k).sum(-1) * scale  # [B, h, step, T]
+    outputs = []
+    for start, end in mask.segments:
+        span = end - start
+        scores = (q[:, :, start:end] @ k0[:, :, start:end].transpose(-1, -2)) * scale
+        future = torch.ones(span, span, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        if mask.step:
+            scores = torch.cat([scores, diag_scores[:, :, :, start:end].transpose(-1, -2)], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        out = probs[..., :span] @ v0[:, :, start:end]
+        if mask.step:
+            weights = probs[..., span:].transpose(-1, -2).unsqueeze(-1)  # [B, h, step, L, 1]
+            out = out + (weights * diag_v[:, :, :, start:end]).sum(2)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2)
 
 
 def ttt_attention_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -325,6 +374,7 @@ class Eagle3Drafter(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        compute_logits: bool = True,
     ) -> DraftOutput:
         """One draft step over T positions.
 
@@ -348,9 +398,9 @@ class Eagle3Drafter(nn.Module):
             hidden_states, kv = layer(hidden_states, embeds, rotary, attention_mask, layer_past)
             new_kv.append(kv)
         normed = self.norm(hidden_states)
-        logits = self.lm_head(normed)
+        logits = self.lm_head(normed) if compute_logits else None
         next_hidden = normed if self.config.norm_output else hidden_states
-        return DraftOutput(logits=logits, hidden_states=next_hidden, new_key_values=new_kv)
+        return DraftOutput(logits=logits, normed=normed, hidden_states=next_hidden, new_key_values=new_kv)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -362,8 +412,11 @@ class Eagle3Drafter(nn.Module):
         num_steps: int,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        return_normed: bool = False,
     ) -> list[torch.Tensor]:
-        """Training-time test: logits [B, T, D] for each of `num_steps` draft steps.
+        """Training-time test: logits [B, T, D] for each of `num_steps` draft steps (or, with
+        `return_normed`, the final-norm outputs [B, T, H], so a trainer can apply lm_head only
+        where the loss looks).
 
         input_ids [B, T] are the shifted tokens (token t+1 at position t), aux states those of
         position t. Step s feeds the tokens shifted by s more (teacher forcing) with the drafter's
@@ -380,13 +433,15 @@ class Eagle3Drafter(nn.Module):
         all_logits = []
         for step in range(num_steps):
             step_ids = F.pad(input_ids[:, step:], (0, step))  # tokens past the end are never scored
-            mask = ttt_attention_mask(document_ids, step)
-            out = self(step_ids, hidden, position_ids + step, mask, past)
+            mask = (
+                TTTMask.from_document_ids(document_ids, step) if batch == 1 else ttt_attention_mask(document_ids, step)
+            )
+            out = self(step_ids, hidden, position_ids + step, mask, past, compute_logits=not return_normed)
             past = [
                 kv if old is None else (torch.cat([old[0], kv[0]], 2), torch.cat([old[1], kv[1]], 2))
                 for old, kv in zip(past, out.new_key_values, strict=True)
             ]
-            all_logits.append(out.logits)
+            all_logits.append(out.normed if return_normed else out.logits)
             hidden = out.hidden_states
         return all_logits
 
