@@ -213,3 +213,17 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
         train(config_for(store, peaked_verifier, tmp_path / "z", grad_accumulation=10_000))
     with pytest.raises(SpeculatorsError, match="--fsdp shards over several processes"):
         train(config_for(store, peaked_verifier, tmp_path / "w", fsdp=True))
+
+
+def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
+    config = config_for(store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2)
+    first = train(config)
+    assert first["steps"] == 4
+    from safetensors.torch import load_file
+
+    optimizer_tensors = load_file(str(tmp_path / "muon" / "checkpoints" / "last" / "optimizer.safetensors"))
+    assert any(name.startswith("0/") and name.endswith("/momentum_buffer") for name in optimizer_tensors)  # Muon
+    assert any(name.startswith("1/") and name.endswith("/exp_avg") for name in optimizer_tensors)  # AdamW (norms)
+    resumed = train(config.model_copy(update={"max_steps": 6}))
+    assert resumed["steps"] == 6
+    assert validate_checkpoint(tmp_path / "muon" / "drafter", verifier=str(peaked_verifier)).ok
