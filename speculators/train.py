@@ -2,7 +2,7 @@
 
 One loop, readable top to bottom (`train`); distributed, precision, checkpoint and logging details
 live in the small helpers around it. Launch with `torchrun --nproc-per-node N speculators train ...`
-for DDP (gloo on CPU, NCCL on GPUs) or add `--fsdp` on GPUs for FSDP2 sharding.
+for DDP (gloo on CPU, NCCL on GPUs), or add `--fsdp` for FSDP2 sharding.
 
 Outputs under --output:
     drafter/                 the final drafter (speculators format, validated)
@@ -446,7 +446,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     param_group["lr"] = lr_at(step, total_steps, config)
             for micro in range(config.grad_accumulation):
                 pack_index = (in_epoch * config.grad_accumulation + micro) * world + rank
-                pack = to_device(train_packs.load_pack(plan[pack_index]), device)
+                # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
+                pack = to_device(train_packs.load_pack(plan[pack_index % len(plan)]), device)
                 sync = micro == config.grad_accumulation - 1 or world == 1
                 with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
                         autocast_context(config, device):  # fmt: skip
