@@ -165,7 +165,21 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
         from speculators.tokenization import turn_end_ids
         from speculators.verifier import load_verifier, resolve_verifier_source
 
-        if args.backend == "vllm":
+        if args.backend == "vllm" and args.server_url:
+            import os
+
+            from transformers import AutoTokenizer
+
+            from speculators.regenerate import server_generate_fn
+            from speculators.verifier import load_verifier_config
+
+            _, location = load_verifier_config(args.verifier)
+            tokenizer = AutoTokenizer.from_pretrained(location)
+            generate = server_generate_fn(
+                args.server_url, args.max_new_tokens, args.temperature, args.seed, turn_end_ids(tokenizer),
+                model=args.server_model, concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
+            )  # fmt: skip
+        elif args.backend == "vllm":
             from transformers import AutoTokenizer
 
             kind, location = resolve_verifier_source(args.verifier)
@@ -361,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--max-length", type=int, default=2048, help="clip samples to this many tokens")
     prepare.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the verifier")
     prepare.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    prepare.add_argument("--server-url", help="with --backend vllm: a running OpenAI-compatible vLLM server")
+    prepare.add_argument("--server-model", help="model name on that server (default: its first model)")
     prepare.add_argument("--max-new-tokens", type=int, default=512)
     prepare.add_argument("--temperature", type=float, default=0.0)
     prepare.add_argument("--batch-size", type=int, default=8)

@@ -166,6 +166,10 @@ def run_datagen(
     entries = []
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
+        if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
+            stored_ids, _ = store.read_tokens({"shard": str(path.relative_to(store.root))})
+            if stored_ids.tolist() != sample.input_ids:
+                raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
         if key in written:
             checksum, size = written[key]
         elif key in previous and previous[key].get("bytes") == path.stat().st_size:

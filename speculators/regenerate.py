@@ -140,6 +140,61 @@ def vllm_generate_fn(
     return generate
 
 
+def server_generate_fn(
+    url: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    ends: set[int],
+    model: str | None = None,
+    concurrency: int = 8,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+) -> GenerateFn:
+    """Generation through an OpenAI-compatible vLLM server (`/v1/completions` with token-id prompts).
+
+    Token ids come back exactly (`return_token_ids`), so nothing is re-tokenized.
+    """
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = url.rstrip("/").removesuffix("/v1")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    def call(path: str, payload: dict | None = None) -> dict:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(base + path, data=data, headers=headers, method="POST" if data else "GET")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, OSError) as error:
+            detail = error.read().decode(errors="replace")[:300] if isinstance(error, urllib.error.HTTPError) else error
+            raise SpeculatorsError(f"the vLLM server at {base} failed on {path}: {detail}") from None
+
+    served = model or call("/v1/models")["data"][0]["id"]
+
+    def one(index_prompt: tuple[int, list[int]]) -> list[int]:
+        index, prompt = index_prompt
+        body = {"model": served, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature,
+                "seed": seed + index, "stop_token_ids": sorted(ends), "skip_special_tokens": False,
+                "return_token_ids": True}  # fmt: skip
+        choice = call("/v1/completions", body)["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        stop = choice.get("stop_reason")
+        if isinstance(stop, int) and (not ids or ids[-1] != stop):
+            ids.append(stop)  # a stop token the server reports without keeping it in token_ids
+        return ids
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, enumerate(prompts)))
+
+    return generate
+
+
 def continuation_ids(tokenizer: Any, history: list[dict[str, str]], upto: list[dict[str, str]]) -> list[int] | None:
     """Ids of the template text after the last generated turn's end token up to the next generation prompt.
 

@@ -211,6 +211,11 @@ def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], 
 
 def check_store_fits_verifier(manifest: dict[str, Any], verifier: Any, store: str) -> None:
     stored = manifest["verifier"]
+    if max(manifest["aux_layer_ids"]) > verifier.num_layers:
+        raise SpeculatorsError(
+            f"store {store} holds aux layers {manifest['aux_layer_ids']} but the verifier has {verifier.num_layers} "
+            f"layers; pass the store's verifier ({stored['name_or_path']})"
+        )
     if stored["hidden_size"] != verifier.hidden_size or stored["vocab_size"] != verifier.vocab_size:
         raise SpeculatorsError(
             f"store {store} was captured from a verifier with hidden {stored['hidden_size']} / vocab "

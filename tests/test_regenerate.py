@@ -199,3 +199,26 @@ def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]  # noqa: E731
     assert read("vllm") == read("hf")
     assert all(sum(row["loss_mask"]) > 0 for row in read("vllm"))
+
+
+@pytest.mark.slow
+def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
+    """Regeneration through a running OpenAI-compatible vLLM server gives transformers' greedy ids."""
+    import json
+
+    from speculators.cli import main
+
+    from .vllm_server import vllm_server
+
+    verifier = str(tiny_verifier_dir("llama"))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = ["prepare", "--source", str(tmp_path / "rows.jsonl"), "--verifier", verifier, "--regenerate",
+              "--dtype", "float32", "--max-new-tokens", "16", "--max-length", "256"]  # fmt: skip
+    with vllm_server(verifier, tmp_path / "server.log") as url:
+        assert main([*common, "--backend", "vllm", "--server-url", url, "--output", str(tmp_path / "server")]) == 0
+    assert main([*common, "--backend", "transformers", "--output", str(tmp_path / "hf")]) == 0
+
+    def read(name):
+        return [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+
+    assert read("server") == read("hf")
