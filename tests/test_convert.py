@@ -78,6 +78,19 @@ def write_research_checkpoint(directory, tensors, as_bin=True):
     return directory
 
 
+def assert_matches_reference(drafter, weights, aux, ids, **flags):
+    """The drafter's logits and fed-forward state equal the independent forward on `weights`."""
+    with torch.no_grad():
+        ours = drafter(ids[None], drafter.project_aux(aux[None]), position_ids=torch.arange(ids.numel())[None])
+    logits, hidden = reference_draft_logits(
+        weights, aux, weights["embed_tokens.weight"][ids], heads=HEADS, kv_heads=KV, head_dim=HD, eps=1e-5,
+        theta=10000.0, **flags,
+    )  # fmt: skip
+    torch.testing.assert_close(ours.logits[0], logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.hidden_states[0], hidden, atol=1e-5, rtol=1e-5)
+    return ours.logits[0], logits
+
+
 def test_research_checkpoint_converts_validates_and_keeps_logits(tmp_path, tiny_verifier_dir):
     verifier = tiny_verifier_dir("llama")
     tensors = research_tensors()
@@ -106,22 +119,8 @@ def test_research_checkpoint_converts_validates_and_keeps_logits(tmp_path, tiny_
     generator = torch.Generator().manual_seed(5)
     aux = torch.randn(7, 3 * H, generator=generator)
     ids = torch.randint(0, V, (7,), generator=generator)
-    with torch.no_grad():
-        ours = drafter(ids[None], drafter.project_aux(aux[None]), position_ids=torch.arange(7)[None])
-    expected_logits, expected_hidden = reference_draft_logits(
-        w,
-        aux,
-        w["embed_tokens.weight"][ids],
-        heads=HEADS,
-        kv_heads=KV,
-        head_dim=HD,
-        eps=1e-5,
-        theta=10000.0,
-        norm_before_residual=False,
-    )
-    torch.testing.assert_close(ours.logits[0], expected_logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours.hidden_states[0], expected_hidden, atol=1e-5, rtol=1e-5)
-    targets = drafter.draft_to_target(ours.logits[0].argmax(-1))
+    ours, expected_logits = assert_matches_reference(drafter, w, aux, ids, norm_before_residual=False)
+    targets = drafter.draft_to_target(ours.argmax(-1))
     expected_targets = expected_logits.argmax(-1) + tensors["d2t"][expected_logits.argmax(-1)]
     assert torch.equal(targets, expected_targets)
 
@@ -144,23 +143,7 @@ def test_norm_flags_reach_the_forward(tmp_path, tiny_verifier_dir):
     w = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "out", verifier_embeddings=w["embed_tokens.weight"])
     aux, ids = torch.randn(5, 3 * H), torch.randint(0, V, (5,))
-    with torch.no_grad():
-        ours = drafter(ids[None], drafter.project_aux(aux[None]))
-    logits, hidden = reference_draft_logits(
-        w,
-        aux,
-        w["embed_tokens.weight"][ids],
-        heads=HEADS,
-        kv_heads=KV,
-        head_dim=HD,
-        eps=1e-5,
-        theta=10000.0,
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
-    )
-    torch.testing.assert_close(ours.logits[0], logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours.hidden_states[0], hidden, atol=1e-5, rtol=1e-5)
+    assert_matches_reference(drafter, w, aux, ids, norm_before_residual=True, norm_before_fc=True, norm_output=True)
 
 
 def write_reference_library_checkpoint(directory, tensors):
