@@ -26,6 +26,26 @@ def verifier_target_logits(target_states: torch.Tensor, final_norm: Any, lm_head
         return (final_norm(target_states.to(lm_head_rows.dtype)) @ lm_head_rows.T).float()
 
 
+class KLFromLogits(torch.autograd.Function):
+    """Per-row KL(p || softmax(logits)) = sum p log p - sum p logits + logsumexp(logits), with the
+    gradient softmax(logits) - p computed in place: no fp32 log-probability tensor is kept for
+    backward, and the largest tensors of a training step are read a few times instead of a dozen."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target_p: torch.Tensor, neg_entropy: torch.Tensor) -> torch.Tensor:
+        x = logits.to(target_p.dtype)  # fp32 (or wider) for the reductions
+        lse = torch.logsumexp(x, dim=-1)
+        cross = (target_p.unsqueeze(1) @ x.unsqueeze(2)).flatten()  # row-wise dot, no [n, D] temporary
+        ctx.save_for_backward(logits, target_p, lse)
+        return neg_entropy - cross + lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, target_p, lse = ctx.saved_tensors
+        q = logits.to(target_p.dtype, copy=True).sub_(lse.unsqueeze(-1)).exp_()
+        return q.sub_(target_p).mul_(grad.unsqueeze(-1)).to(logits.dtype), None, None
+
+
 def ttt_loss(
     step_outputs: list[torch.Tensor],
     target_logits: torch.Tensor,
@@ -61,11 +81,10 @@ def ttt_loss(
         targets = row_of[:, step:][rows]
         scored = output[:, :span][rows]
         logits = lm_head(scored) if lm_head is not None else scored
-        draft_logp = F.log_softmax(logits.float(), dim=-1)
-        kl = neg_entropy[targets] - (target_p[targets] * draft_logp).sum(-1)
+        kl = KLFromLogits.apply(logits, target_p[targets], neg_entropy[targets])
         count = mask.sum()
         total = total + decay**step * kl.sum() / count.clamp(min=1)
-        hit = draft_logp.argmax(-1) == target_ids[targets]
+        hit = logits.argmax(-1) == target_ids[targets]
         correct = torch.zeros_like(mask)
         correct[rows] = hit
         chain_ok = chain_ok[:, :span]
