@@ -113,10 +113,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     drafter = Eagle3Drafter(config)
     drafter.reset_parameters(seed=args.seed)
     # Without token statistics the draft vocab is the lowest ids; `speculators vocab` picks better ones.
-    selected = torch.arange(config.draft_vocab_size)
-    drafter.set_vocab_mapping(selected)
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(verifier.lm_head_weight[selected].float())
+    drafter.init_draft_vocab(torch.arange(config.draft_vocab_size), verifier.lm_head_weight)
     drafter.save_pretrained(args.output)
     print(f"wrote an untrained EAGLE-3 drafter for {verifier.name_or_path} to {args.output}")
     return 0
@@ -145,10 +142,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(report.summary())
     if args.verifier:
         result["tokenization"] = tokenize_or_regenerate(args, conversations, output)
-    if not conversations:
-        write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
-        raise SpeculatorsError(f"no usable conversation in {', '.join(args.source)}; see the rejection reasons above")
     write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
+    if not conversations:
+        raise SpeculatorsError(f"no usable conversation in {', '.join(args.source)}; see the rejection reasons above")
     print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if args.verifier else ""))
     return 0
 
@@ -163,9 +159,9 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
     if args.regenerate:
         from speculators.regenerate import regenerate, transformers_generate_fn, vllm_generate_fn
         from speculators.tokenization import turn_end_ids
-        from speculators.verifier import load_verifier, resolve_verifier_source
+        from speculators.verifier import load_verifier
 
-        if args.backend == "vllm" and args.server_url:
+        if args.backend == "vllm":
             import os
 
             from transformers import AutoTokenizer
@@ -173,30 +169,18 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             from speculators.regenerate import server_generate_fn
             from speculators.verifier import load_verifier_config
 
-            _, location = load_verifier_config(args.verifier)
+            _, location = load_verifier_config(args.verifier)  # a GGUF file becomes its cached directory
             tokenizer = AutoTokenizer.from_pretrained(location)
-            generate = server_generate_fn(
-                args.server_url, args.max_new_tokens, args.temperature, args.seed, turn_end_ids(tokenizer),
-                model=args.server_model, concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
-            )  # fmt: skip
-        elif args.backend == "vllm":
-            from transformers import AutoTokenizer
-
-            kind, location = resolve_verifier_source(args.verifier)
-            if kind == "gguf":
-                from speculators.verifier import convert_gguf_to_hf
-
-                location = str(convert_gguf_to_hf(location))
-            tokenizer = AutoTokenizer.from_pretrained(location)
-            generate = vllm_generate_fn(
-                location,
-                args.max_new_tokens,
-                args.temperature,
-                args.seed,
-                args.dtype,
-                turn_end_ids(tokenizer),
-                max_model_len=args.max_length + args.max_new_tokens,
-            )
+            if args.server_url:
+                generate = server_generate_fn(
+                    args.server_url, args.max_new_tokens, args.temperature, args.seed, turn_end_ids(tokenizer),
+                    model=args.server_model, concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
+                )  # fmt: skip
+            else:
+                generate = vllm_generate_fn(
+                    location, args.max_new_tokens, args.temperature, args.seed, args.dtype, turn_end_ids(tokenizer),
+                    max_model_len=args.max_length + args.max_new_tokens,
+                )  # fmt: skip
         else:
             verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
             tokenizer = verifier.tokenizer

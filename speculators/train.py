@@ -175,7 +175,6 @@ def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
 
 
 def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], vocab: dict[str, Any]) -> Any:
-    import torch
 
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.verifier import draft_config_for_verifier
@@ -193,6 +192,7 @@ def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], 
                 f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
                 f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
             )
+        drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
     else:
         draft_config = draft_config_for_verifier(
             verifier.config, verifier.name_or_path, draft_vocab_size=selected.numel(),
@@ -201,9 +201,7 @@ def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], 
         )  # fmt: skip
         drafter = Eagle3Drafter(draft_config)
         drafter.reset_parameters(seed=config.seed)
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(verifier.lm_head_weight[selected].float())
-    drafter.set_vocab_mapping(selected)
+        drafter.init_draft_vocab(selected, verifier.lm_head_weight)
     drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
     drafter.lm_head.weight.requires_grad_(config.train_lm_head)
     return drafter

@@ -334,6 +334,12 @@ class Eagle3Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    @torch.no_grad()
+    def init_draft_vocab(self, selected_target_ids: torch.Tensor, verifier_lm_head: torch.Tensor) -> None:
+        """Set the draft vocab and start lm_head from the verifier's rows at those ids (tied: embeddings)."""
+        self.set_vocab_mapping(selected_target_ids)
+        self.lm_head.weight.copy_(verifier_lm_head[torch.as_tensor(selected_target_ids)].to(self.lm_head.weight.dtype))
+
     def attach_verifier_embeddings(self, weight: torch.Tensor, save: bool = False) -> None:
         """Use the verifier's (frozen) input embeddings; `save=True` writes them into the checkpoint."""
         expected = (self.config.verifier_vocab_size, self.config.hidden_size)
