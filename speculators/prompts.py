@@ -268,3 +268,25 @@ def prepare_conversations(
     report.kept = len(conversations)
     report.data_version = data_version(c.id for c in conversations)
     return conversations, report
+
+
+# ----- prompts for evaluation and benchmarks --------------------------------------------------------
+
+
+def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation up to its last user turn: what a client sends to get the next answer."""
+    last_user = max((i for i, message in enumerate(messages) if message["role"] == "user"), default=None)
+    if last_user is None:
+        raise SpeculatorsError("a conversation without a user turn cannot be used as a prompt")
+    return messages[: last_user + 1]
+
+
+def load_prompts(source: str, max_prompts: int | None = None, seed: int = 0) -> list[Conversation]:
+    """Prompts (conversations cut after their last user turn) from any prompt source `prepare` reads."""
+    conversations, report = prepare_conversations([source], require_assistant=False, max_samples=max_prompts, seed=seed)
+    if not conversations:
+        raise SpeculatorsError(
+            f"prompt source {source} gave no usable prompts ({report.summary().splitlines()[0]}); pass a file of "
+            f"conversations or prompts, or demo:eval"
+        )
+    return [Conversation(c.id, prompt_messages(c.messages)) for c in conversations]

@@ -17,6 +17,8 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -333,14 +335,13 @@ class Verifier:
 
     # ----- capture ------------------------------------------------------------------------------
 
-    def capture(self, input_ids: Any, layer_ids: list[int], attention_mask: Any = None) -> Any:
-        """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass."""
-        import torch
-
+    @contextmanager
+    def capturing(self, layer_ids: list[int]) -> Iterator[dict[int, Any]]:
+        """Hooks that fill a dict {layer id: states} on every forward (vLLM semantics: id i is the
+        input of decoder layer i, id N the pre-norm output of the last layer)."""
         self.check_layer_ids(layer_ids)
         layers = self.adapter.decoder_layers(self.model)
-        captured: dict[int, torch.Tensor] = {}
-        handles = []
+        captured: dict[int, Any] = {}
 
         def entering(layer_id: int):
             def hook(module, args, kwargs):
@@ -351,17 +352,24 @@ class Verifier:
         def leaving_last(module, args, output):
             captured[self.num_layers] = output[0] if isinstance(output, tuple) else output
 
+        handles = []
         try:
             for layer_id in set(layer_ids):
                 if layer_id < self.num_layers:
                     handles.append(layers[layer_id].register_forward_pre_hook(entering(layer_id), with_kwargs=True))
                 else:
                     handles.append(layers[-1].register_forward_hook(leaving_last))
-            with torch.inference_mode():
-                self.adapter.base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            yield captured
         finally:
             for handle in handles:
                 handle.remove()
+
+    def capture(self, input_ids: Any, layer_ids: list[int], attention_mask: Any = None) -> Any:
+        """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass."""
+        import torch
+
+        with self.capturing(layer_ids) as captured, torch.inference_mode():
+            self.adapter.base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return torch.stack([captured[i] for i in layer_ids], dim=2)
 
     def logits_from_final_states(self, states: Any) -> Any:

@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+PEAKED_AUX = [1, 4, 6]
+PEAKED_PROMPTS = 8
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +36,44 @@ def speculators_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("speculators-cache")
     os.environ["SPECULATORS_CACHE_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def peaked_verifier(tmp_path_factory):
+    """A tiny Llama whose next-token distributions are peaked, like a trained model's."""
+    from speculators.tiny_models import make_tiny_verifier
+
+    return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
+
+
+@pytest.fixture(scope="session")
+def store(peaked_verifier, tmp_path_factory):
+    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+    from speculators.datagen import run_datagen
+    from speculators.demo_prompts import demo_prompts
+    from speculators.prompts import Conversation
+    from speculators.regenerate import regenerate, transformers_generate_fn
+    from speculators.verifier import load_verifier
+    from speculators.vocab import build_store_vocab
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    directory = tmp_path_factory.mktemp("train-store")
+    conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(demo_prompts()[:8])]
+    generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
+    samples, _ = regenerate(conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512,
+                            progress=False)  # fmt: skip
+    run_datagen(samples, verifier, directory, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False)
+    build_store_vocab(directory, 128)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(store, peaked_verifier, tmp_path_factory):
+    """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
+    from speculators.train import TrainConfig, train
+
+    output = tmp_path_factory.mktemp("trained-drafter")
+    train(TrainConfig(store=str(store), verifier=str(peaked_verifier), output=str(output), epochs=80, lr=1e-2,
+                      warmup=0.05, validation_share=0.0, token_budget=512, precision="fp32", log_every=50,
+                      eval_every=1000, checkpoint_every=1000, progress=False))  # fmt: skip
+    return output / "drafter"

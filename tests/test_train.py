@@ -19,38 +19,10 @@ from speculators.models.eagle3 import Eagle3Drafter
 from speculators.train import TrainConfig, train
 from speculators.ttt import expected_acceptance_length, ttt_loss
 from speculators.validation import validate_checkpoint
+from tests.conftest import PEAKED_AUX
 
 ROOT = Path(__file__).resolve().parents[1]
-AUX = [1, 4, 6]
-
-
-@pytest.fixture(scope="module")
-def peaked_verifier(tmp_path_factory):
-    """A tiny Llama whose next-token distributions are peaked, like a trained model's."""
-    from speculators.tiny_models import make_tiny_verifier
-
-    return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def store(peaked_verifier, tmp_path_factory):
-    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
-    from speculators.datagen import run_datagen
-    from speculators.demo_prompts import demo_prompts
-    from speculators.prompts import Conversation
-    from speculators.regenerate import regenerate, transformers_generate_fn
-    from speculators.verifier import load_verifier
-    from speculators.vocab import build_store_vocab
-
-    verifier = load_verifier(peaked_verifier, dtype="float32")
-    directory = tmp_path_factory.mktemp("train-store")
-    conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(demo_prompts()[:8])]
-    generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
-    samples, _ = regenerate(conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512,
-                            progress=False)  # fmt: skip
-    run_datagen(samples, verifier, directory, aux_layer_ids=AUX, storage="float32", progress=False)
-    build_store_vocab(directory, 128)
-    return directory
+AUX = PEAKED_AUX
 
 
 def config_for(store, verifier, output, **overrides) -> TrainConfig:

@@ -1,0 +1,456 @@
+"""`speculators evaluate`: speculative decoding in plain PyTorch, its acceptance, speed and lossless check.
+
+The verifier (transformers, with a KV cache) verifies K drafted tokens per step: it runs the last
+accepted token and the K drafts in one pass, accepts the longest prefix of drafts that equals its
+own greedy choice and adds one token of its own (chain drafting, greedy acceptance, as vLLM does at
+temperature 0). The EAGLE-3 drafter proposes from the aux states captured in that same pass.
+
+Lossless check, prompt by prompt, against the verifier's plain greedy decoding: identical; diverged
+at a numerical near-tie (the two tokens are the verifier's top two and their logits differ by at
+most the tolerance; verifying K+1 tokens at once rounds differently from one at a time); or
+diverged, which is a bug.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from speculators.errors import SpeculatorsError
+
+DEFAULT_TIE_ULPS = 8
+
+
+class LosslessError(SpeculatorsError):
+    """Speculative decoding changed the output beyond a numerical near-tie."""
+
+
+# ----- proposers -----------------------------------------------------------------------------------
+
+
+class Proposer(Protocol):
+    name: str
+    aux_layer_ids: list[int] | tuple[int, ...]
+
+    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
+        """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it)."""
+
+    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+        """Draft `num_tokens` ids after `tokens`; `new_aux` [1, m, A*H] are the verifier's aux states
+        of the m positions before the last token that this proposer has not seen yet."""
+
+
+class DrafterProposer:
+    """An EAGLE-3 drafter with its own KV cache, kept in step with the verified sequence."""
+
+    name = "eagle3"
+
+    def __init__(self, drafter: Any):
+        self.drafter = drafter
+        self.aux_layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
+        self.cache = None
+
+    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
+        from speculators.models.eagle3 import DraftKVCache
+
+        self.cache = DraftKVCache(self.drafter.config.num_draft_layers)
+
+    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+        import torch
+
+        next_ids = torch.tensor([tokens[-new_aux.shape[1] :]])
+        dtype = self.drafter.fc.weight.dtype
+        drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens)
+        # Keep only positions fed with verified states; the drafted chain is redone next step.
+        self.cache.crop(len(tokens) - 1)
+        return drafted[0].tolist()
+
+
+class OracleProposer:
+    """Drafts the verifier's own greedy continuation: every draft is accepted (acceptance K+1)."""
+
+    name = "oracle"
+    aux_layer_ids: tuple[int, ...] = ()  # needs no verifier states
+
+    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
+        self.sequence = list(prompt_ids) + list(reference)
+
+    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+        drafted = self.sequence[len(tokens) : len(tokens) + num_tokens]
+        return drafted + [0] * (num_tokens - len(drafted))
+
+
+class WrongProposer(OracleProposer):
+    """Drafts a token that is never the verifier's choice: nothing is accepted (acceptance 1.0)."""
+
+    name = "always-wrong"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+        return [(token + 1) % self.vocab_size for token in super().propose(tokens, new_aux, num_tokens)]
+
+
+# ----- generation ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    # Per generated token: the verifier's top two (id, logit) at that position.
+    top2: list[tuple[int, float, int, float]]
+    seconds: float
+    steps: int = 0  # verifier passes after the prefill
+    drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
+    """(top id, its logit, second id, its logit) per row of [T, V] logits. Both decoders take their
+    token from here, so exact ties (common in bf16) break the same way."""
+    values, ids = logits.float().topk(2, dim=-1)
+    rows = zip(ids.tolist(), values.tolist(), strict=True)
+    return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
+
+
+def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dict[int, Any], layer_ids: list[int]):
+    """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
+    import torch
+
+    out = verifier.model(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True)
+    aux = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+    return out.logits[0], out.past_key_values, aux
+
+
+def greedy_generate(verifier: Any, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+                    extra_tokens: int = 0) -> Generation:  # fmt: skip
+    """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
+    import torch
+
+    started = time.perf_counter()
+    generation = Generation(tokens=[], top2=[], seconds=0.0)
+    cache, step_input = None, list(prompt_ids)
+    with torch.inference_mode():
+        while len(generation.tokens) < max_new_tokens + extra_tokens:
+            logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [])
+            best = top_two(logits[-1:])[0]
+            generation.tokens.append(best[0])
+            generation.top2.append(best)
+            if len(generation.tokens) == max_new_tokens:
+                generation.seconds = time.perf_counter() - started
+            if best[0] in stop_ids:
+                break
+            step_input = [best[0]]
+    if not generation.seconds:
+        generation.seconds = time.perf_counter() - started
+    return generation
+
+
+def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
+                         max_new_tokens: int, stop_ids: set[int], reference: list[int]) -> Generation:  # fmt: skip
+    """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
+    import torch
+
+    started = time.perf_counter()
+    generation = Generation(tokens=[], top2=[], seconds=0.0, accepted_per_position=[0] * num_tokens)
+    layer_ids = proposer.aux_layer_ids
+    proposer.start(prompt_ids, reference)
+    tokens = list(prompt_ids)
+    with verifier.capturing(layer_ids) as captured, torch.inference_mode():
+        logits, cache, new_aux = verifier_pass(verifier, tokens, None, captured, layer_ids)
+        first = top_two(logits[-1:])[0]
+        tokens.append(first[0])
+        generation.tokens.append(first[0])
+        generation.top2.append(first)
+        while len(generation.tokens) < max_new_tokens and generation.tokens[-1] not in stop_ids:
+            drafts = proposer.propose(tokens, new_aux, num_tokens)
+            logits, cache, new_aux = verifier_pass(verifier, [tokens[-1], *drafts], cache, captured, layer_ids)
+            best = top_two(logits)
+            choices = [row[0] for row in best]
+            accepted = 0
+            while accepted < num_tokens and drafts[accepted] == choices[accepted]:
+                generation.accepted_per_position[accepted] += 1
+                accepted += 1
+            generation.steps += 1
+            generation.drafts += 1
+            rejected = num_tokens - accepted  # keep the last token and the accepted drafts
+            if rejected:
+                cache.crop(-rejected)
+            if new_aux is not None:
+                new_aux = new_aux[:, : accepted + 1]
+            for position in range(accepted + 1):
+                token = choices[position]
+                tokens.append(token)
+                generation.tokens.append(token)
+                generation.top2.append(best[position])
+                if len(generation.tokens) == max_new_tokens or token in stop_ids:
+                    break
+    generation.seconds = time.perf_counter() - started
+    return generation
+
+
+# ----- lossless check ------------------------------------------------------------------------------
+
+
+def default_tie_tolerance(dtype: Any, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
+    """`ulps` units in the last place of the top logit in the verifier's dtype."""
+    import torch
+
+    return ulps * torch.finfo(dtype).eps * max(1.0, abs(logit))
+
+
+@dataclass
+class Comparison:
+    status: str  # identical | near_tie | diverged
+    position: int | None = None
+    baseline_token: int | None = None
+    speculative_token: int | None = None
+    margin: float | None = None
+    tolerance: float | None = None
+
+
+def compare_outputs(baseline: Generation, speculative: Generation, dtype: Any,
+                    tie_tolerance: float | None = None) -> Comparison:  # fmt: skip
+    """Classify speculative output against the baseline's (both cut at the same token budget)."""
+    expected = baseline.tokens
+    if speculative.tokens == expected:
+        return Comparison("identical")
+    position = next(
+        (i for i, (a, b) in enumerate(zip(expected, speculative.tokens, strict=False)) if a != b),
+        min(len(expected), len(speculative.tokens)),
+    )
+    if position >= min(len(expected), len(speculative.tokens)):
+        return Comparison("diverged", position)  # one stopped where the other did not, same tokens
+    b_top, b_logit, b_second, b_second_logit = baseline.top2[position]
+    s_top, s_logit, s_second, s_second_logit = speculative.top2[position]
+    gaps = []
+    if b_second == s_top:
+        gaps.append((b_logit - b_second_logit, b_logit))
+    if s_second == b_top:
+        gaps.append((s_logit - s_second_logit, s_logit))
+    comparison = Comparison("diverged", position, b_top, s_top)
+    if gaps:
+        margin, logit = min(gaps)
+        tolerance = tie_tolerance if tie_tolerance is not None else default_tie_tolerance(dtype, logit)
+        comparison.margin, comparison.tolerance = margin, tolerance
+        if margin <= tolerance:
+            comparison.status = "near_tie"
+    return comparison
+
+
+# ----- evaluation over a prompt set ----------------------------------------------------------------
+
+
+@dataclass
+class PromptResult:
+    id: str
+    prompt_tokens: int
+    generated: int
+    steps: int
+    drafts: int
+    accepted: int
+    baseline_seconds: float
+    speculative_seconds: float
+    accepted_per_position: list[int]
+    comparison: Comparison
+
+
+@dataclass
+class EvaluationReport:
+    settings: dict[str, Any]
+    results: list[PromptResult] = field(default_factory=list)
+
+    def totals(self) -> dict[str, Any]:
+        k = self.settings["num_speculative_tokens"]
+        drafts = sum(r.drafts for r in self.results)
+        per_position = [0] * k
+        for r in self.results:
+            for i, count in enumerate(r.accepted_per_position):
+                per_position[i] += count
+        accepted = sum(per_position)
+        generated = sum(r.generated for r in self.results)
+        baseline_tokens = sum(min(r.generated, self.settings["max_new_tokens"]) for r in self.results)
+        base_s = sum(r.baseline_seconds for r in self.results)
+        spec_s = sum(r.speculative_seconds for r in self.results)
+        counts = {status: 0 for status in ("identical", "near_tie", "diverged")}
+        for r in self.results:
+            counts[r.comparison.status] += 1
+        base_tps = baseline_tokens / base_s if base_s else 0.0
+        spec_tps = generated / spec_s if spec_s else 0.0
+        return {
+            "prompts": len(self.results),
+            "generated_tokens": generated,
+            "verifier_steps": sum(r.steps for r in self.results),
+            "drafts": drafts,
+            "draft_tokens": drafts * k,
+            "accepted_tokens": accepted,
+            "accepted_per_position": per_position,
+            "acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_per_position": [count / drafts if drafts else 0.0 for count in per_position],
+            "tokens_per_second": {
+                "baseline": base_tps,
+                "speculative": spec_tps,
+                "speedup": spec_tps / base_tps if base_tps else 0.0,
+            },
+            "lossless": {**counts, "ok": counts["diverged"] == 0},
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            **self.totals(),
+            "per_prompt": [{**asdict(r), "comparison": asdict(r.comparison)} for r in self.results],
+        }
+
+    def render(self) -> str:
+        t = self.totals()
+        rates = " / ".join(f"{rate:.3f}" for rate in t["acceptance_per_position"])
+        tps = t["tokens_per_second"]
+        lossless = t["lossless"]
+        lines = [
+            f"proposer {self.settings['proposer']}, K={self.settings['num_speculative_tokens']}, "
+            f"{t['prompts']} prompts, {t['generated_tokens']} tokens in {t['verifier_steps']} verifier steps",
+            f"acceptance length {t['acceptance_length']:.3f} (per position {rates}); "
+            f"{t['accepted_tokens']} of {t['draft_tokens']} drafted tokens accepted",
+            f"tokens/s: baseline {tps['baseline']:.1f}, speculative {tps['speculative']:.1f} ({tps['speedup']:.2f}x)",
+            f"lossless: {lossless['identical']} identical, {lossless['near_tie']} diverged at a near-tie, "
+            f"{lossless['diverged']} diverged",
+        ]
+        for r in self.results:
+            c = r.comparison
+            if c.status != "identical":
+                margin = "" if c.margin is None else f", top-2 margin {c.margin:.3g} (tolerance {c.tolerance:.3g})"
+                lines.append(
+                    f"  {c.status}: prompt {r.id} at generated token {c.position}: baseline "
+                    f"{c.baseline_token}, speculative {c.speculative_token}{margin}"
+                )
+        return "\n".join(lines)
+
+    def raise_for_divergence(self) -> None:
+        bad = [r for r in self.results if r.comparison.status == "diverged"]
+        if bad:
+            first = bad[0]
+            raise LosslessError(
+                f"speculative decoding changed the output of {len(bad)} prompt(s), first prompt {first.id} at "
+                f"generated token {first.comparison.position} (baseline {first.comparison.baseline_token}, "
+                f"speculative {first.comparison.speculative_token}) beyond a numerical near-tie; this is a bug"
+            )
+
+
+def evaluate(verifier: Any, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
+             max_new_tokens: int = 128, stop_at_eos: bool = True, tie_tolerance: float | None = None,
+             settings: dict[str, Any] | None = None, progress: bool = True) -> EvaluationReport:  # fmt: skip
+    """Baseline greedy decoding and speculative decoding for each (id, prompt ids); compared."""
+    from speculators.tokenization import turn_end_ids
+
+    if num_speculative_tokens < 1:
+        raise SpeculatorsError(f"num_speculative_tokens {num_speculative_tokens} must be at least 1")
+    if max_new_tokens < 1:
+        raise SpeculatorsError(f"max_new_tokens {max_new_tokens} must be at least 1")
+    dtype = verifier.model.dtype
+    stop_ids = turn_end_ids(verifier.tokenizer) if stop_at_eos else set()
+    report = EvaluationReport(
+        settings={
+            "proposer": proposer.name,
+            "num_speculative_tokens": num_speculative_tokens,
+            "max_new_tokens": max_new_tokens,
+            "dtype": str(dtype).removeprefix("torch."),
+            "stop_at_eos": stop_at_eos,
+            "tie_tolerance": f"{DEFAULT_TIE_ULPS} ulps of the top logit" if tie_tolerance is None else tie_tolerance,
+            **(settings or {}),
+        }
+    )
+    for index, (prompt_id, prompt_ids) in enumerate(prompts):
+        # K extra reference tokens let an oracle draft past the budget; they are not timed.
+        baseline = greedy_generate(verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens)
+        speculative = speculative_generate(verifier, prompt_ids, proposer, num_speculative_tokens, max_new_tokens,
+                                           stop_ids, reference=baseline.tokens)  # fmt: skip
+        baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
+        result = PromptResult(
+            id=prompt_id,
+            prompt_tokens=len(prompt_ids),
+            generated=len(speculative.tokens),
+            steps=speculative.steps,
+            drafts=speculative.drafts,
+            accepted=sum(speculative.accepted_per_position),
+            baseline_seconds=baseline.seconds,
+            speculative_seconds=speculative.seconds,
+            accepted_per_position=speculative.accepted_per_position,
+            comparison=compare_outputs(baseline, speculative, dtype, tie_tolerance),
+        )
+        report.results.append(result)
+        if progress:
+            acceptance = 1 + result.accepted / result.drafts if result.drafts else 0.0
+            print(
+                f"  [{index + 1}/{len(prompts)}] {prompt_id}: {result.generated} tokens, acceptance "
+                f"{acceptance:.2f}, {result.comparison.status}",
+                flush=True,
+            )
+    return report
+
+
+def tokenize_prompts(tokenizer: Any, conversations: list[Any]) -> list[tuple[str, list[int]]]:
+    from speculators.tokenization import render_ids
+
+    if tokenizer.chat_template is None:
+        raise SpeculatorsError("the verifier's tokenizer has no chat template; prompts cannot be rendered for it")
+    return [(c.id, render_ids(tokenizer, c.messages, add_generation_prompt=True)) for c in conversations]
+
+
+def load_proposer(kind: str, verifier: Any, speculator: str | None, dtype: str) -> Proposer:
+    """`eagle3` (needs a speculator checkpoint), `oracle` or `always-wrong`."""
+    if kind == "oracle":
+        return OracleProposer()
+    if kind == "always-wrong":
+        return WrongProposer(verifier.vocab_size)
+    if kind != "eagle3":
+        raise SpeculatorsError(f"proposer '{kind}' is not one of eagle3, oracle, always-wrong")
+    if speculator is None:
+        raise SpeculatorsError("the eagle3 proposer needs a speculator checkpoint; pass --speculator DIR")
+    from speculators.checkpoint import read_checkpoint
+    from speculators.models.eagle3 import Eagle3Drafter
+    from speculators.validation import check_against_verifier
+
+    checkpoint = read_checkpoint(speculator)
+    problems = check_against_verifier(
+        checkpoint.config, verifier.config, has_embeddings="embed_tokens.weight" in checkpoint.tensors
+    )
+    if problems:
+        raise SpeculatorsError(f"speculator {speculator} does not fit verifier {verifier.source}: {problems[0]}")
+    drafter = Eagle3Drafter.from_pretrained(speculator, verifier_embeddings=verifier.embedding_weight, dtype=dtype)
+    if drafter.config.eagle_aux_hidden_state_layer_ids is None:
+        drafter.config.eagle_aux_hidden_state_layer_ids = verifier.default_aux_layer_ids
+    return DrafterProposer(drafter.eval())
+
+
+def run_evaluation(verifier_source: str, prompts_source: str, speculator: str | None = None,
+                   proposer_kind: str = "eagle3", num_speculative_tokens: int | None = None,
+                   max_prompts: int | None = 32, max_new_tokens: int = 128, dtype: str = "float32",
+                   stop_at_eos: bool = True, tie_tolerance: float | None = None,
+                   output: str | Path | None = None) -> EvaluationReport:  # fmt: skip
+    """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.prompts import load_prompts
+    from speculators.verifier import load_verifier
+
+    verifier = load_verifier(verifier_source, dtype=dtype)
+    proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
+    if num_speculative_tokens is None:
+        num_speculative_tokens = proposer.drafter.config.speculative_tokens if proposer_kind == "eagle3" else 3
+    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts))
+    print(
+        f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "
+        f"{max_new_tokens} new tokens each, verifier in {dtype}",
+        flush=True,
+    )
+    report = evaluate(verifier, prompts, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos,
+                      tie_tolerance, settings={"verifier": verifier_source, "speculator": speculator,
+                                               "prompts": prompts_source})  # fmt: skip
+    if output is not None:
+        import json
+
+        write_text_atomic(Path(output), json.dumps(report.to_dict(), indent=2) + "\n")
+    return report

