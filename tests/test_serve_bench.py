@@ -1,0 +1,222 @@
+"""vLLM (CPU build) serves our checkpoints; `speculators serve` lifecycle; `speculators bench` with GuideLLM.
+
+The served test is the guarantee that vLLM reads our format: it runs in CI (slow tests run there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from speculators.errors import SpeculatorsError
+from speculators.serve import (
+    ServerSettings,
+    VllmServer,
+    acceptance_from_counters,
+    parse_spec_decode_counters,
+)
+
+K = 3
+NEW_TOKENS = 40
+
+EXPOSITION = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 20.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 60.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 14.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+def test_spec_decode_counters_parse_and_difference():
+    after = parse_spec_decode_counters(EXPOSITION)
+    assert after == {"drafts": 20.0, "draft_tokens": 60.0, "accepted_tokens": 25.0,
+                     "accepted_per_position": [14.0, 8.0, 3.0]}  # fmt: skip
+    before = {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 5.0, "accepted_per_position": [4.0, 1.0]}
+    delta = acceptance_from_counters(before, after)
+    assert delta["drafts"] == 10 and delta["accepted_per_position"] == [10, 7, 3]
+    assert delta["acceptance_length"] == pytest.approx(1 + 20 / 10)
+    assert delta["acceptance_per_position"] == pytest.approx([1.0, 0.7, 0.3])
+    assert acceptance_from_counters(before, before)["acceptance_length"] is None
+
+
+def test_serve_errors_are_one_clear_sentence(tiny_verifier_dir, monkeypatch):
+    verifier = str(tiny_verifier_dir("llama"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(SpeculatorsError, match=f"port {port} on 127.0.0.1 is already in use"):
+            VllmServer(ServerSettings(verifier=verifier, port=port)).start()
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
+    with pytest.raises(SpeculatorsError, match="vLLM is not installed; install the project with"):
+        VllmServer(ServerSettings(verifier=verifier))
+
+
+def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=300) as response:
+            outputs.append(json.loads(response.read())["choices"][0]["token_ids"])
+    return outputs
+
+
+@pytest.mark.slow
+def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptance(
+    peaked_verifier, trained_drafter, tmp_path
+):
+    """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
+    from speculators.demo_prompts import demo_prompts
+    from speculators.evaluate import DrafterProposer, evaluate, load_proposer, tokenize_prompts
+    from speculators.prompts import load_prompts
+    from speculators.verifier import load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    prompts_file = tmp_path / "prompts.jsonl"  # the drafter's training prompts
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(prompts_file)))
+    token_prompts = [ids for _, ids in prompts]
+    common = dict(verifier=str(peaked_verifier), port=0, dtype="float32", max_model_len=512, enforce_eager=True,
+                  kv_cache_gib=1)  # fmt: skip
+    with VllmServer(ServerSettings(**common, log_path=tmp_path / "baseline.log")) as server:
+        baseline = completions(server.url, server.model_dir, token_prompts)
+        assert server.metrics()["drafts"] == 0
+    speculative_settings = ServerSettings(**common, speculator=str(trained_drafter), num_speculative_tokens=K,
+                                          log_path=tmp_path / "speculator.log")  # fmt: skip
+    with VllmServer(speculative_settings) as server:
+        assert server.speculative == {"method": "eagle3", "model": str(trained_drafter.resolve()),
+                                      "num_speculative_tokens": K}  # fmt: skip
+        before = server.metrics()
+        speculative = completions(server.url, server.model_dir, token_prompts)
+        served = acceptance_from_counters(before, server.metrics())
+    assert all(len(ids) == NEW_TOKENS for ids in baseline)
+    assert speculative == baseline  # fp32: not one token changed
+    assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]
+
+    proposer = load_proposer("eagle3", verifier, str(trained_drafter), "float32")
+    assert isinstance(proposer, DrafterProposer)
+    offline = evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
+    # The same drafter read by vLLM from our files accepts what our own decoder accepts.
+    assert served["acceptance_length"] > 1.8
+    assert served["acceptance_length"] == pytest.approx(offline["acceptance_length"], abs=0.15)
+    assert served["acceptance_per_position"] == pytest.approx(offline["acceptance_per_position"], abs=0.1)
+
+
+def processes_mentioning(text: str) -> list[str]:
+    result = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True)
+    return [line for line in result.stdout.splitlines() if "pgrep" not in line]
+
+
+def start_cli_server(model_dir: Path, log_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "speculators.cli", "serve", "--verifier", str(model_dir), "--port", "0",
+               "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--kv-cache-gib", "1",
+               "--log-file", str(log_path), "--quiet"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 420
+    for line in process.stdout:
+        if line.startswith("ready: http://127.0.0.1:"):
+            return process
+        assert time.monotonic() < deadline, "vLLM did not become ready"
+    raise AssertionError(f"speculators serve exited with {process.wait()}: {log_path.read_text()[-2000:]}")
+
+
+def wait_until_gone(text: str, seconds: float = 60) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while processes_mentioning(text) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return processes_mentioning(text)
+
+
+@pytest.mark.slow
+def test_serve_cli_leaves_no_process_on_ctrl_c_or_when_killed(tiny_verifier_dir, tmp_path):
+    model_dir = tmp_path / "verifier-served-by-the-cli"
+    shutil.copytree(tiny_verifier_dir("llama"), model_dir)
+    try:
+        process = start_cli_server(model_dir, tmp_path / "first.log")
+        assert len(processes_mentioning(str(model_dir))) >= 2  # our CLI and vLLM's API server
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=120) == 0
+        assert wait_until_gone(str(model_dir)) == []
+
+        process = start_cli_server(model_dir, tmp_path / "second.log")
+        os.kill(process.pid, signal.SIGKILL)  # the caller dies without any chance to clean up
+        process.wait()
+        assert wait_until_gone(str(model_dir)) == []
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(model_dir)], check=False)
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_load_is_reported_with_the_log_tail(tiny_verifier_dir, tmp_path):
+    broken = tmp_path / "broken-verifier"
+    shutil.copytree(tiny_verifier_dir("llama"), broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    settings = ServerSettings(verifier=str(broken), port=0, dtype="float32", max_model_len=256, enforce_eager=True,
+                              kv_cache_gib=1, log_path=tmp_path / "broken.log")  # fmt: skip
+    server = VllmServer(settings)
+    with pytest.raises(
+        SpeculatorsError, match=r"exited with code \d+ before it was ready; the end of its log"
+    ) as error:
+        server.start()
+    assert "Error" in str(error.value).split("the end of its log", 1)[1]
+    assert wait_until_gone(str(broken), 30) == []
+
+
+@pytest.mark.slow
+def test_bench_writes_a_complete_sane_report(peaked_verifier, trained_drafter, tmp_path):
+    from speculators.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"  # the drafter's training prompts: acceptance well above 1
+    from speculators.demo_prompts import demo_prompts
+
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    out = tmp_path / "bench"
+    assert main(["bench", "--verifier", str(peaked_verifier), "--speculator", str(trained_drafter), "--output",
+                 str(out), "--prompts", str(prompts), "--requests", "4", "--output-tokens", "24", "--concurrency",
+                 "2", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib",
+                 "1"]) == 0  # fmt: skip
+    for name in ("prompts.jsonl", "report.json", "report.md", "acceptance.png", "latency.png", "throughput.png",
+                 "baseline/vllm.log", "speculator/vllm.log"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    for role in ("baseline", "speculator"):
+        for profile in ("synchronous", "concurrent-2"):
+            for kind in ("json", "html"):
+                assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["profiles"]) == ["synchronous", "concurrent-2"]
+    assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
+    assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1
+    for name, profile in report["profiles"].items():
+        base, spec = profile["baseline"], profile["speculator"]
+        assert base["requests"]["successful"] == spec["requests"]["successful"] == 4, name
+        assert 0 < base["tpot_ms"] < 10_000 and 0 < spec["ttft_ms"] < 60_000
+        assert profile["speedup"]["tpot_ms"] == pytest.approx(base["tpot_ms"] / spec["tpot_ms"])
+        assert profile["speedup"]["output_tokens_per_s"] == pytest.approx(
+            spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+        )
+        assert base["spec_decode"]["drafts"] == 0 and spec["spec_decode"]["drafts"] > 0
+        assert profile["outputs_compared"] == 4 and profile["outputs_identical"] == 4  # fp32, temperature 0
+    acceptance = report["acceptance"]
+    assert 1.5 < acceptance["acceptance_length"] <= 4.0
+    assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
+    markdown = (out / "report.md").read_text()
+    assert "| synchronous | tpot_ms (median) |" in markdown and "identical outputs | | 4 of 4" in markdown
