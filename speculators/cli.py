@@ -149,6 +149,31 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def regeneration_key(args: argparse.Namespace) -> str:
+    """What makes regenerated answers reusable: same verifier, budget and sampling."""
+    import hashlib
+
+    settings = [str(args.verifier), args.max_new_tokens, args.temperature, args.seed, args.max_length, args.dtype]
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
+
+
+def reuse_earlier_samples(output: Path, key: str) -> None:
+    """Seed the resume file with the answers of an earlier run with the same settings, so a rerun
+    regenerates only new conversations (removed ones are simply not written)."""
+    report, samples, partial = (
+        output / "prepare_report.json",
+        output / "samples.jsonl",
+        output / "samples.partial.jsonl",
+    )
+    if partial.exists() or not (report.is_file() and samples.is_file()):
+        return
+    earlier = json.loads(report.read_text()).get("tokenization", {}).get("regeneration_key")
+    if earlier == key:
+        from speculators.atomic_io import write_text_atomic
+
+        write_text_atomic(partial, samples.read_text())
+
+
 def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output: Path) -> dict:
     from collections import Counter
 
@@ -187,6 +212,8 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             generate = transformers_generate_fn(
                 verifier.model, tokenizer, args.max_new_tokens, args.temperature, args.seed
             )
+        key = regeneration_key(args)
+        reuse_earlier_samples(output, key)
         samples, regen = regenerate(
             conversations,
             tokenizer,
@@ -195,7 +222,7 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             args.max_length,
             batch_size=args.batch_size,
         )
-        details = {"regeneration": regen.to_dict(), "rejected": regen.to_dict()["rejected"]}
+        details = {"regeneration": regen.to_dict(), "rejected": regen.to_dict()["rejected"], "regeneration_key": key}
     else:
         from transformers import AutoTokenizer
 
@@ -243,7 +270,11 @@ def cmd_datagen(args: argparse.Namespace) -> int:
         backend=args.backend,
         data_version=data_version,
     )
-    print(json.dumps(report.to_dict(), indent=2))
+    from speculators.atomic_io import write_text_atomic
+
+    summary = json.dumps(report.to_dict(), indent=2)
+    write_text_atomic(Path(args.output) / "datagen_report.json", summary + "\n")  # the last run's counts
+    print(summary)
     return 0
 
 

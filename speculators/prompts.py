@@ -290,3 +290,25 @@ def load_prompts(source: str, max_prompts: int | None = None, seed: int = 0) -> 
             f"conversations or prompts, or demo:eval"
         )
     return [Conversation(c.id, prompt_messages(c.messages)) for c in conversations]
+
+
+def source_fingerprint(source: str) -> str:
+    """Content hash of a prompt source, cheap enough to poll: file bytes, the demo prompt set, or
+    for `hf:` the dataset spec itself (pin a revision in the name to make that meaningful)."""
+    digest = hashlib.sha256(source.encode())
+    if source.startswith("demo"):
+        from speculators.demo_prompts import demo_prompts
+
+        split = source.partition(":")[2] or "train"
+        digest.update("\n".join(demo_prompts(split)).encode())
+    elif not source.startswith("hf:"):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise SpeculatorsError(f"prompt source {source} does not exist; pass a file, hf:<dataset> or demo:train")
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]

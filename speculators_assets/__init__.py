@@ -1,9 +1,17 @@
-"""Dagster code location of the speculators pipeline (the asset graph lands in its own issue).
+"""Dagster code location of the speculators pipeline.
 
-Kept import-light: nothing here imports torch or the heavy parts of the library, so the code
-location loads in seconds.
+`defs` is built on first access, so `python -m speculators_assets.workload` (the Pipes workload in a
+GPU pod) does not import Dagster. Nothing here imports torch: the code location loads in seconds.
 """
 
-from speculators_assets.definitions import defs
+from typing import Any
 
 __all__ = ["defs"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "defs":
+        from speculators_assets.definitions import defs
+
+        return defs
+    raise AttributeError(f"module 'speculators_assets' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""`speculators-assets`: operate the code location from CI.
+
+    speculators-assets refresh-benchmark --url http://dagster.example:3000 --variant smollm2_135m [--token T]
+
+launches the `refresh_benchmark` job for a variant (partition) on a running deployment through
+Dagster's GraphQL API, waits for it, prints the outcome, and exits non-zero if
+the run failed (a failed blocking check fails the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
+
+
+def graphql_client(url: str, token: str | None, timeout: int):
+    from dagster_graphql import DagsterGraphQLClient
+
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if not parsed.hostname:
+        raise SystemExit(f"error: --url {url} has no host; pass e.g. http://127.0.0.1:3000")
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return DagsterGraphQLClient(
+        parsed.hostname,
+        port_number=parsed.port or (443 if parsed.scheme == "https" else 80),
+        use_https=parsed.scheme == "https",
+        headers=headers,
+        timeout=timeout,
+    )
+
+
+def refresh_benchmark(url: str, variant: str, token: str | None = None, location: str = "speculators_pipeline",
+                      job: str = "refresh_benchmark", timeout: float = 7200.0, poll: float = 5.0) -> int:  # fmt: skip
+    from dagster_graphql import DagsterGraphQLClientError
+
+    client = graphql_client(url, token, timeout=60)
+    try:
+        run_id = client.submit_job_execution(
+            job, repository_location_name=location, repository_name="__repository__",
+            run_config={"ops": {"benchmark_report": {"config": {"force": True}}}},  # measure anew, never reuse
+            tags={"dagster/partition": variant, "speculators/trigger": "ci"},
+        )  # fmt: skip
+    except DagsterGraphQLClientError as error:
+        print(f"error: could not launch {job} for variant {variant} at {url}: {error}", file=sys.stderr)
+        return 2
+    print(f"launched {job} for {variant}: run {run_id} ({url.rstrip('/')}/runs/{run_id})", flush=True)
+    deadline = time.monotonic() + timeout
+    status = "STARTING"
+    while True:
+        try:
+            status = client.get_run_status(run_id).value
+        except DagsterGraphQLClientError as error:
+            print(f"warning: status query failed ({error}); retrying", file=sys.stderr)
+        if status in TERMINAL:
+            break
+        if time.monotonic() > deadline:
+            print(f"error: run {run_id} still {status} after {timeout:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(poll)
+    print(f"run {run_id} finished: {status}", flush=True)
+    return 0 if status == "SUCCESS" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="speculators-assets", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    refresh = commands.add_parser("refresh-benchmark", help="re-run a variant's benchmark on a deployment; wait")
+    refresh.add_argument("--url", required=True, help="Dagster webserver, e.g. http://127.0.0.1:3000")
+    refresh.add_argument("--variant", required=True, help="the partition, e.g. smollm2_135m")
+    refresh.add_argument("--token", help="bearer token for a deployment behind an auth proxy")
+    refresh.add_argument("--location", default="speculators_pipeline", help="code location name")
+    refresh.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait for the run")
+    args = parser.parse_args(argv)
+    return refresh_benchmark(args.url, args.variant, args.token, args.location, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

