@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                           help="always generate --max-new-tokens")  # fmt: skip
     evaluate.add_argument("--tie-tolerance", type=float,
-                          help="largest top-2 logit gap counted as a numerical near-tie (default: 8 ulps of the "
+                          help="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the "
                                "top logit in --dtype)")  # fmt: skip
     evaluate.add_argument("--output", help="write the report as JSON here")
     evaluate.set_defaults(func=cmd_evaluate)
