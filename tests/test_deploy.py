@@ -218,3 +218,12 @@ def test_step_pod_specs_for_gpu_variants_match_the_manifests():
         assert ("PersistentVolumeClaim", spec["volumes"][0]["persistentVolumeClaim"]["claimName"]) in objects
         secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in spec["containers"][0]["env"] if "valueFrom" in e}
         assert secrets <= {name for kind, name in objects if kind == "Secret"}
+
+
+def test_the_images_constraints_are_the_versions_the_tests_run_with():
+    import importlib.metadata
+
+    pins = [line.split("==") for line in (DEPLOY / "docker" / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]  # fmt: skip
+    assert len(pins) >= 10
+    assert {name: importlib.metadata.version(name) for name, _ in pins} == dict(pins)

@@ -1,10 +1,10 @@
 # The GPU workload image: the project with CUDA vLLM and torch, run by the k8s runner as one pod per
 # heavy step (`python -m speculators_assets.workload`, Dagster Pipes) and for multi-GPU training
 # (`torchrun`). Build from the repository root:
-#   docker build -f deploy/docker/gpu-workload.Dockerfile --build-arg VLLM_VERSION=0.11.0 -t speculators-gpu:0.1.0 .
+#   docker build -f deploy/docker/gpu-workload.Dockerfile --build-arg VLLM_VERSION=0.32.0 -t speculators-gpu:0.1.0 .
 FROM python:3.11.11-slim-bookworm
 
-ARG VLLM_VERSION=0.11.0
+ARG VLLM_VERSION=0.32.0
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -13,13 +13,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECULATORS_CACHE_DIR=/data/.cache/speculators-pipeline
 
 WORKDIR /opt/speculators
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md deploy/docker/constraints.txt ./
 COPY speculators ./speculators
 COPY speculators_assets ./speculators_assets
-# The CUDA vllm wheel brings its matching CUDA torch; the pin keeps rebuilds identical. (hadolint
+# The CUDA vllm wheel (the version whose CPU build the tests run) brings its matching CUDA torch;
+# it and constraints.txt keep rebuilds identical. (hadolint
 # reads ".[gpu]" as an unpinned package; it is this project, its versions set by pyproject.toml.)
 # hadolint ignore=DL3013
-RUN pip install ".[gpu]" "vllm==${VLLM_VERSION}"
+RUN pip install -c constraints.txt ".[gpu]" "vllm==${VLLM_VERSION}"
 
 ENTRYPOINT []
 CMD ["python", "-m", "speculators_assets.workload"]

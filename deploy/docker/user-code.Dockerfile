@@ -12,10 +12,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /opt/speculators
 # torch from the CPU index first (the project depends on it; the code location never imports it).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-COPY pyproject.toml README.md workspace.yaml ./
+COPY pyproject.toml README.md workspace.yaml deploy/docker/constraints.txt ./
 COPY speculators ./speculators
 COPY speculators_assets ./speculators_assets
-RUN pip install . && mkdir -p "$DAGSTER_HOME"
+RUN pip install -c constraints.txt . && mkdir -p "$DAGSTER_HOME"
 
 EXPOSE 3030
 # The Helm chart passes dagsterApiGrpcArgs; this default serves the same code location standalone.
