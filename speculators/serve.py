@@ -304,7 +304,10 @@ def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # a supervisor's SIGTERM stops vLLM like Ctrl-C does
+    # A supervisor's SIGTERM stops vLLM like Ctrl-C does; SIGINT is set explicitly because a shell
+    # starts background jobs with it ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     print(f"starting {server.build['distribution']} {server.build['version']} for {settings.verifier}"
           + (f" with speculator {settings.speculator} ({json.dumps(server.speculative)})" if server.speculative
              else " (baseline, no speculator)") + f"; log: {server.log_path}", flush=True)  # fmt: skip
