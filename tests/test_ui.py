@@ -34,6 +34,18 @@ def chromium() -> str:
     return path
 
 
+def dismiss_first_visit_prompt(page) -> None:
+    """Dagster shows a newsletter prompt on a first visit, a moment after the page loads; skip it and
+    wait until its backdrop is gone (it swallows clicks)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.get_by_role("button", name="Skip").click(timeout=20_000)
+    except PlaywrightTimeout:
+        return  # not shown
+    page.locator(".dagster-backdrop").first.wait_for(state="detached", timeout=20_000)
+
+
 def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(peaked_verifier, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -69,9 +81,7 @@ def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(peaked_verifi
                 page = browser.new_page(viewport={"width": 1600, "height": 1000})
                 page.set_default_timeout(60_000)
                 page.goto(url + "/asset-groups/speculators", wait_until="networkidle")
-                skip = page.get_by_role("button", name="Skip")  # the first-visit newsletter prompt
-                if skip.count():
-                    skip.click()
+                dismiss_first_visit_prompt(page)
                 for name in ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint",
                              "benchmark_report"):  # fmt: skip
                     assert page.get_by_text(name, exact=True).first.is_visible(), name
