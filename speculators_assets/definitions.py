@@ -105,11 +105,10 @@ def step_asset(name: str, variants: dict[str, Variant], partitions: dg.Partition
 
 
 def source_fingerprint_of(variant: Variant) -> str:
-    """The same key raw_prompts records: the content of every prompt source plus its settings."""
-    from speculators.prompts import source_fingerprint
-    from speculators_assets.workload import key_of
+    """The key raw_prompts records as `source_fingerprint`."""
+    from speculators_assets.workload import key_of, source_fingerprints
 
-    return key_of({source: source_fingerprint(source) for source in variant.prompts.sources})
+    return key_of(source_fingerprints(variant))
 
 
 def last_drafter_fingerprint(instance: dg.DagsterInstance, variant: str) -> str | None:

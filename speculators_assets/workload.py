@@ -103,11 +103,17 @@ class Step:
 # ----- the five steps ------------------------------------------------------------------------------
 
 
-def raw_prompts(step: Step) -> tuple[Metadata, str]:
+def source_fingerprints(variant: Variant) -> dict[str, str]:
+    """Content hash of each prompt source of a variant (what the retraining schedule compares)."""
     from speculators.prompts import source_fingerprint
 
+    return {source: source_fingerprint(source) for source in variant.prompts.sources}
+
+
+def raw_prompts(step: Step) -> tuple[Metadata, str]:
     v, out = step.variant, step.dir("raw_prompts")
-    fingerprints = {source: source_fingerprint(source) for source in v.prompts.sources}
+    fingerprints = source_fingerprints(v)
+    fingerprint = key_of(fingerprints)  # what the retraining schedule compares
     key = key_of(fingerprints, v.prompts.model_dump())
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
@@ -119,7 +125,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
         if v.prompts.max_samples:
             arguments += ["--max-samples", str(v.prompts.max_samples)]
         speculators(*arguments)
-        write_json(out / "stamp.json", {"key": key, "source_fingerprint": key_of(fingerprints)})
+        write_json(out / "stamp.json", {"key": key, "source_fingerprint": fingerprint})
     report = read_json(out / "prepare_report.json")["prompts"]
     rejected = sum(report["rejected"].values()) if isinstance(report["rejected"], dict) else report["rejected"]
     metadata = {
@@ -130,7 +136,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
         "rejected": rejected,
         "rejection_reasons": {"raw_value": report["rejected"], "type": "json"},
         "data_version": report["data_version"],
-        "source_fingerprint": key_of(fingerprints),
+        "source_fingerprint": fingerprint,
         "sources": {"raw_value": fingerprints, "type": "json"},
         "path": path_value(out / "conversations.jsonl"),
     }
