@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,19 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 PEAKED_AUX = [1, 4, 6]
 PEAKED_PROMPTS = 8
+
+
+def peaked_prompts() -> list[str]:
+    """The prompts the `store` fixture (and so `trained_drafter`) is built from."""
+    from speculators.demo_prompts import demo_prompts
+
+    return demo_prompts()[:PEAKED_PROMPTS]
+
+
+def write_peaked_prompts(path: Path) -> Path:
+    """Those prompts as a prompt JSONL file (the drafter's training prompts: acceptance well above 1)."""
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in peaked_prompts()))
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +65,6 @@ def peaked_verifier(tmp_path_factory):
 def store(peaked_verifier, tmp_path_factory):
     """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
     from speculators.datagen import run_datagen
-    from speculators.demo_prompts import demo_prompts
     from speculators.prompts import Conversation
     from speculators.regenerate import regenerate, transformers_generate_fn
     from speculators.verifier import load_verifier
@@ -58,7 +72,7 @@ def store(peaked_verifier, tmp_path_factory):
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
     directory = tmp_path_factory.mktemp("train-store")
-    conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(demo_prompts()[:8])]
+    conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
     samples, _ = regenerate(conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512,
                             progress=False)  # fmt: skip

@@ -24,18 +24,15 @@ from speculators.evaluate import (
 )
 from speculators.prompts import load_prompts
 from speculators.verifier import load_verifier
+from tests.conftest import write_peaked_prompts
 
 K = 3
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    """The prompts the peaked verifier's store (and the trained drafter) were built from, plus new ones."""
-    from speculators.demo_prompts import demo_prompts
-
-    path = tmp_path_factory.mktemp("eval-prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
-    return path
+    """The prompts the peaked verifier's store (and the trained drafter) were built from."""
+    return write_peaked_prompts(tmp_path_factory.mktemp("eval-prompts") / "prompts.jsonl")
 
 
 def test_oracle_accepts_everything_and_a_wrong_proposer_nothing(peaked_verifier, prompts_file):
