@@ -4,7 +4,8 @@ Both servers get the same flags, the same held-out prompts (real chat text, sent
 /v1/chat/completions so the server applies the chat template), the same profiles (synchronous, then
 a small concurrency sweep), temperature 0, and an exact output budget per request (ignore_eos). The
 spec-decode Prometheus counters are scraped before and after every GuideLLM run; their differences
-give the acceptance length and the per-position acceptance rates.
+give the acceptance length and the per-position acceptance rates. Outputs that differ between the
+servers are classified (`OutputJudge`): a numerical near-tie of the verifier, or diverged.
 
 Report folder:
   prompts.jsonl                         what GuideLLM sent
@@ -142,16 +143,66 @@ def read_guidellm_report(path: Path) -> dict[str, Any]:
     return summary
 
 
-def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:
-    """Ratios as speed-ups (>1: the speculator is better) and how many outputs are identical."""
+class OutputJudge:
+    """Why two served outputs for one prompt differ. At the first differing token (outputs re-tokenized),
+    the verifier (transformers, the bench's dtype) is run on the prompt plus the common prefix: if the two
+    tokens are its top two and their logits are within the tie tolerance, the flip is a numerical near-tie
+    (lossless as the evaluator defines it); otherwise the outputs diverged."""
+
+    def __init__(self, verifier: str, dtype: str, tie_tolerance: float | None = None):
+        self.source, self.dtype, self.tie_tolerance = verifier, "bfloat16" if dtype == "auto" else dtype, tie_tolerance
+        self.verifier: Any = None
+
+    def __call__(self, messages_key: str, baseline_text: str, speculator_text: str) -> dict[str, Any]:
+        import torch
+
+        from speculators.evaluate import default_tie_tolerance, top_two
+        from speculators.tokenization import render_ids
+        from speculators.verifier import load_verifier
+
+        if self.verifier is None:
+            self.verifier = load_verifier(self.source, dtype=self.dtype)
+        tokenizer = self.verifier.tokenizer
+        base = tokenizer.encode(baseline_text, add_special_tokens=False)
+        spec = tokenizer.encode(speculator_text, add_special_tokens=False)
+        position = next((i for i, (a, b) in enumerate(zip(base, spec, strict=False)) if a != b), None)
+        if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
+            return {"status": "diverged", "position": min(len(base), len(spec))}
+        prompt = render_ids(tokenizer, json.loads(messages_key), add_generation_prompt=True)
+        with torch.inference_mode():
+            logits = self.verifier.model(input_ids=torch.tensor([prompt + base[:position]])).logits[0, -1:]
+        top, top_logit, second, second_logit = top_two(logits)[0]
+        margin = top_logit - second_logit
+        tolerance = self.tie_tolerance
+        if tolerance is None:
+            tolerance = default_tie_tolerance(getattr(torch, self.dtype), top_logit)
+        near_tie = {base[position], spec[position]} == {top, second} and margin <= tolerance
+        return {"status": "near_tie" if near_tie else "diverged", "position": position, "margin": margin,
+                "tolerance": tolerance, "baseline_token": base[position], "speculator_token": spec[position],
+                "verifier_top_two": [top, second]}  # fmt: skip
+
+
+def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any], judge: OutputJudge | None = None
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Ratios as speed-ups (>1: the speculator is better) and how many outputs are identical; with a judge,
+    each differing output is classified as a near-tie or diverged."""
     ratios = {}
     for key, _, higher_is_better in METRICS.values():
         base, spec = baseline[key], speculator[key]
         if base and spec:
             ratios[key] = spec / base if higher_is_better else base / spec
-    shared = set(baseline["outputs"]) & set(speculator["outputs"])
-    identical = sum(baseline["outputs"][k] == speculator["outputs"][k] for k in shared)
-    return {"speedup": ratios, "outputs_compared": len(shared), "outputs_identical": identical}
+    shared = sorted(set(baseline["outputs"]) & set(speculator["outputs"]))
+    differing = [k for k in shared if baseline["outputs"][k] != speculator["outputs"][k]]
+    comparison: dict[str, Any] = {"speedup": ratios, "outputs_compared": len(shared),
+                                  "outputs_identical": len(shared) - len(differing)}  # fmt: skip
+    if judge is not None:
+        differences = [{"prompt": json.loads(k)[-1]["content"][:80],
+                        **judge(k, baseline["outputs"][k] or "", speculator["outputs"][k] or "")}
+                       for k in differing]  # fmt: skip
+        comparison["outputs_near_tie"] = sum(d["status"] == "near_tie" for d in differences)
+        comparison["outputs_diverged"] = sum(d["status"] == "diverged" for d in differences)
+        comparison["differences"] = differences
+    return comparison
 
 
 # ----- the run -------------------------------------------------------------------------------------
@@ -250,9 +301,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, folder / "prompts.jsonl") for role in ROLES}
     comparison = {}
+    judge = OutputJudge(settings.verifier, settings.dtype)
     for name in runs["baseline"]["profiles"]:
         base, spec = runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name]
-        comparison[name] = compare_runs(base, spec)
+        comparison[name] = compare_runs(base, spec, judge)
     report = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "prompts": prompts,
@@ -324,7 +376,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
         lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
         lines.append(
-            f"| {name} | identical outputs | | {profile['outputs_identical']} of {profile['outputs_compared']} | |"
+            f"| {name} | identical outputs | | {profile['outputs_identical']} of {profile['outputs_compared']} "
+            f"({profile.get('outputs_near_tie', '?')} near-tie, {profile.get('outputs_diverged', '?')} diverged) | |"
         )
     hw = report["hardware"]
     lines += ["", f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"

@@ -25,6 +25,7 @@ from speculators.serve import (
     acceptance_from_counters,
     parse_spec_decode_counters,
 )
+from tests.conftest import write_peaked_prompts
 
 K = 3
 NEW_TOKENS = 40
@@ -85,14 +86,12 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     peaked_verifier, trained_drafter, tmp_path
 ):
     """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
-    from speculators.demo_prompts import demo_prompts
     from speculators.evaluate import DrafterProposer, evaluate, load_proposer, tokenize_prompts
     from speculators.prompts import load_prompts
     from speculators.verifier import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    prompts_file = tmp_path / "prompts.jsonl"  # the drafter's training prompts
-    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    prompts_file = write_peaked_prompts(tmp_path / "prompts.jsonl")
     prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(prompts_file)))
     token_prompts = [ids for _, ids in prompts]
     common = dict(verifier=str(peaked_verifier), port=0, dtype="float32", max_model_len=512, enforce_eager=True,
@@ -185,10 +184,7 @@ def test_a_model_that_does_not_load_is_reported_with_the_log_tail(tiny_verifier_
 def test_bench_writes_a_complete_sane_report(peaked_verifier, trained_drafter, tmp_path):
     from speculators.cli import main
 
-    prompts = tmp_path / "prompts.jsonl"  # the drafter's training prompts: acceptance well above 1
-    from speculators.demo_prompts import demo_prompts
-
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    prompts = write_peaked_prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "bench"
     assert main(["bench", "--verifier", str(peaked_verifier), "--speculator", str(trained_drafter), "--output",
                  str(out), "--prompts", str(prompts), "--requests", "4", "--output-tokens", "24", "--concurrency",
@@ -220,3 +216,56 @@ def test_bench_writes_a_complete_sane_report(peaked_verifier, trained_drafter, t
     assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
     markdown = (out / "report.md").read_text()
     assert "| synchronous | tpot_ms (median) |" in markdown and "identical outputs | | 4 of 4" in markdown
+
+
+def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifier):
+    """At the first differing token, the verifier's top two within the tolerance make a near-tie; a token
+    outside its top two, or a margin above the tolerance, is a divergence."""
+    import torch
+
+    from speculators.bench import METRICS, OutputJudge, compare_runs
+    from speculators.evaluate import top_two
+    from speculators.tokenization import render_ids
+    from speculators.verifier import load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    tokenizer = verifier.tokenizer
+    messages = [{"role": "user", "content": "Describe a tide pool."}]
+    key = json.dumps(messages, sort_keys=True)
+    prompt = render_ids(tokenizer, messages, add_generation_prompt=True)
+    answer = tokenizer.encode("Tide pools hold small crabs, snails and bright anemones.", add_special_tokens=False)
+
+    def round_trips(ids):
+        return tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+
+    for position in range(1, len(answer)):  # a position where both of the top two survive re-tokenization
+        with torch.inference_mode():
+            logits = verifier.model(input_ids=torch.tensor([prompt + answer[:position]])).logits[0, -1:]
+        top, top_logit, second, second_logit = top_two(logits)[0]
+        first, runner_up = [*answer[:position], top], [*answer[:position], second]
+        others = [t for t in answer if t not in (top, second) and round_trips([*answer[:position], t])]
+        if round_trips(first) and round_trips(runner_up) and others:
+            break
+    else:
+        pytest.fail("no position where the verifier's top two round-trip through the tokenizer")
+    margin = top_logit - second_logit
+    base_text, runner_up_text = tokenizer.decode(first), tokenizer.decode(runner_up)
+    wrong_text = tokenizer.decode([*answer[:position], others[0]])
+
+    verdict = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin + 1e-3)(key, base_text, runner_up_text)
+    assert verdict["status"] == "near_tie" and verdict["position"] == position
+    assert verdict["verifier_top_two"] == [top, second] and abs(verdict["margin"] - margin) < 1e-4
+    tight = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin / 2)
+    assert tight(key, base_text, runner_up_text)["status"] == "diverged"
+    loose = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=1e6)
+    assert loose(key, base_text, wrong_text)["status"] == "diverged"  # not the verifier's top two
+
+    # compare_runs counts them per profile.
+    numbers = {name: 1.0 for name, _, _ in METRICS.values()}
+    other = json.dumps([{"role": "user", "content": "Hi."}], sort_keys=True)
+    baseline = {**numbers, "outputs": {key: base_text, other: "same"}}
+    speculator = {**numbers, "outputs": {key: runner_up_text, other: "same"}}
+    counted = compare_runs(baseline, speculator, OutputJudge(str(peaked_verifier), "float32", margin + 1e-3))
+    assert (counted["outputs_compared"], counted["outputs_identical"], counted["outputs_near_tie"],
+            counted["outputs_diverged"]) == (2, 1, 1, 0)  # fmt: skip
+    assert counted["differences"][0]["prompt"] == "Describe a tide pool."
