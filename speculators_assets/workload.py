@@ -67,8 +67,9 @@ class StepFailed(RuntimeError):
     pass
 
 
-def speculators(*arguments: str, gpus: int = 0) -> None:
-    """Run one `speculators` command (under torchrun for multi-GPU training); stream its output."""
+def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run one `speculators` command (under torchrun for multi-GPU training) and stream its output, or with
+    `capture` return its output and exit code (for commands whose verdict is the result: validate, verify-store)."""
     if gpus > 1 and arguments[0] == "train":
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "-m", "speculators.cli"]
     else:
@@ -76,10 +77,16 @@ def speculators(*arguments: str, gpus: int = 0) -> None:
     command += list(arguments)
     print("$ speculators " + " ".join(arguments), flush=True)
     started = time.perf_counter()
-    code = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr).returncode
-    if code != 0:
-        raise StepFailed(f"`speculators {arguments[0]}` failed with exit code {code}; its output is in the step log")
+    if capture:
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout + done.stderr, flush=True)
+        return done
+    done = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr, text=True)
+    if done.returncode != 0:
+        raise StepFailed(f"`speculators {arguments[0]}` failed with exit code {done.returncode}; its output is in "
+                         f"the step log")  # fmt: skip
     print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+    return done
 
 
 class Step:
@@ -162,10 +169,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
     speculators(*datagen)
     speculators("vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size))
-    print(f"$ speculators verify-store {store}", flush=True)
-    verified = subprocess.run([sys.executable, "-m", "speculators.cli", "verify-store", str(store)],
-                              capture_output=True, text=True)  # fmt: skip
-    print(verified.stdout + verified.stderr, flush=True)
+    verified = speculators("verify-store", str(store), capture=True)
 
     prepared = read_json(data / "prepare_report.json")["tokenization"]
     manifest = read_json(store / "manifest.json")
@@ -304,9 +308,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
             for name in ("config.json", "model.safetensors"):
                 shutil.copy2(Path(current["drafter"]) / name, tmp / name)
     report_path = target / "validation.json"
-    code = subprocess.run([sys.executable, "-m", "speculators.cli", "validate", str(target), "--verifier", v.verifier,
-                           "--json"], capture_output=True, text=True)  # fmt: skip
-    print(f"$ speculators validate {target} --verifier {v.verifier} --json\n{code.stdout}{code.stderr}", flush=True)
+    code = speculators("validate", str(target), "--verifier", v.verifier, "--json", capture=True)
     try:
         validation = json.loads(code.stdout)
     except ValueError:
@@ -378,12 +380,15 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     synchronous = report["profiles"]["synchronous"]
     speedup = synchronous["speedup"].get("tpot_ms", 0.0)
     identical = all(p["outputs_identical"] == p["outputs_compared"] for p in report["profiles"].values())
+    lossless = all(p.get("outputs_diverged", 0) == 0 for p in report["profiles"].values())
     files = ["report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl"]
     missing = [name for name in files if not (out / name).is_file()]
     step.check("speedup_at_least_1", speedup >= 1.0, f"synchronous TPOT speed-up {speedup:.3f}x", severity="WARN",
                speedup=speedup)  # fmt: skip
-    step.check("lossless_outputs", identical,
-               "; ".join(f"{name}: {p['outputs_identical']} of {p['outputs_compared']} outputs identical"
+    # Lossless as the evaluator defines it: identical, or parted at a numerical near-tie of the verifier.
+    step.check("lossless_outputs", lossless,
+               "; ".join(f"{name}: {p['outputs_identical']} of {p['outputs_compared']} outputs identical, "
+                         f"{p.get('outputs_near_tie', 0)} near-tie, {p.get('outputs_diverged', 0)} diverged"
                          for name, p in report["profiles"].items()), severity="WARN")  # fmt: skip
     step.check("report_complete", not missing, "every report file present" if not missing else f"missing {missing}")
     acceptance = report["acceptance"]
@@ -395,6 +400,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "tpot_speedup_synchronous": speedup,
         "throughput_ratio_synchronous": synchronous["speedup"].get("output_tokens_per_s", 0.0),
         "outputs_identical": identical,
+        "outputs_lossless": lossless,
         "report": md((out / "report.md").read_text()),
         "plots": md("\n\n".join(image_markdown(out / name, name) for name in plots if (out / name).is_file())),
         "path": path_value(out),
