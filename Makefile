@@ -1,10 +1,9 @@
 # Two commands do all the set-up on a fresh machine (no GPU needed):
-#   make demo   - create/reuse .venv, install everything, run the pipeline's main job
+#   make demo   - create/reuse .venv, install everything, materialize the smollm2_135m lineage through Dagster
 #   make test   - create/reuse .venv, install everything, lint, run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_DIR ?= .demo
 # torch 2.13.0 first: it is the CPU wheel; anything unpinned would pull a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
@@ -42,10 +41,10 @@ test-fast: venv
 	$(BIN)/python -m pytest -q
 
 demo: venv
-	$(BIN)/python -m speculators.demo --output $(DEMO_DIR)
+	$(BIN)/speculators-assets demo
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR)
+	rm -rf $(VENV) .speculators-storage .dagster
 
 # The Dagster UI on http://127.0.0.1:3000 with the code location (DAGSTER_HOME defaults to .dagster).
 ui: venv

@@ -1,10 +1,14 @@
-"""`speculators-assets`: operate the code location from CI.
+"""`speculators-assets`: operate the code location from CI and from a terminal.
 
     speculators-assets refresh-benchmark --url http://dagster.example:3000 --variant smollm2_135m [--token T]
 
 launches the `refresh_benchmark` job for a variant (partition) on a running deployment through
 Dagster's GraphQL API, waits for it, prints the outcome, and exits non-zero if
 the run failed (a failed blocking check fails the run).
+
+    speculators-assets demo [--variant smollm2_135m]
+
+materializes a variant's whole lineage on this machine through Dagster (`make demo`).
 """
 
 from __future__ import annotations
@@ -75,7 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     refresh.add_argument("--token", help="bearer token for a deployment behind an auth proxy")
     refresh.add_argument("--location", default="speculators_pipeline", help="code location name")
     refresh.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait for the run")
+    demo = commands.add_parser("demo", help="materialize a variant's whole lineage here, through Dagster; print "
+                                            "the results (`make demo`)")  # fmt: skip
+    demo.add_argument("--variant", default="smollm2_135m", help="the partition (default: smollm2_135m)")
+    demo.add_argument("--dagster-home", help="where the run is recorded (default: $DAGSTER_HOME or .dagster)")
+    demo.add_argument("--storage", help="artifact root (default: $SPECULATORS_STORAGE_ROOT or .speculators-storage)")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from speculators_assets.demo import run_demo
+
+        return run_demo(args.variant, args.dagster_home, args.storage)
     return refresh_benchmark(args.url, args.variant, args.token, args.location, timeout=args.timeout)
 
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import dagster as dg
@@ -16,6 +14,8 @@ import pytest
 
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import VariantError, load_variant, load_variants
+from tests.conftest import write_peaked_prompts
+from tests.dagster_dev import dagster_dev, log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
@@ -152,11 +152,8 @@ gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
 @pytest.fixture(scope="module")
 def lineage(peaked_verifier, tmp_path_factory):
     """The whole lineage for `tiny_llama`, materialized in-process with real Pipes subprocesses."""
-    from speculators.demo_prompts import demo_prompts
-
     base = tmp_path_factory.mktemp("lineage")
-    prompts = base / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in demo_prompts()[:8]))
+    prompts = write_peaked_prompts(base / "prompts.jsonl")
     write_tiny_variant(base / "variants", peaked_verifier, prompts)
     env = {"SPECULATORS_VARIANTS_DIR": str(base / "variants"), "SPECULATORS_STORAGE_ROOT": str(base / "storage")}
     saved = {k: os.environ.get(k) for k in env}
@@ -246,60 +243,23 @@ def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_n
     assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_refresh_command_runs_the_benchmark_job_on_a_real_dagster_dev(lineage, tmp_path):
     assert lineage["first"].success
-    port = free_port()
-    env = {**os.environ, **lineage["env"], "DAGSTER_HOME": str(tmp_path)}
-    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    log = (tmp_path / "dagster-dev.log").open("w")  # closed in finally
-    server = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
-                               "-p", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/server_info", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "dagster-dev.log").read_text()
-                time.sleep(1)
+    home = tmp_path / "dagster-home"
+    with dagster_dev(home, lineage["env"]) as url:
         reports = sorted((lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json"))
         before = {path: path.stat().st_mtime for path in reports}
         assert before
-        command = [
-            sys.executable,
-            "-m",
-            "speculators_assets.cli",
-            "refresh-benchmark",
-            "--url",
-            url,
-            "--timeout",
-            "900",
-        ]
+        command = [sys.executable, "-m", "speculators_assets.cli", "refresh-benchmark", "--url", url]
+        command += ["--timeout", "900"]
+        env = {**os.environ, **lineage["env"]}
         ok = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
-        assert ok.returncode == 0, ok.stdout + ok.stderr + (tmp_path / "dagster-dev.log").read_text()[-3000:]
+        assert ok.returncode == 0, ok.stdout + ok.stderr + log_tail(home)
         assert "finished: SUCCESS" in ok.stdout
         assert all(path.stat().st_mtime > mtime for path, mtime in before.items())  # measured anew, not reused
         bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
         assert bad.returncode != 0
-    finally:
-        import signal
-
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
@@ -314,3 +274,25 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     assert "1.900 against the previous drafter's 2.000" in gates["no_regression"]["description"]
     low = {"best_validation": None, "final_train": {"acceptance_length": 1.2}}  # no validation split: train estimate
     assert not drafter_gates(variant, low, None)[0]["passed"]
+
+
+@pytest.mark.slow
+def test_the_demo_command_materializes_through_dagster_and_prints_the_results(lineage, tmp_path):
+    """`make demo`'s command on the tiny variant: every artifact is already there, so it reuses them all."""
+    assert lineage["first"].success
+    env = {**os.environ, **lineage["env"]}
+    command = [sys.executable, "-m", "speculators_assets.cli", "demo", "--dagster-home", str(tmp_path / "home")]
+    done = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Demo finished in" in out and "step times: raw_prompts" in out and "checks: " in out
+    assert "benchmark (vLLM + GuideLLM, held-out prompts): acceptance length" in out
+    report = Path(out.split("report: ")[1].split()[0])
+    assert report.is_file() and report.parent.parent.name == "benchmark_report"
+    # The run is recorded in the instance `make ui` opens.
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        (run,) = instance.get_runs()
+        assert run.job_name == "build_lineage" and run.status == dg.DagsterRunStatus.SUCCESS
+        assert run.tags["dagster/partition"] == "tiny_llama"
+    bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "'no_such_variant' is not a partition" in bad.stdout
