@@ -485,6 +485,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     log.flush()
                 bar.set_postfix(loss=f"{sum(metrics['loss']):.3f}", acc0=f"{metrics['full_acc'][0]:.3f}",
                                 tok_s=f"{tokens / seconds:.0f}")  # fmt: skip
+                if not config.progress and rank == 0:  # logs (Dagster, pods) get a line instead of a bar
+                    print(f"step {state['step']}/{total_steps} (epoch {state['step'] / steps_per_epoch:.2f}): loss "
+                          f"{sum(metrics['loss']):.3f}, accuracy per TTT step "
+                          f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, {tokens / seconds:.0f} tokens/s",
+                          flush=True)  # fmt: skip
                 window_sums, window_tokens, window_start = None, 0, time.perf_counter()
 
             evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
@@ -498,6 +503,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     log.write(json.dumps({"event": "validation", "step": state["step"],
                                           "wall_seconds": wall_seconds(), **metrics}) + "\n")  # fmt: skip
                     log.flush()
+                    if not config.progress:
+                        print(f"validation at step {state['step']}: accuracy per TTT step "
+                              f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, acceptance estimate "
+                              f"{metrics['acceptance_length']:.2f}", flush=True)  # fmt: skip
                 if improved:
                     state["best_validation_loss"] = sum(metrics["loss"])
                     state["best_validation"] = metrics
