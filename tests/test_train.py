@@ -203,19 +203,26 @@ def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, t
 
 
 def test_fused_kl_matches_autograd_in_value_and_gradient():
-    from speculators.ttt import KLFromLogits
+    from speculators.ttt import ROW_CHUNK, KLFromLogits, target_distribution
 
     torch.manual_seed(1)
-    logits = torch.randn(7, 13, dtype=torch.float64, requires_grad=True)
-    target_logp = F.log_softmax(torch.randn(7, 13, dtype=torch.float64), -1)
-    p = target_logp.exp()
-    neg_entropy = (p * target_logp).sum(-1)
-    weights = torch.rand(7, dtype=torch.float64)
-    fused = KLFromLogits.apply(logits, p, neg_entropy)
+    rows = 2 * ROW_CHUNK + 7  # several row tiles and a partial one
+    logits = torch.randn(rows, 13, dtype=torch.float64, requires_grad=True)
+    target_logits = torch.randn(rows + 5, 13, dtype=torch.float64)
+    target_rows = torch.randperm(rows + 5)[:rows]  # each logits row's target row
+    target_logp = F.log_softmax(target_logits, -1)
+    p, neg_entropy, ids = target_distribution(target_logits)
+    torch.testing.assert_close(p, target_logp.exp().float())
+    torch.testing.assert_close(neg_entropy, (target_logp.exp() * target_logp).sum(-1).float())
+    assert torch.equal(ids, target_logits.argmax(-1))
+    p, neg_entropy = target_logp.exp(), (target_logp.exp() * target_logp).sum(-1)  # float64 for the comparison
+    weights = torch.rand(rows, dtype=torch.float64)
+    fused, predicted = KLFromLogits.apply(logits, p, neg_entropy, target_rows)
+    assert torch.equal(predicted, logits.argmax(-1))
     (fused * weights).sum().backward()
     fused_grad = logits.grad.clone()
     logits.grad = None
-    plain = (p * (target_logp - F.log_softmax(logits, -1))).sum(-1)
+    plain = (p[target_rows] * (target_logp[target_rows] - F.log_softmax(logits, -1))).sum(-1)
     (plain * weights).sum().backward()
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(fused_grad, logits.grad)
