@@ -146,12 +146,14 @@ def automated_variants(variants: dict[str, Variant]) -> list[str]:
 # ----- the definitions -----------------------------------------------------------------------------
 
 
+# The five assets, upstream first.
+LINEAGE = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
+
+
 def build_defs(variants: dict[str, Variant] | None = None) -> dg.Definitions:
     variants = load_variants() if variants is None else variants
     partitions = dg.StaticPartitionsDefinition(sorted(variants))
-    assets = [step_asset(name, variants, partitions) for name in
-              ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint",
-               "benchmark_report")]  # fmt: skip
+    assets = [step_asset(name, variants, partitions) for name in LINEAGE]
     lineage = dg.define_asset_job("build_lineage", selection=dg.AssetSelection.all(), partitions_def=partitions,
                                   description="Materialize the whole lineage for a variant (partition).")  # fmt: skip
     refresh = dg.define_asset_job(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from speculators.serve import free_port
+from speculators_assets.demo import prepare_home
 
 ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -22,8 +23,7 @@ TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
 @contextlib.contextmanager
 def dagster_dev(home: Path, env: dict[str, str], *, startup_s: float = 180) -> Iterator[str]:
     """Run `dagster dev` with DAGSTER_HOME=home (telemetry off) and yield its URL; its log is home/dagster-dev.log."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    home = prepare_home(home)
     url = f"http://127.0.0.1:{free_port()}"
     log_path = home / "dagster-dev.log"
     with open(log_path, "w") as log:

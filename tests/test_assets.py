@@ -12,6 +12,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from speculators_assets.demo import materialized
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import VariantError, load_variant, load_variants
 from tests.conftest import write_peaked_prompts
@@ -175,16 +176,11 @@ def lineage(peaked_verifier, tmp_path_factory):
                 os.environ[key] = value
 
 
-def materializations(result) -> dict[str, dict]:
-    return {e.materialization.asset_key.to_user_string(): {k: v.value for k, v in e.materialization.metadata.items()}
-            for e in result.get_asset_materialization_events()}  # fmt: skip
-
-
 @pytest.mark.slow
 def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(lineage):
     first = lineage["first"]
     assert first.success
-    meta = materializations(first)
+    meta = materialized(first)
     assert list(meta) == ASSETS
     assert meta["raw_prompts"]["kept"] == 8 and meta["raw_prompts"]["reused"] is False
     hidden = meta["verifier_hidden_states"]
@@ -212,7 +208,7 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     started = time.perf_counter()
     second = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
                             instance=lineage["instance"])  # fmt: skip
-    again = materializations(second)
+    again = materialized(second)
     assert again["raw_prompts"]["reused"] is True
     assert again["verifier_hidden_states"]["computed"] == 0 and again["verifier_hidden_states"]["reused"] == 8
     assert again["verifier_hidden_states"]["regenerated"] == 0
