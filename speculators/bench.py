@@ -4,12 +4,14 @@ Both servers get the same flags, the same held-out prompts (real chat text, sent
 /v1/chat/completions so the server applies the chat template), the same profiles (synchronous, then
 a small concurrency sweep), temperature 0, and an exact output budget per request (ignore_eos). The
 spec-decode Prometheus counters are scraped before and after every GuideLLM run; their differences
-give the acceptance length and the per-position acceptance rates. Outputs that differ between the
-servers are classified (`OutputJudge`): a numerical near-tie of the verifier, or diverged.
+give the acceptance length and the per-position acceptance rates. After the profiles each server
+answers every prompt once more, alone, with the exact token ids (`return_token_ids`); outputs that
+differ between the servers are classified (`OutputJudge`): a numerical near-tie of the verifier, or
+diverged.
 
 Report folder:
   prompts.jsonl                         what GuideLLM sent
-  baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}
+  baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl
   report.json  report.md                the comparison, versions, hardware, settings
   acceptance.png  latency.png  throughput.png
 """
@@ -117,11 +119,33 @@ def warm_up(url: str, model: str, requests: int = 2) -> None:
             response.read()
 
 
+def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int) -> list[dict[str, Any]]:
+    """Each prompt once, alone, at temperature 0, with the exact token ids the server produced (prompt and
+    output). The lossless comparison uses these rather than GuideLLM's records, which keep text only and
+    are not guaranteed to hold every prompt exactly once."""
+    outputs = []
+    for line in prompts_file.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        body = {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())
+        choice = reply["choices"][0]
+        if choice.get("token_ids") is None or reply.get("prompt_token_ids") is None:
+            raise SpeculatorsError(f"the vLLM server at {url} returned no token ids (return_token_ids); "
+                                   f"use a vLLM version that supports it")  # fmt: skip
+        outputs.append({"messages": messages, "prompt_token_ids": reply["prompt_token_ids"],
+                        "token_ids": choice["token_ids"], "text": choice["message"]["content"]})  # fmt: skip
+    return outputs
+
+
 # ----- reading GuideLLM's report -------------------------------------------------------------------
 
 
 def read_guidellm_report(path: Path) -> dict[str, Any]:
-    """Headline metrics, request counts and each request's prompt and output text."""
+    """Headline metrics and request counts."""
     try:
         data = json.loads(path.read_text())
         benchmark = data["benchmarks"][0]
@@ -134,12 +158,6 @@ def read_guidellm_report(path: Path) -> dict[str, Any]:
     summary["tokens_per_iteration"] = metrics["output_tokens_per_iteration"]["successful"]["mean"]
     summary["requests"] = metrics["request_totals"]
     summary["duration_s"] = benchmark.get("duration")
-    outputs = {}
-    for request in benchmark["requests"]["successful"]:
-        args = request["request_args"]
-        body = (json.loads(args) if isinstance(args, str) else args or {}).get("body") or {}
-        outputs[json.dumps(body.get("messages"), sort_keys=True)] = request.get("output")
-    summary["outputs"] = outputs
     return summary
 
 
@@ -147,8 +165,8 @@ SERVED_TIE_ULPS = 8  # two implementations (vLLM's kernels, transformers') each 
 
 
 class OutputJudge:
-    """Why two served outputs for one prompt differ. At the first differing token (outputs re-tokenized),
-    the verifier (transformers, the bench's dtype) is run on the prompt plus the common prefix: if both
+    """Why two served outputs for one prompt differ. At the first differing token id, the verifier
+    (transformers, the bench's dtype) is run on the served prompt ids plus the common prefix: if both
     tokens' logits are within the tie tolerance of its top logit, the flip is a numerical near-tie
     (lossless as the evaluator defines it); otherwise the outputs diverged. The default tolerance is
     SERVED_TIE_ULPS ulps of the top logit: the servers' logits and this check's come from different
@@ -159,58 +177,61 @@ class OutputJudge:
         self.tie_ulps = tie_ulps
         self.verifier: Any = None
 
-    def __call__(self, messages_key: str, baseline_text: str, speculator_text: str) -> dict[str, Any]:
+    def __call__(self, prompt_ids: list[int], baseline_ids: list[int], speculator_ids: list[int]) -> dict[str, Any]:
         import torch
 
         from speculators.evaluate import default_tie_tolerance, top_two
-        from speculators.tokenization import render_ids
         from speculators.verifier import load_verifier
 
+        position = next((i for i, (a, b) in enumerate(zip(baseline_ids, speculator_ids, strict=False)) if a != b), None)
+        if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
+            return {"status": "diverged", "position": min(len(baseline_ids), len(speculator_ids))}
         if self.verifier is None:
             self.verifier = load_verifier(self.source, dtype=self.dtype)
-        tokenizer = self.verifier.tokenizer
-        base = tokenizer.encode(baseline_text, add_special_tokens=False)
-        spec = tokenizer.encode(speculator_text, add_special_tokens=False)
-        position = next((i for i, (a, b) in enumerate(zip(base, spec, strict=False)) if a != b), None)
-        if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
-            return {"status": "diverged", "position": min(len(base), len(spec))}
-        prompt = render_ids(tokenizer, json.loads(messages_key), add_generation_prompt=True)
         with torch.inference_mode():
-            logits = self.verifier.model(input_ids=torch.tensor([prompt + base[:position]])).logits[0, -1:].float()
+            context = torch.tensor([[*prompt_ids, *baseline_ids[:position]]])
+            logits = self.verifier.model(input_ids=context).logits[0, -1:].float()
         top, top_logit, second, _ = top_two(logits)[0]
         # How far each served token's logit lies below the verifier's top one (0 for the top token itself).
-        below_top = [top_logit - logits[0, token].item() for token in (base[position], spec[position])]
+        served = (baseline_ids[position], speculator_ids[position])
+        below_top = [top_logit - logits[0, token].item() for token in served]
         tolerance = self.tie_tolerance
         if tolerance is None:
             tolerance = default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
         near_tie = max(below_top) <= tolerance
         return {"status": "near_tie" if near_tie else "diverged", "position": position,
                 "margin": abs(below_top[0] - below_top[1]), "below_top": below_top, "tolerance": tolerance,
-                "baseline_token": base[position], "speculator_token": spec[position],
+                "baseline_token": baseline_ids[position], "speculator_token": speculator_ids[position],
                 "verifier_top_two": [top, second]}  # fmt: skip
 
 
-def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any], judge: OutputJudge | None = None
-                 ) -> dict[str, Any]:  # fmt: skip
-    """Ratios as speed-ups (>1: the speculator is better) and how many outputs are identical; with a judge,
-    each differing output is classified as a near-tie or diverged."""
+def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:
+    """Ratios as speed-ups (>1: the speculator is better)."""
     ratios = {}
     for key, _, higher_is_better in METRICS.values():
         base, spec = baseline[key], speculator[key]
         if base and spec:
             ratios[key] = spec / base if higher_is_better else base / spec
-    shared = sorted(set(baseline["outputs"]) & set(speculator["outputs"]))
-    differing = [k for k in shared if baseline["outputs"][k] != speculator["outputs"][k]]
-    comparison: dict[str, Any] = {"speedup": ratios, "outputs_compared": len(shared),
-                                  "outputs_identical": len(shared) - len(differing)}  # fmt: skip
-    if judge is not None:
-        differences = [{"prompt": json.loads(k)[-1]["content"][:80],
-                        **judge(k, baseline["outputs"][k] or "", speculator["outputs"][k] or "")}
-                       for k in differing]  # fmt: skip
-        comparison["outputs_near_tie"] = sum(d["status"] == "near_tie" for d in differences)
-        comparison["outputs_diverged"] = sum(d["status"] == "diverged" for d in differences)
-        comparison["differences"] = differences
-    return comparison
+    return {"speedup": ratios}
+
+
+def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge | None
+                    ) -> dict[str, Any]:  # fmt: skip
+    """Token ids prompt by prompt: identical, or (with a judge) a numerical near-tie or diverged."""
+    if [o["messages"] for o in baseline] != [o["messages"] for o in speculator]:
+        raise SpeculatorsError("the two servers' greedy outputs are for different prompts; this is a bug")
+    differences = []
+    for base, spec in zip(baseline, speculator, strict=True):
+        if base["token_ids"] == spec["token_ids"]:
+            continue
+        verdict: dict[str, Any] = {"status": "diverged", "reason": "the servers tokenized the prompt differently"}
+        if base["prompt_token_ids"] == spec["prompt_token_ids"]:
+            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"]) if judge else {}
+        differences.append({"prompt": base["messages"][-1]["content"][:80], **verdict})
+    return {"compared": len(baseline), "identical": len(baseline) - len(differences),
+            "near_tie": sum(d.get("status") == "near_tie" for d in differences),
+            "diverged": sum(d.get("status") == "diverged" for d in differences),
+            "differences": differences}  # fmt: skip
 
 
 # ----- the run -------------------------------------------------------------------------------------
@@ -249,7 +270,9 @@ def hardware() -> dict[str, Any]:
 
 
 def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> dict[str, Any]:
-    """Start one server, run every profile against it, scrape counters around each run."""
+    """Start one server, run every profile against it, scrape counters around each run, then take each
+    prompt's greedy output with token ids."""
+    from speculators.atomic_io import write_text_atomic
     from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
 
     role_dir = folder / role
@@ -291,6 +314,12 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
                 + f" ({time.perf_counter() - run_started:.0f} s)",
                 flush=True,
             )
+        started_outputs = time.perf_counter()
+        results["outputs"] = greedy_outputs(server.url, server.model_dir, data, settings.output_tokens)
+        write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
+                                                              for o in results["outputs"]))  # fmt: skip
+        print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
+              f"({time.perf_counter() - started_outputs:.0f} s)", flush=True)  # fmt: skip
     return results
 
 
@@ -311,10 +340,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, folder / "prompts.jsonl") for role in ROLES}
     comparison = {}
-    judge = OutputJudge(settings.verifier, settings.dtype)
     for name in runs["baseline"]["profiles"]:
-        base, spec = runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name]
-        comparison[name] = compare_runs(base, spec, judge)
+        comparison[name] = compare_runs(runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name])
+    judge = OutputJudge(settings.verifier, settings.dtype)
+    outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "prompts": prompts,
@@ -323,23 +352,20 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "servers": {role: runs[role]["server"] for role in ROLES},
         "profiles": {
             name: {
-                "baseline": strip_outputs(runs["baseline"]["profiles"][name]),
-                "speculator": strip_outputs(runs["speculator"]["profiles"][name]),
+                "baseline": runs["baseline"]["profiles"][name],
+                "speculator": runs["speculator"]["profiles"][name],
                 **comparison[name],
             }
             for name in comparison
         },
         "acceptance": overall_acceptance(runs["speculator"]["profiles"]),
+        "outputs": outputs,
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
     write_text_atomic(folder / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(folder / "report.md", render_markdown(report))
     plot_report(report, folder)
     return report
-
-
-def strip_outputs(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in summary.items() if k != "outputs"}
 
 
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
@@ -385,10 +411,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
         acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
         lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
-        lines.append(
-            f"| {name} | identical outputs | | {profile['outputs_identical']} of {profile['outputs_compared']} "
-            f"({profile.get('outputs_near_tie', '?')} near-tie, {profile.get('outputs_diverged', '?')} diverged) | |"
-        )
+    outputs = report["outputs"]
+    lines += ["", f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "
+              f"{outputs['compared']} identical, {outputs['near_tie']} parted at a numerical near-tie of the verifier, "
+              f"{outputs['diverged']} diverged."]  # fmt: skip
+    if outputs["differences"]:
+        lines += ["", "| prompt | verdict | position | below top (baseline, speculator) | tolerance |",
+                  "|---|---|---:|---|---:|"]  # fmt: skip
+        for d in outputs["differences"]:
+            below = ", ".join(f"{b:.4g}" for b in d.get("below_top", []))
+            tolerance = f"{d['tolerance']:.4g}" if "tolerance" in d else ""
+            status, position = d.get("status", "?"), d.get("position", "")
+            lines.append(f"| {d['prompt']} | {status} | {position} | {below} | {tolerance} |")
     hw = report["hardware"]
     lines += ["", f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
               + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "") + ".", ""]  # fmt: skip

@@ -210,12 +210,16 @@ def test_bench_writes_a_complete_sane_report(peaked_verifier, trained_drafter, t
             spec["output_tokens_per_s"] / base["output_tokens_per_s"]
         )
         assert base["spec_decode"]["drafts"] == 0 and spec["spec_decode"]["drafts"] > 0
-        assert profile["outputs_compared"] == 4 and profile["outputs_identical"] == 4  # fp32, temperature 0
+    outputs = report["outputs"]
+    assert (outputs["compared"], outputs["identical"], outputs["diverged"]) == (4, 4, 0)  # fp32, temperature 0
+    for role in ("baseline", "speculator"):
+        served = [json.loads(line) for line in (out / role / "outputs.jsonl").read_text().splitlines()]
+        assert [len(o["token_ids"]) for o in served] == [24] * 4 and all(o["prompt_token_ids"] for o in served)
     acceptance = report["acceptance"]
     assert 1.5 < acceptance["acceptance_length"] <= 4.0
     assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
     markdown = (out / "report.md").read_text()
-    assert "| synchronous | tpot_ms (median) |" in markdown and "identical outputs | | 4 of 4" in markdown
+    assert "| synchronous | tpot_ms (median) |" in markdown and "4 of 4 identical" in markdown
 
 
 def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifier):
@@ -223,7 +227,7 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     near-tie; a token further below the top (another token, or a tighter tolerance) is a divergence."""
     import torch
 
-    from speculators.bench import METRICS, OutputJudge, compare_runs
+    from speculators.bench import OutputJudge, compare_outputs
     from speculators.evaluate import top_two
     from speculators.tokenization import render_ids
     from speculators.verifier import load_verifier
@@ -231,46 +235,41 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     verifier = load_verifier(peaked_verifier, dtype="float32")
     tokenizer = verifier.tokenizer
     messages = [{"role": "user", "content": "Describe a tide pool."}]
-    key = json.dumps(messages, sort_keys=True)
     prompt = render_ids(tokenizer, messages, add_generation_prompt=True)
     answer = tokenizer.encode("Tide pools hold small crabs, snails and bright anemones.", add_special_tokens=False)
-
-    def round_trips(ids):
-        return tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
-
-    for position in range(1, len(answer)):  # a position where both of the top two survive re-tokenization
-        with torch.inference_mode():
-            logits = verifier.model(input_ids=torch.tensor([prompt + answer[:position]])).logits[0, -1:]
-        top, top_logit, second, second_logit = top_two(logits)[0]
-        first, runner_up = [*answer[:position], top], [*answer[:position], second]
-        others = [t for t in answer if logits[0, t] < second_logit - 1e-2 and round_trips([*answer[:position], t])]
-        if round_trips(first) and round_trips(runner_up) and others:
-            break
-    else:
-        pytest.fail("no position where the verifier's top two round-trip through the tokenizer")
+    position = 3
+    with torch.inference_mode():
+        logits = verifier.model(input_ids=torch.tensor([prompt + answer[:position]])).logits[0, -1:]
+    top, top_logit, second, second_logit = top_two(logits)[0]
     margin = top_logit - second_logit
-    base_text, runner_up_text = tokenizer.decode(first), tokenizer.decode(runner_up)
-    wrong = min(others, key=lambda t: logits[0, t].item())
-    wrong_text = tokenizer.decode([*answer[:position], wrong])
+    first, runner_up = [*answer[:position], top, 7], [*answer[:position], second, 9]
+    wrong = int(logits[0].argmin())
+    below = top_logit - logits[0, wrong].item()  # > margin: `wrong` is below the runner-up
+    other = [*answer[:position], wrong]
 
-    verdict = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin + 1e-3)(key, base_text, runner_up_text)
+    verdict = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin + 1e-3)(prompt, first, runner_up)
     assert verdict["status"] == "near_tie" and verdict["position"] == position
     assert verdict["verifier_top_two"] == [top, second] and abs(verdict["margin"] - margin) < 1e-4
     assert verdict["below_top"][0] == 0.0 and abs(verdict["below_top"][1] - margin) < 1e-4
     tight = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin / 2)
-    assert tight(key, base_text, runner_up_text)["status"] == "diverged"
-    below = top_logit - logits[0, wrong].item()  # > margin: `wrong` is below the runner-up
+    assert tight(prompt, first, runner_up)["status"] == "diverged"
     judge = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=margin + 1e-3)
-    assert judge(key, base_text, wrong_text)["status"] == "diverged"
+    assert judge(prompt, first, other)["status"] == "diverged"
     reaching = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=below + 1e-3)
-    assert reaching(key, base_text, wrong_text)["status"] == "near_tie"  # a three-way near-tie within tolerance
+    assert reaching(prompt, first, other)["status"] == "near_tie"  # a three-way near-tie within tolerance
+    assert judge(prompt, first, first[:4])["status"] == "diverged"  # a prefix: cut short, not a tie
 
-    # compare_runs counts them per profile.
-    numbers = {name: 1.0 for name, _, _ in METRICS.values()}
-    other = json.dumps([{"role": "user", "content": "Hi."}], sort_keys=True)
-    baseline = {**numbers, "outputs": {key: base_text, other: "same"}}
-    speculator = {**numbers, "outputs": {key: runner_up_text, other: "same"}}
-    counted = compare_runs(baseline, speculator, OutputJudge(str(peaked_verifier), "float32", margin + 1e-3))
-    assert (counted["outputs_compared"], counted["outputs_identical"], counted["outputs_near_tie"],
-            counted["outputs_diverged"]) == (2, 1, 1, 0)  # fmt: skip
-    assert counted["differences"][0]["prompt"] == "Describe a tide pool."
+    # compare_outputs counts them prompt by prompt; a prompt tokenized differently is a divergence.
+    hello = [{"role": "user", "content": "Hi."}]
+
+    def served(messages, prompt_ids, ids):
+        return {"messages": messages, "prompt_token_ids": prompt_ids, "token_ids": ids}
+
+    baseline = [served(messages, prompt, first), served(hello, [1, 2], [5, 6]), served(hello, [1, 2], [5])]
+    speculator = [served(messages, prompt, runner_up), served(hello, [1, 2], [5, 6]), served(hello, [1, 3], [6])]
+    counted = compare_outputs(baseline, speculator, judge)
+    assert (counted["compared"], counted["identical"], counted["near_tie"], counted["diverged"]) == (3, 1, 1, 1)
+    assert [d["prompt"] for d in counted["differences"]] == ["Describe a tide pool.", "Hi."]
+    assert counted["differences"][1]["reason"] == "the servers tokenized the prompt differently"
+    with pytest.raises(SpeculatorsError, match="different prompts"):
+        compare_outputs(baseline, speculator[::-1], judge)
