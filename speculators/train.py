@@ -431,7 +431,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             log_path.write_text("")
     log = open(log_path, "a", encoding="utf-8") if rank == 0 else None  # noqa: SIM115 (held for the loop)
 
-    window_sums, window_tokens, window_start = None, 0, time.perf_counter()
+    window_sums, window_tokens, window_start, window_paused = None, 0, time.perf_counter(), 0.0
     run_started, wall_before = time.perf_counter(), state.get("wall_seconds", 0.0)
 
     def wall_seconds() -> float:  # wall time of the whole run, across resumes
@@ -472,7 +472,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             if state["step"] % config.log_every == 0 or state["step"] == total_steps:
                 window_sums["tokens"] = torch.tensor([float(window_tokens)], dtype=torch.float64)
                 window_sums = all_reduce_sums(window_sums, world)
-                seconds = time.perf_counter() - window_start
+                seconds = time.perf_counter() - window_start - window_paused
                 tokens = int(window_sums.pop("tokens").item())
                 state["tokens"] += tokens
                 state["train_seconds"] += seconds
@@ -490,8 +490,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                           f"{sum(metrics['loss']):.3f}, accuracy per TTT step "
                           f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, {tokens / seconds:.0f} tokens/s",
                           flush=True)  # fmt: skip
-                window_sums, window_tokens, window_start = None, 0, time.perf_counter()
+                window_sums, window_tokens, window_start, window_paused = None, 0, time.perf_counter(), 0.0
 
+            paused_from = time.perf_counter()  # validation and saving are not training throughput
             evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
             checkpoint = state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps
             if evaluate:
@@ -520,8 +521,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                         snapshot.save_pretrained(output / "checkpoints" / "best")
                     if state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps:
                         save_checkpoint(last, snapshot, optimizer_states, state)
-            if evaluate or checkpoint:
-                window_start = time.perf_counter()  # validation and saving are not training throughput
+            window_paused += time.perf_counter() - paused_from
     except RuntimeError as error:
         if "out of memory" in str(error).lower() or "can't allocate" in str(error).lower():
             raise SpeculatorsError(
