@@ -96,8 +96,8 @@ def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
             super().__init__()
             self.drafter = drafter
 
-        def forward(self, *args: Any) -> Any:
-            return self.drafter.ttt_forward(*args, return_normed=True)
+        def forward(self, input_ids: Any, aux: Any, steps: int, positions: Any, documents: Any, loss_mask: Any) -> Any:
+            return self.drafter.ttt_forward(input_ids, aux, steps, positions, documents, True, loss_mask)
 
     model = TTTForward(drafter)
     if world == 1:
@@ -339,7 +339,7 @@ def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], 
             index = start + rank
             pack = to_device(packs.load_pack(plan[index if index < len(plan) else 0]), device)
             normed = forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                             pack.document_ids)  # fmt: skip
+                             pack.document_ids, pack.loss_mask)  # fmt: skip
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
             _, step_sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
                                     lm_head=lm_head)  # fmt: skip
@@ -455,7 +455,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
                         autocast_context(config, device):  # fmt: skip
                     normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                                   pack.document_ids)  # fmt: skip
+                                   pack.document_ids, pack.loss_mask)  # fmt: skip
                     targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
                     loss, sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
                                           lm_head=drafter.lm_head)  # fmt: skip

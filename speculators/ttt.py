@@ -106,6 +106,22 @@ class KLFromLogits(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
+def scored_chain_starts(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """bool [B, T - step]: chain starts t whose step-`step` draft is scored (the target t + step is
+    in the loss mask and in t's document)."""
+    span = loss_mask.shape[1] - step
+    return loss_mask.bool()[:, step:] & (document_ids[:, :span] == document_ids[:, step:])
+
+
+def later_steps_needed(loss_mask: torch.Tensor, document_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """bool [B, T]: positions scored at some step >= 1. Past step 0 a position's chain only feeds
+    itself (its hidden state and its diagonal keys), so the other positions need no later steps."""
+    needed = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for step in range(1, num_steps):
+        needed[:, : loss_mask.shape[1] - step] |= scored_chain_starts(loss_mask, document_ids, step)
+    return needed
+
+
 def ttt_loss(
     step_outputs: list[torch.Tensor],
     target_logits: torch.Tensor,
@@ -133,7 +149,7 @@ def ttt_loss(
     sums: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "count", "correct", "cond_correct", "cond_count")}
     for step, output in enumerate(step_outputs):
         span = length - step
-        mask = needed[:, step:] & (document_ids[:, :span] == document_ids[:, step:])
+        mask = scored_chain_starts(needed, document_ids, step)
         rows = mask.nonzero(as_tuple=True)  # (batch, chain start t); target position t + step
         targets = row_of[:, step:][rows]
         scored = output[:, :span][rows]

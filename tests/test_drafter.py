@@ -311,3 +311,45 @@ def test_structured_ttt_attention_equals_the_dense_mask():
     loss = sum(x.float().pow(2).mean() for x in structured)
     loss.backward()  # gradients flow through the structured path
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_later_ttt_steps_run_only_where_a_later_step_scores():
+    """With the loss mask, steps after the first skip the positions no later step scores: the scored
+    outputs, the TTT loss and every gradient equal the full computation's; the skipped rows are zeros."""
+    from speculators.ttt import later_steps_needed, ttt_loss
+
+    T, steps = 16, 3
+    aux, ids = torch.randn(1, T, 3 * H), torch.randint(0, V, (1, T))
+    documents = torch.tensor([[0] * 7 + [1] * 5 + [2] * 4])
+    positions = torch.tensor([[*range(1, 8), *range(1, 6), *range(1, 5)]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    targets = torch.randn(int(loss_mask.sum()), D)
+    needed = later_steps_needed(loss_mask, documents, steps)[0]
+    # Hand-derived: chain starts t with t + s (s = 1, 2) in the mask and in t's document.
+    assert needed.nonzero().flatten().tolist() == [1, 2, 3, 4, 5, 8, 9, 10]
+    results = []
+    for mask in (None, loss_mask):
+        drafter = make_drafter(seed=5, num_draft_layers=2).train()
+        outputs = drafter.ttt_forward(ids, aux, steps, positions, documents, return_normed=True, loss_mask=mask)
+        loss, sums = ttt_loss(outputs, targets, loss_mask, documents, decay=0.8, lm_head=drafter.lm_head)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        results.append((outputs, loss, sums, grads))
+    (full, full_loss, full_sums, full_grads), (pruned, pruned_loss, pruned_sums, pruned_grads) = results
+    torch.testing.assert_close(full[0], pruned[0])
+    for step in (1, 2):
+        torch.testing.assert_close(pruned[step][0, needed], full[step][0, needed], atol=1e-5, rtol=1e-5)
+        assert pruned[step][0, ~needed].abs().sum() == 0
+    torch.testing.assert_close(pruned_loss, full_loss, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(full_sums[k], pruned_sums[k]) for k in full_sums if k != "kl")
+    assert full_grads.keys() == pruned_grads.keys() and "layers.1.mlp.up_proj.weight" in full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(pruned_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Only a document's first position in the mask: no later step scores anything, the layers still run.
+    first_only = torch.zeros_like(loss_mask)
+    first_only[0, 7] = True
+    assert not later_steps_needed(first_only, documents, steps).any()
+    outputs = drafter.ttt_forward(ids, aux, steps, positions, documents, return_normed=True, loss_mask=first_only)
+    assert [tuple(o.shape) for o in outputs] == [(1, T, H)] * 3 and not outputs[1].any() and not outputs[2].any()
+    loss, _ = ttt_loss(outputs, targets[:1], first_only, documents, lm_head=drafter.lm_head)
+    loss.backward()

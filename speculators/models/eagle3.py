@@ -14,6 +14,7 @@ The tensor names match the speculators checkpoint format exactly (`fc.weight`, `
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,45 +225,60 @@ def causal_mask(query_length: int, past_length: int, device: torch.device) -> to
 class TTTMask:
     """The training-time-test mask in structured form: contiguous document segments of a packed
     sequence (batch 1) plus `step` diagonal key blocks. Same semantics as `ttt_attention_mask`,
-    computed in O(sum of squared document lengths) instead of O(T x (step + 1) T)."""
+    computed in O(sum of squared document lengths) instead of O(T x (step + 1) T). With `queries`,
+    the query rows are only those positions (ascending); the step-0 keys still cover every position."""
 
     segments: list[tuple[int, int]]
     step: int
+    queries: torch.Tensor | None = None
+    query_spans: list[tuple[int, int]] | None = None  # each segment's query rows (with `queries`)
 
     @classmethod
-    def from_document_ids(cls, document_ids: torch.Tensor, step: int) -> TTTMask:
+    def from_document_ids(cls, document_ids: torch.Tensor, step: int, queries: torch.Tensor | None = None) -> TTTMask:
         if document_ids.shape[0] != 1:
             raise SpeculatorsError("structured TTT attention packs one sequence per batch (batch size 1)")
         ids = document_ids[0]
         starts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist()]
         ends = [*starts[1:], ids.numel()]
-        return cls(list(zip(starts, ends, strict=True)), step)
+        segments = list(zip(starts, ends, strict=True))
+        if queries is None:
+            return cls(segments, step)
+        bounds = torch.searchsorted(queries, torch.tensor(starts + ends[-1:], device=queries.device)).tolist()
+        return cls(segments, step, queries, list(itertools.pairwise(bounds)))
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TTTMask) -> torch.Tensor:
     """Attention of step `mask.step`: causal over step-0 keys inside each document, plus the
-    diagonal of every later step's keys. q [B, h, T, d]; k, v [B, h, (step + 1) T, d]."""
-    length, head_dim = q.shape[2], q.shape[3]
+    diagonal of every later step's keys. q [B, h, Tq, d] (every position, or `mask.queries`);
+    k, v [B, h, T + step x Tq, d]: the step-0 keys of all T positions, then Tq per later step."""
+    queries, head_dim = q.shape[2], q.shape[3]
+    length = k.shape[2] - mask.step * queries
     scale = head_dim**-0.5
     k0, v0 = k[:, :, :length], v[:, :, :length]
-    diag_k = k[:, :, length:].unflatten(2, (mask.step, length))  # [B, h, step, T, d]
-    diag_v = v[:, :, length:].unflatten(2, (mask.step, length))
-    diag_scores = (q.unsqueeze(2) * diag_k).sum(-1) * scale  # [B, h, step, T]
+    diag_k = k[:, :, length:].unflatten(2, (mask.step, queries))  # [B, h, step, Tq, d]
+    diag_v = v[:, :, length:].unflatten(2, (mask.step, queries))
+    diag_scores = (q.unsqueeze(2) * diag_k).sum(-1) * scale  # [B, h, step, Tq]
     outputs = []
-    for start, end in mask.segments:
-        span = end - start
-        scores = (q[:, :, start:end] @ k0[:, :, start:end].transpose(-1, -2)) * scale
-        future = torch.ones(span, span, dtype=torch.bool, device=q.device).triu(1)
+    for index, (start, end) in enumerate(mask.segments):
+        first, last = (start, end) if mask.query_spans is None else mask.query_spans[index]
+        if first == last:
+            continue
+        scores = (q[:, :, first:last] @ k0[:, :, start:end].transpose(-1, -2)) * scale
+        if mask.queries is None:
+            future = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).triu(1)
+        else:
+            keys = torch.arange(start, end, device=q.device)
+            future = keys[None, :] > mask.queries[first:last, None]
         scores = scores.masked_fill(future, float("-inf"))
         if mask.step:
-            scores = torch.cat([scores, diag_scores[:, :, :, start:end].transpose(-1, -2)], dim=-1)
+            scores = torch.cat([scores, diag_scores[:, :, :, first:last].transpose(-1, -2)], dim=-1)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        out = probs[..., :span] @ v0[:, :, start:end]
+        out = probs[..., : end - start] @ v0[:, :, start:end]
         if mask.step:
-            weights = probs[..., span:].transpose(-1, -2).unsqueeze(-1)  # [B, h, step, L, 1]
-            out = out + (weights * diag_v[:, :, :, start:end]).sum(2)
+            weights = probs[..., end - start :].transpose(-1, -2).unsqueeze(-1)  # [B, h, step, L, 1]
+            out = out + (weights * diag_v[:, :, :, first:last]).sum(2)
         outputs.append(out)
-    return torch.cat(outputs, dim=2)
+    return torch.cat(outputs, dim=2) if outputs else torch.zeros_like(q)  # no query rows at all
 
 
 def ttt_attention_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -419,6 +435,7 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         return_normed: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test: logits [B, T, D] for each of `num_steps` draft steps (or, with
         `return_normed`, the final-norm outputs [B, T, H], so a trainer can apply lm_head only
@@ -428,28 +445,46 @@ class Eagle3Drafter(nn.Module):
         position t. Step s feeds the tokens shifted by s more (teacher forcing) with the drafter's
         own hidden output of step s-1, at positions + s; its queries see step-0 keys causally
         within their document and the diagonal of every later step.
+
+        With `loss_mask` (packed batch of one), steps after the first run only on the positions
+        some later step scores (a later step's chain feeds nothing but itself); the other
+        positions' outputs of those steps are zeros and must not be scored.
         """
+        from speculators.ttt import later_steps_needed
+
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(1, length + 1, device=input_ids.device)[None].expand(batch, -1)
         if document_ids is None:
             document_ids = torch.zeros(batch, length, dtype=torch.long, device=input_ids.device)
+        rows = None  # positions computed after step 0 (None: every position)
+        if loss_mask is not None and batch == 1 and num_steps > 1:
+            rows = later_steps_needed(loss_mask, document_ids, num_steps)[0].nonzero().flatten()
         hidden = self.project_aux(aux_hidden_states)
         past: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
-        all_logits = []
+        all_outputs = []
         for step in range(num_steps):
             step_ids = F.pad(input_ids[:, step:], (0, step))  # tokens past the end are never scored
-            mask = (
-                TTTMask.from_document_ids(document_ids, step) if batch == 1 else ttt_attention_mask(document_ids, step)
-            )
-            out = self(step_ids, hidden, position_ids + step, mask, past, compute_logits=not return_normed)
+            step_positions = position_ids + step
+            if step and rows is not None:  # (every rank still runs each layer: FSDP gathers in lockstep)
+                step_ids, step_positions = step_ids[:, rows], step_positions[:, rows]
+                if step == 1:
+                    hidden = hidden[:, rows]
+            if batch == 1:
+                mask = TTTMask.from_document_ids(document_ids, step, rows if step else None)
+            else:
+                mask = ttt_attention_mask(document_ids, step)
+            out = self(step_ids, hidden, step_positions, mask, past, compute_logits=not return_normed)
             past = [
                 kv if old is None else (torch.cat([old[0], kv[0]], 2), torch.cat([old[1], kv[1]], 2))
                 for old, kv in zip(past, out.new_key_values, strict=True)
             ]
-            all_logits.append(out.normed if return_normed else out.logits)
+            result = out.normed if return_normed else out.logits
+            if step and rows is not None:
+                result = result.new_zeros(batch, length, result.shape[-1]).index_copy(1, rows, result)
+            all_outputs.append(result)
             hidden = out.hidden_states
-        return all_logits
+        return all_outputs
 
     @torch.no_grad()
     def propose(
