@@ -70,6 +70,7 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
                      f"{report['acceptance_length']:.3f} ({rates}); time per output token "
                      f"{report['tpot_speedup_synchronous']:.2f}x faster, output tokens/s "
                      f"{report['throughput_ratio_synchronous']:.2f}x (synchronous)")  # fmt: skip
+        lines.append(f"outputs with and without the speculator (token ids): {report['greedy_outputs']}")
         lines.append(f"report: {Path(report['path']) / 'report.md'}")
     failed = sorted(name for name, passed in checks.items() if not passed)
     lines.append(f"checks: {sum(checks.values())} of {len(checks)} passed" + (f"; failed: {', '.join(failed)}"

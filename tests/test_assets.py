@@ -283,6 +283,7 @@ def test_the_demo_command_materializes_through_dagster_and_prints_the_results(li
     out = done.stdout
     assert "Demo finished in" in out and "step times: raw_prompts" in out and "checks: " in out
     assert "benchmark (vLLM + GuideLLM, held-out prompts): acceptance length" in out
+    assert "outputs with and without the speculator (token ids): 4 of 4 greedy outputs identical" in out
     report = Path(out.split("report: ")[1].split()[0])
     assert report.is_file() and report.parent.parent.name == "benchmark_report"
     # The run is recorded in the instance `make ui` opens.
