@@ -108,15 +108,20 @@ def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) 
         raise SpeculatorsError(f"GuideLLM failed with code {result.returncode}; the end of {log_path}:\n{tail}")
 
 
+def post_chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One /v1/chat/completions request; the parsed reply."""
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
 def warm_up(url: str, model: str, requests: int = 2) -> None:
     """A few short requests so one-off start-up costs stay out of the measurement."""
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
             "temperature": 0}  # fmt: skip
     for _ in range(requests):
-        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=600) as response:
-            response.read()
+        post_chat(url, body)
 
 
 def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int) -> list[dict[str, Any]]:
@@ -126,12 +131,8 @@ def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int)
     outputs = []
     for line in prompts_file.read_text().splitlines():
         messages = json.loads(line)["messages"]
-        body = {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=600) as response:
-            reply = json.loads(response.read())
+        reply = post_chat(url, {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True})  # fmt: skip
         choice = reply["choices"][0]
         if choice.get("token_ids") is None or reply.get("prompt_token_ids") is None:
             raise SpeculatorsError(f"the vLLM server at {url} returned no token ids (return_token_ids); "
@@ -215,9 +216,9 @@ def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[s
     return {"speedup": ratios}
 
 
-def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge | None
+def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge
                     ) -> dict[str, Any]:  # fmt: skip
-    """Token ids prompt by prompt: identical, or (with a judge) a numerical near-tie or diverged."""
+    """Token ids prompt by prompt: identical, a numerical near-tie (the judge's verdict) or diverged."""
     if [o["messages"] for o in baseline] != [o["messages"] for o in speculator]:
         raise SpeculatorsError("the two servers' greedy outputs are for different prompts; this is a bug")
     differences = []
@@ -226,11 +227,11 @@ def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, A
             continue
         verdict: dict[str, Any] = {"status": "diverged", "reason": "the servers tokenized the prompt differently"}
         if base["prompt_token_ids"] == spec["prompt_token_ids"]:
-            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"]) if judge else {}
+            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"])
         differences.append({"prompt": base["messages"][-1]["content"][:80], **verdict})
     return {"compared": len(baseline), "identical": len(baseline) - len(differences),
-            "near_tie": sum(d.get("status") == "near_tie" for d in differences),
-            "diverged": sum(d.get("status") == "diverged" for d in differences),
+            "near_tie": sum(d["status"] == "near_tie" for d in differences),
+            "diverged": sum(d["status"] == "diverged" for d in differences),
             "differences": differences}  # fmt: skip
 
 
@@ -421,8 +422,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for d in outputs["differences"]:
             below = ", ".join(f"{b:.4g}" for b in d.get("below_top", []))
             tolerance = f"{d['tolerance']:.4g}" if "tolerance" in d else ""
-            status, position = d.get("status", "?"), d.get("position", "")
-            lines.append(f"| {d['prompt']} | {status} | {position} | {below} | {tolerance} |")
+            lines.append(f"| {d['prompt']} | {d['status']} | {d.get('position', '')} | {below} | {tolerance} |")
     hw = report["hardware"]
     lines += ["", f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
               + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "") + ".", ""]  # fmt: skip

@@ -35,30 +35,14 @@ def row_chunks(n: int) -> list[slice]:
     return [slice(start, min(start + ROW_CHUNK, n)) for start in range(0, n, ROW_CHUNK)]
 
 
-def target_distribution(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verifier's probabilities [n, D] (fp32), sum p log p [n] and argmax [n], tile by tile."""
-    n = target_logits.shape[0]
-    p = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
-    neg_entropy = torch.empty(n, dtype=torch.float32, device=target_logits.device)
-    ids = torch.empty(n, dtype=torch.long, device=target_logits.device)
-    tile = torch.empty((min(ROW_CHUNK, n), target_logits.shape[1]), dtype=torch.float32, device=p.device)
-    for rows in row_chunks(n):
-        shifted = tile[: rows.stop - rows.start].copy_(target_logits[rows])
-        top, ids[rows] = shifted.max(-1)
-        shifted.sub_(top.unsqueeze(-1))  # log p = shifted - log z
-        z = torch.exp(shifted, out=p[rows]).sum(-1)
-        p[rows] /= z.unsqueeze(-1)
-        neg_entropy[rows] = torch.linalg.vecdot(p[rows], shifted) - z.log()
-    return p, neg_entropy, ids
-
-
 class TileBuffers:
-    """Two reusable [ROW_CHUNK, D] fp32 tiles: the logits tile and the gathered target rows."""
+    """Reusable [ROW_CHUNK, D] fp32 tiles: one for logits rows, one (made on first use) for gathered
+    target rows."""
 
     def __init__(self, logits: torch.Tensor, target_p: torch.Tensor):
         shape = (min(ROW_CHUNK, logits.shape[0]), logits.shape[1])
         self.x = torch.empty(shape, dtype=target_p.dtype, device=logits.device)
-        self.p = torch.empty(shape, dtype=target_p.dtype, device=logits.device)
+        self.p: torch.Tensor | None = None
         self.target_p = target_p
 
     def logits(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -68,7 +52,26 @@ class TileBuffers:
     def targets(self, target_rows: torch.Tensor | None, rows: slice) -> torch.Tensor:
         if target_rows is None:
             return self.target_p[rows]
+        if self.p is None:
+            self.p = torch.empty_like(self.x)
         return torch.index_select(self.target_p, 0, target_rows[rows], out=self.p[: rows.stop - rows.start])
+
+
+def target_distribution(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier's probabilities [n, D] (fp32), sum p log p [n] and argmax [n], tile by tile."""
+    n = target_logits.shape[0]
+    p = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
+    neg_entropy = torch.empty(n, dtype=torch.float32, device=target_logits.device)
+    ids = torch.empty(n, dtype=torch.long, device=target_logits.device)
+    tiles = TileBuffers(target_logits, p)
+    for rows in row_chunks(n):
+        shifted = tiles.logits(target_logits, rows)
+        top, ids[rows] = shifted.max(-1)
+        shifted.sub_(top.unsqueeze(-1))  # log p = shifted - log z
+        z = torch.exp(shifted, out=p[rows]).sum(-1)
+        p[rows] /= z.unsqueeze(-1)
+        neg_entropy[rows] = torch.linalg.vecdot(p[rows], shifted) - z.log()
+    return p, neg_entropy, ids
 
 
 class KLFromLogits(torch.autograd.Function):

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from speculators.config import Eagle3Config
 from speculators.errors import SpeculatorsError
+from speculators.ttt import later_steps_needed
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -450,8 +451,6 @@ class Eagle3Drafter(nn.Module):
         some later step scores (a later step's chain feeds nothing but itself); the other
         positions' outputs of those steps are zeros and must not be scored.
         """
-        from speculators.ttt import later_steps_needed
-
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(1, length + 1, device=input_ids.device)[None].expand(batch, -1)
