@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint format demo ui clean
+.PHONY: venv browser test test-fast lint format demo ui clean
 
 venv: $(STAMP)
 
@@ -32,8 +32,19 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# The whole suite, slow tests (SmolLM2, vLLM) included.
-test: venv lint
+# Debian's Chromium for the browser test of the Dagster UI (Playwright drives it; no browser download).
+# Installed with apt-get as root, or through sudo without a password; otherwise one line says what to do.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = "0" ]; then SUDO=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "error: the UI test needs Chromium; run 'sudo apt-get install chromium' (or make test as root), then make test again" >&2; exit 2; fi; \
+	echo "installing Chromium (apt-get) for the browser test"; \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
+	|| { echo "error: apt-get could not install chromium; install it by hand ('apt-get install chromium'), then make test again" >&2; exit 2; }
+
+# The whole suite, slow tests (SmolLM2, vLLM, the Dagster UI in Chromium) included.
+test: venv lint browser
 	$(BIN)/python -m pytest -m "slow or not slow" -q
 
 # The fast default suite only.
