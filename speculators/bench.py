@@ -57,6 +57,7 @@ class BenchSettings:
     max_model_len: int | None = 2048
     enforce_eager: bool = False
     kv_cache_gib: int = 2
+    tensor_parallel_size: int = 1
     vllm_args: list[str] = field(default_factory=list)
     startup_timeout: float = 900.0
     guidellm_timeout: float = 3600.0
@@ -282,7 +283,8 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
         verifier=settings.verifier, speculator=settings.speculator if role == "speculator" else None,
         num_speculative_tokens=settings.num_speculative_tokens, port=0, dtype=settings.dtype,
         max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager, kv_cache_gib=settings.kv_cache_gib,
-        log_path=role_dir / "vllm.log", startup_timeout=settings.startup_timeout, extra_args=settings.vllm_args,
+        tensor_parallel_size=settings.tensor_parallel_size, log_path=role_dir / "vllm.log",
+        startup_timeout=settings.startup_timeout, extra_args=settings.vllm_args,
     )  # fmt: skip
     results: dict[str, Any] = {"profiles": {}}
     started = time.perf_counter()

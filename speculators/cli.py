@@ -204,7 +204,7 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             else:
                 generate = vllm_generate_fn(
                     location, args.max_new_tokens, args.temperature, args.seed, args.dtype, turn_end_ids(tokenizer),
-                    max_model_len=args.max_length + args.max_new_tokens,
+                    max_model_len=args.max_length + args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
                 )  # fmt: skip
         else:
             verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
@@ -250,32 +250,50 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
 
 
 def cmd_datagen(args: argparse.Namespace) -> int:
-    from speculators.datagen import run_datagen
+    from speculators.datagen import run_datagen, run_datagen_replicas
     from speculators.tokenization import read_samples
-    from speculators.verifier import load_verifier
+    from speculators.verifier import VerifierFacts, load_verifier
 
     samples = read_samples(args.data)
     data_version = None
     report_path = Path(args.data).with_name("prepare_report.json")
     if report_path.is_file():
         data_version = json.loads(report_path.read_text())["prompts"].get("data_version")
-    verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
-    report = run_datagen(
-        samples,
-        verifier,
-        args.output,
-        aux_layer_ids=args.aux_layer_ids,
-        batch_size=args.batch_size,
-        storage=args.storage,
-        backend=args.backend,
-        data_version=data_version,
-    )
+    if args.backend != "vllm" and (args.tensor_parallel_size > 1 or args.data_parallel_size > 1 or args.replica):
+        raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --replica need --backend vllm")
+    common = {"aux_layer_ids": args.aux_layer_ids, "batch_size": args.batch_size, "storage": args.storage,
+              "data_version": data_version}  # fmt: skip
+    if args.backend == "vllm":  # vLLM loads the weights; here only the config and the files' fingerprint
+        verifier = VerifierFacts.from_source(args.verifier, dtype=args.dtype)
+        if args.data_parallel_size > 1:
+            report = run_datagen_replicas(args.data, samples, verifier, args.output, **common,
+                                          data_parallel_size=args.data_parallel_size,
+                                          tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+        else:
+            report = run_datagen(samples, verifier, args.output, **common, backend="vllm", replica=args.replica,
+                                 tensor_parallel_size=args.tensor_parallel_size, progress=not args.replica)  # fmt: skip
+        if args.replica:
+            print(f"replica {args.replica[0]}/{args.replica[1]}: computed {report.computed} samples")
+            return 0
+    else:
+        verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+        report = run_datagen(samples, verifier, args.output, **common, backend="transformers")
     from speculators.atomic_io import write_text_atomic
 
     summary = json.dumps(report.to_dict(), indent=2)
     write_text_atomic(Path(args.output) / "datagen_report.json", summary + "\n")  # the last run's counts
     print(summary)
     return 0
+
+
+def parse_replica(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"replica '{text}' is not INDEX/COUNT, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"replica '{text}' needs 0 <= INDEX < COUNT")
+    return index, count
 
 
 def cmd_vocab(args: argparse.Namespace) -> int:
@@ -344,7 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         verifier=args.verifier, speculator=args.speculator, num_speculative_tokens=args.num_speculative_tokens,
         host=args.host, port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib, served_model_name=args.served_model_name,
-        log_path=args.log_file, startup_timeout=args.startup_timeout,
+        tensor_parallel_size=args.tensor_parallel_size, log_path=args.log_file, startup_timeout=args.startup_timeout,
         extra_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
     )  # fmt: skip
     return serve_forever(settings, follow_log=not args.quiet)
@@ -358,6 +376,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         requests=args.requests, output_tokens=args.output_tokens, concurrency=args.concurrency,
         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
+        tensor_parallel_size=args.tensor_parallel_size,
         vllm_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
     )  # fmt: skip
     run_bench(settings)
@@ -445,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--max-length", type=int, default=2048, help="clip samples to this many tokens")
     prepare.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the verifier")
     prepare.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    prepare.add_argument("--tensor-parallel-size", type=int, default=1, help="--backend vllm: GPUs for the verifier")
     prepare.add_argument("--server-url", help="with --backend vllm: a running OpenAI-compatible vLLM server")
     prepare.add_argument("--server-model", help="model name on that server (default: its first model)")
     prepare.add_argument("--max-new-tokens", type=int, default=512)
@@ -464,6 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     datagen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     datagen.add_argument("--device", default="cpu")
     datagen.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    datagen.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs (or CPU ranks) per replica")
+    datagen.add_argument("--data-parallel-size", type=int, default=1,
+                         help="vllm: replicas of the verifier, each on its own GPUs, sharing the batches")  # fmt: skip
+    # INDEX/COUNT: set by run_datagen_replicas for its replica processes
+    datagen.add_argument("--replica", type=parse_replica, help=argparse.SUPPRESS)
     datagen.set_defaults(func=cmd_datagen)
 
     vocab = commands.add_parser("vocab", help="draft vocabulary (d2t, t2d) from a hidden-state store")
@@ -536,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
     serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of the CPU build (default 2)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the verifier over")
     serve.add_argument("--served-model-name")
     serve.add_argument("--log-file", default="vllm-server.log")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
@@ -557,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-model-len", type=int, default=2048)
     bench.add_argument("--enforce-eager", action="store_true")
     bench.add_argument("--kv-cache-gib", type=int, default=2)
+    bench.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM server (both servers)")
     bench.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more flags for both vLLM servers")
     bench.set_defaults(func=cmd_bench)
 

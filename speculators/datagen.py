@@ -11,6 +11,7 @@ vLLM's worker, see vllm_capture.py); both write the same store layout.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,14 +86,15 @@ def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
     return capture
 
 
-def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int) -> CaptureFn:
+def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int,
+                    tensor_parallel_size: int = 1) -> CaptureFn:  # fmt: skip
     if backend == "transformers":
         return transformers_capture_fn(verifier, capture_ids)
     if backend == "vllm":
         from speculators.vllm_capture import VllmCapture
 
-        dtype = str(verifier.model.dtype).removeprefix("torch.")
-        return VllmCapture(verifier.name_or_path, capture_ids, dtype, max_model_len=max_length + 1)
+        return VllmCapture(verifier.name_or_path, capture_ids, verifier.dtype, max_model_len=max_length + 1,
+                           tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
 
@@ -106,7 +108,13 @@ def run_datagen(
     backend: str = "transformers",
     data_version: str | None = None,
     progress: bool = True,
+    tensor_parallel_size: int = 1,
+    replica: tuple[int, int] | None = None,
 ) -> DatagenReport:
+    """Capture the samples' states into the store and write its manifest. `verifier` is a loaded
+    `Verifier` (transformers backend) or `VerifierFacts` (vllm backend: vLLM loads the weights).
+    `replica=(i, n)`: compute only every n-th batch from the i-th and write no manifest (one of n
+    data-parallel replicas; `run_datagen_replicas` starts them and writes the manifest after)."""
     import torch
     from tqdm import tqdm
 
@@ -137,6 +145,9 @@ def run_datagen(
     computed = computed_tokens = 0
     started = time.perf_counter()
     batches = plan_batches(samples, batch_size)
+    if replica is not None:
+        index, count = replica
+        batches = batches[index::count]
     total_tokens = sum(len(s.input_ids) for s in samples)
     with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
         for batch in batches:
@@ -145,7 +156,8 @@ def run_datagen(
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
                 continue
             if capture is None:
-                capture = make_capture_fn(backend, verifier, capture_ids, max(len(s.input_ids) for s in samples))
+                capture = make_capture_fn(backend, verifier, capture_ids, max(len(s.input_ids) for s in samples),
+                                          tensor_parallel_size)  # fmt: skip
             states = capture([samples[i].input_ids for i in batch])
             for row, i in enumerate(batch):
                 if i not in missing:
@@ -162,6 +174,8 @@ def run_datagen(
     if hasattr(capture, "close"):
         capture.close()
     seconds = time.perf_counter() - started
+    if replica is not None:
+        return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
     entries = []
     for sample, key in zip(samples, keys, strict=True):
@@ -191,7 +205,7 @@ def run_datagen(
         "verifier": {
             "fingerprint": fingerprint, "name_or_path": verifier.name_or_path, "model_type": verifier.model_type,
             "num_layers": verifier.num_layers, "hidden_size": verifier.hidden_size, "vocab_size": verifier.vocab_size,
-            "dtype": str(verifier.model.dtype).removeprefix("torch."),
+            "dtype": verifier.dtype,
         },
         "aux_layer_ids": aux_ids,
         "target_layer_id": verifier.num_layers,
@@ -201,4 +215,94 @@ def run_datagen(
                    "supervised_tokens": sum(e["supervised_tokens"] for e in entries), "bytes": total_bytes},
         "samples": entries,
     })  # fmt: skip
+    return report
+
+
+def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+    """Per replica, the environment that gives it its own GPUs (CUDA_VISIBLE_DEVICES) or, on a CPU,
+    its own cores for vLLM's CPU build (VLLM_CPU_OMP_THREADS_BIND, one '|'-separated list per TP rank)."""
+    import torch
+
+    need = replicas * tensor_parallel_size
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < need:
+            raise SpeculatorsError(
+                f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} GPUs but {len(gpus)} are "
+                f"visible; lower --data-parallel-size or --tensor-parallel-size"
+            )
+        groups = [gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < need:
+        raise SpeculatorsError(
+            f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} cores on a CPU but "
+            f"{len(cores)} are available; lower --data-parallel-size or --tensor-parallel-size"
+        )
+    share = len(cores) // need
+    ranks = [",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(need)]
+    groups = [ranks[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(group)} for group in groups]
+
+
+def run_datagen_replicas(
+    data: str | Path,
+    samples: list[TokenizedSample],
+    verifier: Any,
+    store_dir: str | Path,
+    *,
+    data_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 4,
+    storage: str = "bfloat16",
+    data_version: str | None = None,
+) -> DatagenReport:
+    """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
+    process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
+    pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
+    shards are content-addressed and renamed into place, so a failed replica is simply run again."""
+    import subprocess
+    import sys
+
+    from tqdm import tqdm
+
+    store_dir = Path(store_dir)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
+    capture_ids = [*aux_ids, verifier.num_layers]
+    verifier.check_layer_ids(capture_ids)
+    store = HiddenStateStore(store_dir)
+    keys = [sample_key(verifier.fingerprint, capture_ids, storage, s.input_ids) for s in samples]
+    started = time.perf_counter()
+    missing = [i for i, key in enumerate(keys) if not store.has(key)]
+    missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
+    processes = []
+    for index, env in enumerate(replica_devices(data_parallel_size, tensor_parallel_size)):
+        command = [sys.executable, "-m", "speculators.cli", "datagen", "--data", str(data), "--verifier",
+                   verifier.source, "--output", str(store_dir), "--backend", "vllm", "--aux-layer-ids",
+                   ",".join(map(str, aux_ids)), "--batch-size", str(batch_size), "--storage", storage, "--dtype",
+                   verifier.dtype, "--tensor-parallel-size", str(tensor_parallel_size),
+                   "--replica", f"{index}/{data_parallel_size}"]  # fmt: skip
+        log = store_dir / f"replica-{index}.log"
+        print(f"replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
+        with open(log, "w") as handle:
+            processes.append((index, log, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                                           env={**os.environ, **env})))  # fmt: skip
+    with tqdm(total=missing_before, desc=f"capturing with {data_parallel_size} replicas", unit="sample") as bar:
+        while any(process.poll() is None for _, _, process in processes):
+            time.sleep(2)
+            bar.n = missing_before - sum(1 for key in keys if not store.has(key))
+            bar.refresh()
+    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
+    if failed:
+        index, log = failed[0]
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+        raise SpeculatorsError(f"datagen replica {index} failed ({tail[0]}); see {log}, then run again to resume")
+    seconds = time.perf_counter() - started
+    report = run_datagen(samples, verifier, store_dir, aux_layer_ids=aux_ids, batch_size=batch_size, storage=storage,
+                         backend="vllm", data_version=data_version, progress=False)  # fmt: skip
+    report.computed, report.reused, report.seconds = missing_before, len(samples) - missing_before, seconds
+    report.computed_tokens = missing_tokens
     return report

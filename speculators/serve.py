@@ -94,6 +94,7 @@ class ServerSettings:
     seed: int = 0
     enforce_eager: bool = False
     kv_cache_gib: int = 2  # the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
+    tensor_parallel_size: int = 1  # GPUs the verifier (and the drafter with it) is sharded over
     served_model_name: str | None = None
     log_path: str | Path = "vllm-server.log"
     startup_timeout: float = 900.0
@@ -139,6 +140,8 @@ class VllmServer:
             command += ["--max-model-len", str(s.max_model_len)]
         if s.enforce_eager:
             command.append("--enforce-eager")
+        if s.tensor_parallel_size > 1:
+            command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
         return command + list(s.extra_args)

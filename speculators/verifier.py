@@ -233,17 +233,64 @@ def dtype_from_name(name: str) -> Any:
     return table[name]
 
 
-class Verifier:
-    """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
-    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, source: str):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
+
+def local_model_dir(location: str) -> Path:
+    """The local directory of a verifier: itself, or a hub id's snapshot in the Hugging Face cache
+    (downloaded when missing and the hub is reachable; HF_HUB_OFFLINE=1 uses the cache only)."""
+    path = Path(location)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as error:  # hub errors come in many classes; one sentence for all
+        raise SpeculatorsError(
+            f"could not fetch verifier '{location}' from the hub ({str(error).splitlines()[0]}); "
+            f"check the id and network, or pass a local directory"
+        ) from None
+
+
+def weights_fingerprint(location: str | Path, config: Any) -> str:
+    """Identity of a verifier's config and weights read from its files, without loading the model
+    (a 235B verifier is never loaded for this): the config less its name, and per weight file its
+    name, size and 16 blocks of 64 KiB spread over it. Same fingerprint, same hidden states."""
+    directory = local_model_dir(str(location))
+    digest = hashlib.sha256()
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    files = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.name != "training_args.bin")
+    if not files:
+        raise SpeculatorsError(f"verifier directory {directory} holds no weight files (*.safetensors or *.bin)")
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for block in range(16):
+                handle.seek(size * block // 16)
+                digest.update(handle.read(1 << 16))
+    return digest.hexdigest()[:24]
+
+
+class VerifierFacts:
+    """What a verifier is, from its config and files alone (no weights loaded): what vLLM-side
+    capture, the store and the checks need. `Verifier` adds the loaded model."""
+
+    def __init__(self, config: Any, name_or_path: str, source: str, dtype: str):
+        self.config = config
         self.name_or_path = name_or_path
         self.source = source
-        self.config = model.config
-        self.adapter = adapter_for(self.config.model_type)
+        self.dtype = dtype
+        self.adapter = adapter_for(config.model_type)
         self._fingerprint: str | None = None
+
+    @classmethod
+    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> VerifierFacts:
+        config, location = load_verifier_config(source)
+        dtype_from_name(dtype)
+        return cls(config, location, str(source), dtype)
 
     # ----- facts --------------------------------------------------------------------------------
 
@@ -253,7 +300,7 @@ class Verifier:
 
     @property
     def architectures(self) -> list[str]:
-        return list(self.config.architectures or [type(self.model).__name__])
+        return list(self.config.architectures or [])
 
     @property
     def num_layers(self) -> int:
@@ -272,6 +319,32 @@ class Verifier:
         return default_aux_layer_ids(self.num_layers)
 
     @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint(self.name_or_path, self.config)
+        return self._fingerprint
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise SpeculatorsError(
+                f"aux layer ids {bad} are outside 0..{self.num_layers} for this {self.num_layers}-layer verifier"
+            )
+
+
+class Verifier(VerifierFacts):
+    """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
+
+    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, source: str):
+        super().__init__(model.config, name_or_path, source, str(model.dtype).removeprefix("torch."))
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.config.architectures or [type(self.model).__name__])
+
+    @property
     def embedding_weight(self) -> Any:
         return self.model.get_input_embeddings().weight
 
@@ -283,27 +356,6 @@ class Verifier:
     @property
     def final_norm(self) -> Any:
         return self.adapter.final_norm(self.model)
-
-    @property
-    def fingerprint(self) -> str:
-        """Identity of config + weights: same fingerprint, same hidden states."""
-        if self._fingerprint is None:
-            import torch
-
-            digest = hashlib.sha256()
-            config = {
-                k: v for k, v in self.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")
-            }
-            digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-            for name, tensor in sorted(self.model.state_dict().items()):
-                flat = tensor.detach().flatten()
-                step = max(1, flat.numel() // 4096)
-                sample = flat[::step].float().contiguous()
-                digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-                digest.update(sample.numpy().tobytes())
-                digest.update(torch.tensor([flat.float().sum().item()]).numpy().tobytes())
-            self._fingerprint = digest.hexdigest()[:24]
-        return self._fingerprint
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -325,13 +377,6 @@ class Verifier:
             return self.default_aux_layer_ids
         except SpeculatorsError:
             return None
-
-    def check_layer_ids(self, layer_ids: list[int]) -> None:
-        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
-        if bad:
-            raise SpeculatorsError(
-                f"aux layer ids {bad} are outside 0..{self.num_layers} for this {self.num_layers}-layer verifier"
-            )
 
     # ----- capture ------------------------------------------------------------------------------
 

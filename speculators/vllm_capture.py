@@ -1,11 +1,17 @@
-"""Hidden-state capture inside vLLM (the `vllm` datagen backend), CUDA or CPU build.
+"""Hidden-state capture inside vLLM (the `vllm` datagen backend), CUDA or CPU build, any TP size.
 
-Forward hooks are installed in vLLM's worker through `LLM.apply_model`; each prompt is prefilled
-once (one sampled token, prefix caching off, eager mode so hooks fire) and the states come back
-through `apply_model` again. vLLM's decoder layers return (hidden, residual) with the residual add
-deferred, so the residual stream after layer k is their sum: the same vLLM semantics as the
-transformers backend (id k < N enters layer k, id N is the last layer's output before the final
-norm), and the same store layout.
+vLLM's own EAGLE-3 support decides what is captured: every model class that implements
+`SupportsEagle3` calls its base model's `_maybe_add_hidden_state(aux, layer_idx, hidden, residual)`
+with layer_idx 0 for the embeddings and k + 1 after decoder layer k, and keeps `hidden + residual`
+(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in vLLM's worker
+(through `LLM.apply_model`), with `embed_input_ids` for the token ids, and record the ids we want,
+with id N (after the last layer, before the final norm) included. So the states are exactly the
+ones vLLM feeds a served drafter, for every family that supports EAGLE-3 (llama, qwen3, qwen3_moe,
+gpt_oss, ...), whatever its embedding module is called. With tensor parallelism the residual
+stream is all-reduced after every layer, so each rank holds the full hidden states; only TP rank 0 records them.
+
+Each batch is prefilled once (one sampled token, prefix caching off, eager mode) and the states
+come back through `apply_model` again.
 """
 
 from __future__ import annotations
@@ -16,86 +22,99 @@ from typing import Any
 
 from speculators.errors import SpeculatorsError
 
-# Worker-side buffer: apply_model functions run in vLLM's worker process, where this module is
-# imported once; each forward pass appends one record.
+# Worker-side buffer: apply_model functions run in vLLM's worker processes, where this module is
+# imported once per process; each forward pass appends one record (on TP rank 0 only).
 _RECORDS: list[dict[Any, Any]] = []
-_HANDLES: list[Any] = []
 
 
-def _residual_stream(output: Any) -> Any:
-    if isinstance(output, tuple):
-        hidden, residual = output[0], (output[1] if len(output) > 1 else None)
-        return hidden if residual is None else hidden + residual
-    return output
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
 
 
-def install_capture_hooks(layer_ids: list[int], model: Any) -> int:
-    """Runs in the worker: hooks recording input ids and the requested residual-stream states."""
-    base = model.model
-    layers = base.layers
-    num_layers = len(layers)
+def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
+    """Runs in each worker: records input ids and the requested residual-stream states; returns N."""
+    base = getattr(model, "model", None)
+    needed = ("_maybe_add_hidden_state", "embed_input_ids", "layers")
+    if base is None or not all(hasattr(base, name) for name in needed):
+        raise RuntimeError(
+            f"vLLM's {type(model).__name__} does not expose EAGLE-3 aux hidden states (SupportsEagle3); "
+            f"capture this verifier with --backend transformers"
+        )
+    remove_capture_hooks(model)
+    wanted = set(capture_ids)
+    recording = _tensor_parallel_rank() == 0
+    original = type(base)._maybe_add_hidden_state
 
-    def on_embed(module, args, output):
-        _RECORDS.append({"input_ids": args[0].detach().cpu().clone()})
-        if 0 in layer_ids:
-            _RECORDS[-1][0] = output.detach().float().cpu().clone()
+    def maybe_add_hidden_state(aux: list[Any], layer_idx: int, hidden: Any, residual: Any) -> list[Any]:
+        if recording and layer_idx in wanted:
+            value = hidden if residual is None else hidden + residual
+            _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
+        return original(base, aux, layer_idx, hidden, residual)
 
-    def after_layer(index: int):
-        def hook(module, args, output):
-            _RECORDS[-1][index + 1] = _residual_stream(output).detach().float().cpu().clone()
+    def embed_input_ids(input_ids: Any) -> Any:
+        # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
+        if recording:
+            _RECORDS.append({"input_ids": input_ids.detach().cpu().clone()})
+        return type(base).embed_input_ids(base, input_ids)
 
-        return hook
-
-    for handle in _HANDLES:
-        handle.remove()
-    _HANDLES.clear()
-    _HANDLES.append(base.embed_tokens.register_forward_hook(on_embed))
-    for layer_id in layer_ids:
-        if layer_id > 0:
-            _HANDLES.append(layers[layer_id - 1].register_forward_hook(after_layer(layer_id - 1)))
-    return num_layers
+    # Instance attributes shadow the class methods that the model's forward calls.
+    base._maybe_add_hidden_state = maybe_add_hidden_state
+    base.embed_input_ids = embed_input_ids
+    return len(base.layers)
 
 
 def remove_capture_hooks(model: Any) -> None:
-    for handle in _HANDLES:
-        handle.remove()
-    _HANDLES.clear()
     _RECORDS.clear()
+    for name in ("_maybe_add_hidden_state", "embed_input_ids"):
+        model.model.__dict__.pop(name, None)
 
 
-def fetch_records(model: Any) -> list[dict[Any, Any]]:
+def fetch_records(model: Any) -> list[dict[Any, Any]] | None:
+    """TP rank 0's records (None from the other ranks, which record nothing)."""
     records = list(_RECORDS)
     _RECORDS.clear()
-    return records
+    return records if _tensor_parallel_rank() == 0 else None
+
+
+def configure_cpu_build() -> None:
+    """Defaults for vLLM's CPU build: a small KV cache (it otherwise reserves most of the memory and
+    refuses to start when another process holds some) and every core for the model (offline batches
+    need no scheduler core: 1.7x faster on 2 cores, BENCHMARKS.md). Explicit settings win."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 class VllmCapture:
-    """Captures [T, len(layer_ids), H] states per prompt with a vLLM engine."""
+    """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`)."""
 
-    def __init__(self, model_dir: str, layer_ids: list[int], dtype: str, max_model_len: int,
-                 max_batch_tokens: int = 16384):  # fmt: skip
+    def __init__(self, model_dir: str, capture_ids: list[int], dtype: str, max_model_len: int,
+                 max_batch_tokens: int = 16384, tensor_parallel_size: int = 1):  # fmt: skip
         try:
             from vllm import LLM
         except ImportError:
             raise SpeculatorsError(
                 "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra"
             ) from None
-        import torch
 
-        # apply_model ships our hook functions to the worker by reference.
+        # apply_model ships our hook functions to the workers by reference.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        self.layer_ids = list(layer_ids)
+        configure_cpu_build()
+        self.capture_ids = list(capture_ids)
         self.max_batch_tokens = max(max_batch_tokens, max_model_len)
         self.llm = LLM(
             model=model_dir, dtype=dtype, seed=0, enforce_eager=True, enable_prefix_caching=False,
             compilation_config={"mode": 0}, max_model_len=max_model_len,
             max_num_batched_tokens=self.max_batch_tokens, max_num_seqs=256,
+            tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
-        (num_layers,) = set(self.llm.apply_model(partial(install_capture_hooks, self.layer_ids)))
-        if max(self.layer_ids) > num_layers:
-            raise SpeculatorsError(f"aux layer ids {self.layer_ids} exceed the verifier's {num_layers} layers")
+        (num_layers,) = set(self.llm.apply_model(partial(install_capture_hooks, self.capture_ids)))
+        if max(self.capture_ids) > num_layers:
+            raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
 
     def close(self) -> None:
         """Stop vLLM's engine processes now rather than at interpreter exit (where its threads abort)."""
@@ -122,11 +141,11 @@ class VllmCapture:
             )
         self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                           SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # fmt: skip
-        records = self.llm.apply_model(fetch_records)[0]
+        records = next(r for r in self.llm.apply_model(fetch_records) if r is not None)
         # One prefill forward (plus none for the single sampled token): ids in submission order.
         ids = torch.cat([r["input_ids"] for r in records])
         expected = torch.tensor([t for p in prompts for t in p])
         if not torch.equal(ids, expected):
             raise SpeculatorsError("vLLM did not prefill the batch in one pass in submission order; lower --batch-size")
-        states = torch.stack([torch.cat([r[i] for r in records]) for i in self.layer_ids], dim=1)
+        states = torch.stack([torch.cat([r[i] for r in records]) for i in self.capture_ids], dim=1)
         return list(states.split([len(p) for p in prompts]))

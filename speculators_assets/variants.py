@@ -34,15 +34,34 @@ class SecretEnv(Strict):
 
 
 class ComputeProfile(Strict):
-    """Where a step runs: GPUs, resources and pod placement (the k8s runner reads all of it)."""
+    """Where a step runs: GPUs, resources and pod placement (the k8s runner reads all of it).
+
+    vLLM steps (regeneration, capture, serving) shard the verifier over `tensor_parallel_size` GPUs
+    and run `gpus // tensor_parallel_size` data-parallel replicas of it; training uses every GPU.
+    """
 
     gpus: int = Field(0, ge=0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_gib: int = Field(80, gt=0)  # memory of one GPU on the nodes this step lands on
     cpu: str | None = None  # Kubernetes quantity, e.g. "8"
     memory: str | None = None  # e.g. "64Gi"
     image: str | None = None  # default: the runner's workload image
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     env_from_secrets: dict[str, SecretEnv] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _whole_replicas(self) -> ComputeProfile:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.gpus % tp:
+            raise ValueError(f"gpus {self.gpus} is not a multiple of tensor_parallel_size {tp}; "
+                             f"give whole tensor-parallel groups")  # fmt: skip
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the verifier this step runs (one per tensor-parallel group of GPUs)."""
+        return max(1, self.gpus // self.tensor_parallel_size)
 
 
 class PromptSettings(Strict):

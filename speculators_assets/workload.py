@@ -70,14 +70,18 @@ class StepFailed(RuntimeError):
     pass
 
 
-def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run one `speculators` command (under torchrun for multi-GPU training) and stream its output, or with
-    `capture` return its output and exit code (for commands whose verdict is the result: validate, verify-store)."""
+def command_line(arguments: list[str], gpus: int = 0, python: str = sys.executable) -> list[str]:
+    """The process for one `speculators` command: under torchrun on every GPU for multi-GPU training;
+    vLLM steps shard themselves (their TP/DP flags are in the arguments)."""
     if gpus > 1 and arguments[0] == "train":
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "-m", "speculators.cli"]
-    else:
-        command = [sys.executable, "-m", "speculators.cli"]
-    command += list(arguments)
+        return [python, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "-m", "speculators.cli", *arguments]
+    return [python, "-m", "speculators.cli", *arguments]
+
+
+def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run one `speculators` command and stream its output, or with `capture` return its output and
+    exit code (for commands whose verdict is the result: validate, verify-store)."""
+    command = command_line(list(arguments), gpus)
     print("$ speculators " + " ".join(arguments), flush=True)
     started = time.perf_counter()
     if capture:
@@ -153,25 +157,37 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     return metadata, report["data_version"]
 
 
+def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Path) -> list[list[str]]:
+    """prepare (tokenize, or regenerate the answers), datagen (capture) and vocab for a variant: the
+    vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
+    data-parallel replicas."""
+    d, profile = v.datagen, v.profile("verifier_hidden_states")
+    prepare = ["prepare", "--source", str(conversations), "--output", str(data), "--verifier", v.verifier,
+               "--max-length", str(d.max_length), "--dtype", d.dtype, "--device", d.device]  # fmt: skip
+    if d.regenerate:
+        prepare += ["--regenerate", "--backend", d.backend, "--max-new-tokens", str(d.max_new_tokens),
+                    "--batch-size", str(d.batch_size), "--no-require-assistant"]  # fmt: skip
+        if d.backend == "vllm":
+            prepare += ["--tensor-parallel-size", str(profile.tensor_parallel_size)]
+    datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
+               "--storage", d.storage, "--dtype", d.dtype, "--device", d.device, "--backend", d.backend]  # fmt: skip
+    if d.backend == "vllm":
+        datagen += ["--tensor-parallel-size", str(profile.tensor_parallel_size),
+                    "--data-parallel-size", str(profile.data_parallel_size)]  # fmt: skip
+    if v.drafter.aux_layer_ids:
+        datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
+    vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
+    return [prepare, datagen, vocab]
+
+
 def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     v, out = step.variant, step.dir("verifier_hidden_states")
     conversations = step.dir("raw_prompts") / "conversations.jsonl"
     if not conversations.is_file():
         raise StepFailed(f"{conversations} is missing; materialize raw_prompts for {v.name} first")
     data, store = out / "data", out / "store"
-    d = v.datagen
-    prepare = ["prepare", "--source", str(conversations), "--output", str(data), "--verifier", v.verifier,
-               "--max-length", str(d.max_length), "--dtype", d.dtype, "--device", d.device]  # fmt: skip
-    if d.regenerate:
-        prepare += ["--regenerate", "--backend", d.backend, "--max-new-tokens", str(d.max_new_tokens),
-                    "--batch-size", str(d.batch_size), "--no-require-assistant"]  # fmt: skip
-    speculators(*prepare)
-    datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
-               "--storage", d.storage, "--dtype", d.dtype, "--device", d.device]  # fmt: skip
-    if v.drafter.aux_layer_ids:
-        datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
-    speculators(*datagen)
-    speculators("vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size))
+    for arguments in hidden_state_commands(v, conversations, data, store):
+        speculators(*arguments)
     verified = speculators("verify-store", str(store), capture=True)
 
     prepared = read_json(data / "prepare_report.json")["tokenization"]
@@ -242,6 +258,22 @@ def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str,
     return checks
 
 
+def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -> list[str]:
+    """`speculators train` for a variant (run under torchrun on the step's GPUs, see command_line)."""
+    t = v.training
+    arguments = ["train", "--store", str(store), "--verifier", v.verifier, "--output", str(out),
+                 "--epochs", str(t.epochs), "--lr", str(t.lr), "--token-budget", str(t.token_budget),
+                 "--ttt-steps", str(t.ttt_steps), "--validation-share", str(t.validation_share),
+                 "--precision", t.precision, "--device", t.device, "--no-progress",
+                 "--speculative-tokens", str(v.drafter.speculative_tokens),
+                 "--num-draft-layers", str(v.drafter.num_draft_layers)]  # fmt: skip
+    if t.max_steps:
+        arguments += ["--max-steps", str(t.max_steps)]
+    if warm_start:
+        arguments += ["--warm-start", str(warm_start)]
+    return arguments + list(t.extra_args)
+
+
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
     v, store = step.variant, step.dir("verifier_hidden_states") / "store"
     manifest = read_json(store / "manifest.json")
@@ -256,18 +288,8 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     summary = read_json(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
     if not reused:
-        t = v.training
-        arguments = ["train", "--store", str(store), "--verifier", v.verifier, "--output", str(out),
-                     "--epochs", str(t.epochs), "--lr", str(t.lr), "--token-budget", str(t.token_budget),
-                     "--ttt-steps", str(t.ttt_steps), "--validation-share", str(t.validation_share),
-                     "--precision", t.precision, "--device", t.device, "--no-progress",
-                     "--speculative-tokens", str(v.drafter.speculative_tokens),
-                     "--num-draft-layers", str(v.drafter.num_draft_layers)]  # fmt: skip
-        if t.max_steps:
-            arguments += ["--max-steps", str(t.max_steps)]
-        if warm_start:
-            arguments += ["--warm-start", str(warm.resolve())]
-        speculators(*arguments, *t.extra_args, gpus=v.profile("trained_drafter").gpus)
+        arguments = train_command(v, store, out, warm.resolve() if warm_start else None)
+        speculators(*arguments, gpus=v.profile("trained_drafter").gpus)
         summary = read_json(out / "summary.json")
     stamp = read_json(step.dir("raw_prompts") / "stamp.json") or {}
     current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
@@ -359,6 +381,19 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     return metadata, current["key"]
 
 
+def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
+    """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs."""
+    b = v.benchmark
+    arguments = ["bench", "--verifier", v.verifier, "--speculator", str(speculator), "--output", str(out),
+                 "--prompts", v.prompts.eval_source, "--requests", str(b.requests), "--output-tokens",
+                 str(b.output_tokens), "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
+                 "--max-model-len", str(b.max_model_len), "--kv-cache-gib", str(b.kv_cache_gib),
+                 "--tensor-parallel-size", str(v.profile("benchmark_report").tensor_parallel_size)]  # fmt: skip
+    if b.enforce_eager:
+        arguments.append("--enforce-eager")
+    return arguments
+
+
 def benchmark_report(step: Step) -> tuple[Metadata, str]:
     v = step.variant
     latest = step.dir("speculator_checkpoint") / "latest"
@@ -372,12 +407,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if not reused:
         if out.exists():
             shutil.rmtree(out)
-        arguments = ["bench", "--verifier", v.verifier, "--speculator", str(latest.resolve()), "--output", str(out),
-                     "--prompts", v.prompts.eval_source, "--requests", str(b.requests), "--output-tokens",
-                     str(b.output_tokens), "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
-                     "--max-model-len", str(b.max_model_len), "--kv-cache-gib", str(b.kv_cache_gib)]  # fmt: skip
-        if b.enforce_eager:
-            arguments.append("--enforce-eager")
+        arguments = bench_command(v, latest.resolve(), out)
         speculators(*arguments)
     report = read_json(out / "report.json")
     synchronous = report["profiles"]["synchronous"]

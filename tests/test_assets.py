@@ -20,7 +20,10 @@ from tests.dagster_dev import dagster_dev, log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
-GPU_VARIANTS = {"llama3_1_8b": [2, 16, 29], "qwen3_30b_a3b": [2, 24, 45], "gpt_oss_20b": [2, 12, 21]}
+# The matrix's rows with their aux ids (their facts against the published configs: test_model_matrix.py).
+GPU_VARIANTS = {"llama3_1_8b": [2, 16, 29], "llama3_3_70b": [2, 40, 77], "qwen3_8b": [2, 18, 33],
+                "qwen3_14b": [2, 20, 37], "qwen3_32b": [2, 32, 61], "qwen3_30b_a3b": [2, 24, 45],
+                "qwen3_235b_a22b": [2, 47, 91], "gpt_oss_20b": [2, 12, 21], "gpt_oss_120b": [2, 18, 33]}  # fmt: skip
 
 
 def test_definitions_validate_and_load_fast_without_torch():
@@ -125,7 +128,7 @@ def test_a_gpu_variant_on_the_local_runner_fails_fast():
                             selection=["verifier_hidden_states"], raise_on_error=False)  # fmt: skip
     assert not result.success and time.perf_counter() - started < 60
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "variant llama3_1_8b needs 1 GPU(s) for verifier_hidden_states but this machine has 0" in str(
+    assert "variant llama3_1_8b needs 8 GPU(s) for verifier_hidden_states but this machine has 0" in str(
         failure.step_failure_data.error
     )
 

@@ -1,0 +1,219 @@
+"""The model matrix: every GPU variant's facts against its verifier's published config.json.
+
+The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md); nothing here
+touches the network, a GPU or model weights. A variant passes when its family, aux layer ids and verifier
+id agree with its config, and when its compute profiles hold the verifier's weights with room to spare.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from speculators_assets.variants import PACKAGE_VARIANTS, Variant, load_variant
+
+CONFIGS = Path(__file__).parent / "data" / "model_configs"
+GIB = 2**30
+MXFP4_BYTES_PER_PARAM = 4.25 / 8  # 4-bit values plus one 8-bit scale per 32
+WEIGHT_SHARE = 0.75  # weights may take this much of a TP group's GPU memory; the rest is KV cache and activations
+VLLM_STEPS = ("verifier_hidden_states", "benchmark_report")
+
+# Hand-written from the model cards: a wrong or swapped config file fails here.
+# (hub id, family, layers, hidden, vocab, experts, published total parameters)
+MATRIX = {
+    "llama3_1_8b": ("meta-llama/Llama-3.1-8B-Instruct", "llama", 32, 4096, 128256, 0, 8.03e9),
+    "llama3_3_70b": ("meta-llama/Llama-3.3-70B-Instruct", "llama", 80, 8192, 128256, 0, 70.6e9),
+    "qwen3_8b": ("Qwen/Qwen3-8B", "qwen3", 36, 4096, 151936, 0, 8.2e9),
+    "qwen3_14b": ("Qwen/Qwen3-14B", "qwen3", 40, 5120, 151936, 0, 14.8e9),
+    "qwen3_32b": ("Qwen/Qwen3-32B", "qwen3", 64, 5120, 151936, 0, 32.8e9),
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", "qwen3_moe", 48, 2048, 151936, 128, 30.5e9),
+    "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", "qwen3_moe", 94, 4096, 151936, 128, 235e9),
+    "gpt_oss_20b": ("openai/gpt-oss-20b", "gpt_oss", 24, 2880, 201088, 32, 21e9),
+    "gpt_oss_120b": ("openai/gpt-oss-120b", "gpt_oss", 36, 2880, 201088, 128, 117e9),
+}
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def variant(name: str) -> Variant:
+    return load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
+
+
+def sources() -> dict[str, str]:
+    """SOURCES.md's table: config file name -> the hub id it is a copy of."""
+    rows = re.findall(r"^\| (\w+)\.json \| ([\w./-]+) \|", (CONFIGS / "SOURCES.md").read_text(), re.MULTILINE)
+    return dict(rows)
+
+
+def num_experts(cfg: dict) -> int:
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
+def vocab_params(cfg: dict) -> int:
+    """Input embeddings plus the lm_head (one matrix when they are tied)."""
+    return cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
+
+
+def estimate_weights(cfg: dict) -> tuple[int, float]:
+    """(parameters, bytes) of the verifier's checkpoint, from its config alone.
+
+    Embeddings + lm_head, per layer q/k/v/o (with head_dim and the KV heads), the dense MLP or every expert
+    plus the router, and the norms; biases, sinks and q/k norms where the architecture has them. Everything
+    is bf16 except MXFP4 expert weights (gpt-oss), at 4.25 bits each.
+    """
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    gpt_oss = cfg["model_type"] == "gpt_oss"
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o and k, v
+    if cfg.get("attention_bias"):
+        attention += heads * head_dim + 2 * kv_heads * head_dim + hidden
+    if cfg["model_type"].startswith("qwen3"):
+        attention += 2 * head_dim  # q_norm, k_norm
+    if gpt_oss:
+        attention += heads  # attention sinks
+    norms = 2 * hidden
+
+    experts = num_experts(cfg)
+    dense_layers = set(cfg.get("mlp_only_layers") or []) if experts else set(range(layers))
+    expert_size = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    dense = 3 * hidden * cfg["intermediate_size"]  # gate, up, down
+    expert_weights = experts * 3 * hidden * expert_size
+    router = experts * hidden + (experts if gpt_oss else 0)
+    expert_biases = experts * (2 * expert_size + hidden) if gpt_oss else 0
+
+    bf16 = vocab_params(cfg) + hidden + layers * (attention + norms)  # + final norm
+    packed = 0
+    for layer in range(layers):
+        if layer in dense_layers:
+            bf16 += dense
+        else:
+            bf16 += router + expert_biases
+            if mxfp4:
+                packed += expert_weights
+            else:
+                bf16 += expert_weights
+    return bf16 + packed, bf16 * 2 + packed * MXFP4_BYTES_PER_PARAM
+
+
+def quantity_gib(quantity: str) -> float:
+    """A Kubernetes memory quantity (e.g. "256Gi", "8G") in GiB."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity).groups()
+    scale = {"Gi": 1, "Ti": 1024, "Mi": 1 / 1024, "G": 1e9 / GIB, "T": 1e12 / GIB, "M": 1e6 / GIB}[unit]
+    return float(number) * scale
+
+
+def test_every_row_has_a_variant_a_config_and_a_source():
+    assert sorted(sources()) == sorted(MATRIX)
+    for name in MATRIX:
+        assert (CONFIGS / f"{name}.json").is_file(), name
+        assert (PACKAGE_VARIANTS / f"{name}.yaml").is_file(), name
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_the_config_holds_the_published_facts(name):
+    hub_id, family, layers, hidden, vocab, experts, _ = MATRIX[name]
+    cfg = config(name)
+    assert sources()[name] == hub_id
+    assert cfg["model_type"] == family
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], num_experts(cfg)) == (
+        layers, hidden, vocab, experts)  # fmt: skip
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    if family == "gpt_oss":
+        assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+        assert len(cfg["layer_types"]) == layers
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_the_variant_matches_its_config(name):
+    hub_id, *_ = MATRIX[name]
+    cfg, v = config(name), variant(name)
+    n = cfg["num_hidden_layers"]
+    assert v.verifier == hub_id == sources()[name]
+    assert v.family == cfg["model_type"]
+    assert v.drafter.aux_layer_ids == [2, n // 2, n - 3] and max(v.drafter.aux_layer_ids) < n
+    assert v.drafter.draft_vocab_size == 32000 and v.drafter.speculative_tokens == 3
+    assert v.datagen.backend == "vllm" and v.datagen.device == "cuda"
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_the_weight_estimate_is_within_ten_percent_of_the_published_size(name):
+    *_, published = MATRIX[name]
+    params, _ = estimate_weights(config(name))
+    assert abs(params - published) / published <= 0.10, f"{name}: {params / 1e9:.2f}B vs {published / 1e9}B"
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_vllm_steps_hold_the_verifier_with_room_for_kv_cache(name):
+    cfg, v = config(name), variant(name)
+    _, weight_bytes = estimate_weights(cfg)
+    weights_gib = weight_bytes / GIB
+    for step in VLLM_STEPS:
+        profile = v.profile(step)
+        tp = profile.tensor_parallel_size
+        assert profile.gpus >= 1 and profile.gpus % tp == 0, (name, step)
+        assert cfg["num_attention_heads"] % tp == 0, (name, step)  # vLLM shards whole heads
+        per_gpu = weights_gib / tp
+        assert per_gpu <= WEIGHT_SHARE * profile.gpu_memory_gib, (
+            f"{name} {step}: {per_gpu:.1f} GiB of weights per GPU at TP {tp} is over "
+            f"{WEIGHT_SHARE:.0%} of {profile.gpu_memory_gib} GiB")  # fmt: skip
+        # host memory: every replica stages its copy of the weights through the pod
+        assert quantity_gib(profile.memory) >= weights_gib * profile.data_parallel_size, (name, step)
+    capture, benchmark = v.profile("verifier_hidden_states"), v.profile("benchmark_report")
+    assert capture.gpus <= 8  # one node
+    assert benchmark.gpus == benchmark.tensor_parallel_size  # one server
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_training_holds_the_verifier_embeddings_on_every_rank(name):
+    cfg, v = config(name), variant(name)
+    profile = v.profile("trained_drafter")
+    assert 4 <= profile.gpus <= 8 and profile.tensor_parallel_size == 1
+    fp32_gib = vocab_params(cfg) * 4 / GIB  # embeddings + lm_head, at worst upcast to fp32 on a rank
+    assert fp32_gib <= 0.25 * profile.gpu_memory_gib  # the rest of the GPU is the drafter's
+    assert quantity_gib(profile.memory) >= profile.gpus * fp32_gib + 64  # + data loaders and /dev/shm
+
+
+def flag(arguments: list[str], name: str) -> str:
+    return arguments[arguments.index(name) + 1]
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
+    """What the k8s runner would start for each step: the pod's GPU limit, and the command inside it
+    (vLLM regeneration and capture over TP x DP = every GPU of the pod, torchrun on every training
+    GPU, one benchmark server per TP group)."""
+    from speculators_assets.resources import PipelineRunner
+    from speculators_assets.workload import bench_command, command_line, hidden_state_commands, train_command
+
+    v = variant(name)
+    runner = PipelineRunner(mode="k8s")
+    capture, training, bench = (v.profile(s) for s in ("verifier_hidden_states", "trained_drafter", "benchmark_report"))
+    for step, profile in (("verifier_hidden_states", capture), ("trained_drafter", training),
+                          ("benchmark_report", bench)):  # fmt: skip
+        limits = runner.pod_spec(v, step)["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == str(profile.gpus) and limits["memory"] == profile.memory
+
+    prepare, datagen, vocab = hidden_state_commands(v, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "store")
+    assert prepare[:1] == ["prepare"] and flag(prepare, "--backend") == "vllm" and "--regenerate" in prepare
+    assert int(flag(prepare, "--tensor-parallel-size")) == capture.tensor_parallel_size
+    assert flag(datagen, "--backend") == "vllm" and flag(datagen, "--verifier") == MATRIX[name][0]
+    tp, dp = int(flag(datagen, "--tensor-parallel-size")), int(flag(datagen, "--data-parallel-size"))
+    assert tp == capture.tensor_parallel_size and tp * dp == capture.gpus
+    assert flag(datagen, "--aux-layer-ids") == ",".join(map(str, v.drafter.aux_layer_ids))
+    assert vocab == ["vocab", "--store", str(tmp_path / "store"), "--draft-vocab-size", "32000"]
+
+    train = command_line(train_command(v, tmp_path / "store", tmp_path / "out", None), training.gpus, python="python")
+    assert train[:4] == ["python", "-m", "torch.distributed.run", f"--nproc_per_node={training.gpus}"]
+    assert train[6] == "train" and flag(train, "--speculative-tokens") == "3"
+
+    served = bench_command(v, tmp_path / "latest", tmp_path / "report")
+    assert int(flag(served, "--tensor-parallel-size")) == bench.tensor_parallel_size == bench.gpus
+    assert int(flag(served, "--max-model-len")) == v.benchmark.max_model_len
