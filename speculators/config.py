@@ -102,6 +102,7 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
         values.setdefault("dtype", values.pop("torch_dtype"))
     values.setdefault("num_hidden_layers", 1)
     hf_config = config_class(**values)
+    check_full_attention(hf_config)
     out = hf_config.to_diff_dict()
     # Token ids of the config class's defaults mean nothing for draft layers (the verifier's
     # tokenizer decides them); leaving them out avoids recording wrong ones.
@@ -127,6 +128,31 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
             explicit["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     out.update(explicit)
     return dict(sorted(out.items()))
+
+
+def check_full_attention(hf_config: Any) -> None:
+    """Refuse draft layers that vLLM would run with sliding-window attention: it honours `layer_types`
+    (which Qwen3's `use_sliding_window` + `max_window_layers` resolve to), but this project's drafter
+    attends over the whole context, so training, evaluation and the checks would disagree with the
+    served drafter once a context passes the window."""
+    layers = hf_config.num_hidden_layers
+    types = list(getattr(hf_config, "layer_types", None) or [])[:layers]
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if sliding:
+        raise ValueError(
+            f"transformer_layer_config gives draft layer(s) {sliding} sliding-window attention (sliding_window "
+            f"{hf_config.sliding_window}), which this project's drafter does not implement: its outputs would "
+            f"differ from vLLM's past {hf_config.sliding_window} tokens; retrain the drafter with full attention"
+        )
+
+
+def ignored_sliding_window(layer_config: dict[str, Any]) -> str | None:
+    """A note for a layer config that names a sliding window its layer types do not use."""
+    keys = [k for k in ("sliding_window", "use_sliding_window") if layer_config.get(k)]
+    if not keys:
+        return None
+    settings = ", ".join(f"{k}={layer_config[k]}" for k in keys)
+    return f"transformer_layer_config sets {settings} but no draft layer is sliding_attention: full attention, as vLLM"
 
 
 class Eagle3Config(BaseModel):
@@ -365,6 +391,10 @@ def parse_eagle3_config(raw: dict[str, Any], source: str = "config.json") -> tup
         if flag not in raw:
             # vLLM reads a missing norm_before_residual as true and the other flags as false.
             notes.append(f"{flag} missing; read as {flag == 'norm_before_residual'} as vLLM does")
+    layer = raw.get("transformer_layer_config")
+    sliding_note = ignored_sliding_window(layer) if isinstance(layer, dict) else None
+    if sliding_note:
+        notes.append(sliding_note)
     ignored = sorted(k for k in raw if k in REFERENCE_ONLY_KEYS)
     if ignored:
         notes.append(f"reference-library keys ignored: {', '.join(ignored)}")

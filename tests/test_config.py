@@ -151,3 +151,40 @@ def test_missing_speculators_model_type_points_at_convert():
 def test_missing_proposal_methods():
     message = _bad(lambda raw: raw["speculators_config"].update(proposal_methods=[]))
     assert "proposal_methods" in message
+
+
+def reference_config_with_layer(**layer: object) -> dict:
+    raw = json.loads((GOLDEN / "reference_library_eagle3_config.json").read_text())
+    raw["transformer_layer_config"].update(layer)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        {"layer_types": ["sliding_attention"], "sliding_window": 512},  # llama: vLLM honours layer_types
+        {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 512, "max_window_layers": 0},
+    ],
+)
+def test_a_sliding_window_draft_layer_is_refused_by_validate_and_convert(layer, tmp_path):
+    """vLLM would run these draft layers with a 512-token window; our drafter attends to everything."""
+    from speculators.cli import main
+    from speculators.config import parse_eagle3_config
+
+    raw = reference_config_with_layer(**layer)
+    with pytest.raises(CheckpointFormatError) as error:
+        parse_eagle3_config(raw)
+    assert "draft layer(s) [0] sliding-window attention (sliding_window 512)" in str(error.value)
+    assert "retrain the drafter with full attention" in str(error.value)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["validate", str(tmp_path)]) == 1
+
+
+def test_a_sliding_window_that_no_draft_layer_uses_is_a_note():
+    """Qwen3's use_sliding_window only applies from max_window_layers on (28 by default): layer 0 is full."""
+    from speculators.config import parse_eagle3_config
+
+    raw = reference_config_with_layer(model_type="qwen3", use_sliding_window=True, sliding_window=4096)
+    config, notes = parse_eagle3_config(raw)
+    assert config.draft_layer_type == "qwen3"
+    assert any("use_sliding_window=True" in n and "full attention" in n for n in notes)
