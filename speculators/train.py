@@ -390,7 +390,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     from speculators.training_data import PackedStore
     from speculators.ttt import summarize, ttt_loss, verifier_target_logits
     from speculators.validation import validate_checkpoint
-    from speculators.verifier import load_verifier
+    from speculators.verifier import VerifierHead
     from speculators.vocab import load_draft_vocab
 
     rank, world, device = init_distributed(config)
@@ -400,7 +400,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     val_packs = PackedStore(config.store, config.token_budget, "validation", config.validation_share, seed=-1)
     manifest = train_packs.manifest
     vocab = load_draft_vocab(config.store)
-    verifier = load_verifier(config.verifier, dtype=manifest["verifier"]["dtype"])
+    verifier = VerifierHead.from_source(config.verifier, dtype=manifest["verifier"]["dtype"])
     check_store_fits_verifier(manifest, verifier, config.store)
     drafter = build_drafter(config, verifier, manifest, vocab).to(device)
     if uses_bf16(config, device) and not config.train_lm_head:

@@ -332,6 +332,55 @@ class VerifierFacts:
             )
 
 
+HEAD_TENSORS = {"embedding": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
+
+
+class VerifierHead(VerifierFacts):
+    """The only verifier weights training needs (input embeddings, lm_head, final norm), read from
+    the safetensors files by name, so a training pod of a 235B verifier holds ~2 GiB, not ~440 GiB."""
+
+    def __init__(self, config: Any, name_or_path: str, source: str, dtype: str):
+        super().__init__(config, name_or_path, source, dtype)
+        tensors = read_named_tensors(local_model_dir(name_or_path), HEAD_TENSORS.values(), dtype_from_name(dtype))
+        missing = [name for key, name in HEAD_TENSORS.items() if name not in tensors and key != "lm_head"]
+        if missing:
+            raise SpeculatorsError(
+                f"verifier {name_or_path} has no tensor {missing[0]} in its safetensors files; its weights are not "
+                f"in the Hugging Face {config.model_type} layout"
+            )
+        self.embedding_weight = tensors[HEAD_TENSORS["embedding"]]
+        tied = HEAD_TENSORS["lm_head"] not in tensors
+        self.lm_head_weight = self.embedding_weight if tied else tensors[HEAD_TENSORS["lm_head"]]
+        self.final_norm = final_rms_norm(tensors[HEAD_TENSORS["norm"]], float(getattr(config, "rms_norm_eps", 1e-6)))
+
+    @classmethod
+    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> VerifierHead:
+        config, location = load_verifier_config(source)
+        return cls(config, location, str(source), dtype)
+
+
+def read_named_tensors(directory: Path, names: Any, dtype: Any) -> dict[str, Any]:
+    """The named tensors from a model directory's safetensors files (headers first: only the files
+    that hold one are read, and only those tensors)."""
+    from safetensors import safe_open
+
+    wanted, found = set(names), {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in wanted.intersection(handle.keys()):
+                found[name] = handle.get_tensor(name).to(dtype)
+    return found
+
+
+def final_rms_norm(weight: Any, eps: float) -> Any:
+    """The verifier's final RMSNorm as a module (statistics in fp32, as every supported family does)."""
+    from speculators.models.eagle3 import RMSNorm
+
+    norm = RMSNorm(weight.numel(), eps)
+    norm.weight.data = weight.clone()
+    return norm.requires_grad_(False)
+
+
 class Verifier(VerifierFacts):
     """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
 

@@ -159,3 +159,18 @@ def test_tiny_tokenizers_are_deterministic_and_have_chat_templates(family):
     assert "A drafter predicts two numbers quickly." in text
     ids = first.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     assert first.decode(ids) == text
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+def test_the_head_read_from_files_equals_the_loaded_verifiers(family, tiny_verifier_dir):
+    """Training reads only the embeddings, lm_head and final norm from the safetensors files."""
+    from speculators.verifier import VerifierHead
+
+    full = load_verifier(tiny_verifier_dir(family), dtype="float32")
+    head = VerifierHead.from_source(tiny_verifier_dir(family), dtype="float32")
+    assert torch.equal(head.embedding_weight, full.embedding_weight.detach())
+    assert torch.equal(head.lm_head_weight, full.lm_head_weight.detach())
+    states = torch.randn(5, full.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(head.final_norm(states), full.final_norm(states), rtol=1e-6, atol=1e-6)
+    assert head.fingerprint == full.fingerprint and head.num_layers == full.num_layers
