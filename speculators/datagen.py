@@ -234,14 +234,9 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
             )
         groups = [gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
         return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups]
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < need:
-        raise SpeculatorsError(
-            f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} cores on a CPU but "
-            f"{len(cores)} are available; lower --data-parallel-size or --tensor-parallel-size"
-        )
-    share = len(cores) // need
-    ranks = [",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(need)]
+    from speculators.vllm_capture import cpu_core_lists
+
+    ranks = cpu_core_lists(need)
     groups = [ranks[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
     return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(group)} for group in groups]
 

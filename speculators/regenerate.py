@@ -115,7 +115,7 @@ def vllm_generate_fn(
         ) from None
     from speculators.vllm_capture import configure_cpu_build
 
-    configure_cpu_build()
+    configure_cpu_build(tensor_parallel_size)
     llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
               tensor_parallel_size=tensor_parallel_size)  # fmt: skip
 

@@ -78,15 +78,30 @@ def fetch_records(model: Any) -> list[dict[Any, Any]] | None:
     return records if _tensor_parallel_rank() == 0 else None
 
 
-def configure_cpu_build() -> None:
+def cpu_core_lists(ranks: int, cores: list[int] | None = None) -> list[str]:
+    """Disjoint core lists ("0,1") for `ranks` CPU workers, as VLLM_CPU_OMP_THREADS_BIND takes them."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < ranks:
+        raise SpeculatorsError(
+            f"{ranks} vLLM CPU workers need {ranks} cores but {len(cores)} are available; lower the tensor or "
+            f"data parallel size"
+        )
+    share = len(cores) // ranks
+    return [",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(ranks)]
+
+
+def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
     """Defaults for vLLM's CPU build: a small KV cache (it otherwise reserves most of the memory and
-    refuses to start when another process holds some) and every core for the model (offline batches
-    need no scheduler core: 1.7x faster on 2 cores, BENCHMARKS.md). Explicit settings win."""
+    refuses to start when another process holds some), every core for the model (offline batches
+    need no scheduler core: 1.7x faster on 2 cores, BENCHMARKS.md) and, with tensor parallelism, a
+    core set per rank (its automatic binding wants a NUMA node per rank). Explicit settings win."""
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        if tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cpu_core_lists(tensor_parallel_size)))
 
 
 class VllmCapture:
@@ -103,7 +118,7 @@ class VllmCapture:
 
         # apply_model ships our hook functions to the workers by reference.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        configure_cpu_build()
+        configure_cpu_build(tensor_parallel_size)
         self.capture_ids = list(capture_ids)
         self.max_batch_tokens = max(max_batch_tokens, max_model_len)
         self.llm = LLM(

@@ -18,7 +18,7 @@ SCREENSHOTS = ROOT / "test-artifacts" / "ui"
 
 def chromium() -> str:
     path = shutil.which("chromium") or "/usr/bin/chromium"
-    assert Path(path).exists(), "Chromium is missing: make test installs it (as root or with sudo), or apt-get install chromium"
+    assert Path(path).exists(), "Chromium is missing: make test installs it (as root or with sudo)"
     return path
 
 

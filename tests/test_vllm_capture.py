@@ -1,0 +1,115 @@
+"""vLLM as the capture engine (its CPU build here): every family's states equal the transformers
+capture, tensor parallel 2 equals 1, and data-parallel replicas write the store one engine writes.
+
+Each test runs `speculators datagen --backend vllm` as a user would (a process of its own, since
+vLLM's engine and its worker processes are not to outlive a test)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speculators.atomic_io import write_jsonl_atomic
+from speculators.datagen import run_datagen
+from speculators.hidden_state_store import HiddenStateStore
+from speculators.verifier import load_verifier
+
+from .conftest import CAPTURE_FAMILIES
+from .test_datagen import make_samples
+
+pytestmark = pytest.mark.slow
+AUX = [0, 4, 6]  # id 0 (the embeddings), two middle layers, and id 8 (pre-norm output of the last layer) follows
+# GPT-OSS: vLLM's CPU attention kernel runs the attention-sink path in bf16 (vllm/v1/attention/backends/
+# cpu_attn.py, "executes attention sinks natively in bf16"), so its states differ from the fp32 reference by
+# bf16 rounding (~1.5% of a state's norm, measured), and the random tiny model's MoE router then flips an
+# expert at a near tie for a few tokens (2 of 545 at id 2; with the experts zeroed every id stays within
+# 1.1%). So GPT-OSS is compared at ids 0-2: id 0 exact, id 1 within bf16 rounding at every token, id 2 at
+# 98% of the tokens; the deeper ids (where flips compound) are left out of the comparison.
+GPT_OSS_AUX = [0, 1, 2]
+
+
+def aux_ids(family: str) -> list[int]:
+    return GPT_OSS_AUX if family == "gpt_oss" else AUX
+
+
+def vllm_datagen(verifier, samples_path, store, *extra: str, aux: list[int] = AUX) -> None:
+    command = [sys.executable, "-m", "speculators.cli", "datagen", "--data", str(samples_path), "--verifier",
+               str(verifier), "--output", str(store), "--backend", "vllm", "--dtype", "float32", "--storage",
+               "float32", "--batch-size", "3", "--aux-layer-ids", ",".join(map(str, aux)), *extra]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def relative_errors(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token error relative to the reference state's norm."""
+    return (x.float() - y.float()).norm(dim=-1) / y.float().norm(dim=-1).clamp(min=1e-12)
+
+
+def assert_same_store(a, b, atol: float = 1e-4, bf16_rounding: bool = False) -> None:
+    left, right = HiddenStateStore(a), HiddenStateStore(b)
+    assert left.verify() == [] and right.verify() == []
+    first, second = left.manifest()["samples"], right.manifest()["samples"]
+    assert [e["key"] for e in first] == [e["key"] for e in second] and len(first) > 0
+    errors = []
+    for x_entry, y_entry in zip(first, second, strict=True):
+        x, y = left.read_sample(x_entry), right.read_sample(y_entry)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        if bf16_rounding:
+            assert torch.equal(x.aux_hidden_states[:, 0], y.aux_hidden_states[:, 0])  # id 0: the embeddings
+            errors.append(relative_errors(x.aux_hidden_states, y.aux_hidden_states))
+            continue
+        torch.testing.assert_close(x.aux_hidden_states, y.aux_hidden_states, atol=atol, rtol=atol)
+        torch.testing.assert_close(x.target_hidden_states, y.target_hidden_states, atol=atol, rtol=atol)
+    if bf16_rounding:
+        errors = torch.cat(errors)  # [tokens, 3]
+        assert errors[:, 1].max() < 0.03 and (errors[:, 2] < 0.03).float().mean() >= 0.98, errors.amax(0)
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_verifier_dir, tmp_path_factory):
+    """family -> (verifier dir, samples.jsonl, the transformers store), built once per family."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            directory = tmp_path_factory.mktemp(f"capture-{family}")
+            verifier = load_verifier(tiny_verifier_dir(family), dtype="float32")
+            samples = make_samples(verifier.tokenizer, 7)  # 40-90 tokens: past gpt_oss's 16-token window
+            write_jsonl_atomic(directory / "samples.jsonl", samples)
+            run_datagen(samples, verifier, directory / "hf", aux_layer_ids=aux_ids(family), storage="float32",
+                        progress=False)  # fmt: skip
+            built[family] = (tiny_verifier_dir(family), directory / "samples.jsonl", directory / "hf")
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", CAPTURE_FAMILIES)
+def test_vllm_capture_equals_the_transformers_capture(family, prepared, tmp_path):
+    """Same layout and keys; every aux state and the pre-norm last state within fp32 rounding (vLLM's
+    fused kernels and MoE routing round differently from transformers')."""
+    verifier, samples, hf_store = prepared(family)
+    vllm_datagen(verifier, samples, tmp_path / "vllm", aux=aux_ids(family))
+    assert_same_store(tmp_path / "vllm", hf_store, bf16_rounding=family == "gpt_oss")
+
+
+def test_tensor_parallel_2_equals_1_on_the_cpu_build(prepared, tmp_path):
+    """vLLM's CPU build runs TP over processes with its shared-memory all-reduce, each rank on its own core."""
+    verifier, samples, hf_store = prepared("llama")
+    vllm_datagen(verifier, samples, tmp_path / "tp2", "--tensor-parallel-size", "2")
+    assert_same_store(tmp_path / "tp2", hf_store)
+
+
+def test_two_data_parallel_replicas_write_the_store_one_engine_writes(prepared, tmp_path):
+    """Each replica (its own engine on its own core) computes every other batch; the manifest pass after
+    them starts no engine and lists every sample in data order."""
+    verifier, samples, hf_store = prepared("qwen3")
+    vllm_datagen(verifier, samples, tmp_path / "dp2", "--data-parallel-size", "2")
+    logs = sorted(p.name for p in (tmp_path / "dp2").glob("replica-*.log"))
+    assert logs == ["replica-0.log", "replica-1.log"]
+    for index in (0, 1):
+        assert f"replica {index}/2: computed" in (tmp_path / "dp2" / f"replica-{index}.log").read_text()
+    assert_same_store(tmp_path / "dp2", hf_store)
