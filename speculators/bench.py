@@ -292,7 +292,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
     with VllmServer(server_settings) as server:
         results["server"] = server.describe()
         print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
-        warm_up(server.url, server.model_dir)
+        warm_up(server.url, server.model_name)
         for profile in settings.profiles():
             name = profile_name(profile)
             paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
@@ -300,7 +300,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
                   f"tokens (log {paths['log']})", flush=True)  # fmt: skip
             before = server.metrics()
             run_started = time.perf_counter()
-            command = guidellm_command(server.url, server.model_dir, server.model_dir, data, profile,
+            command = guidellm_command(server.url, server.model_name, server.model_dir, data, profile,
                                        settings.requests, paths["json"], paths["html"])  # fmt: skip
             run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
             summary = read_guidellm_report(paths["json"])
@@ -318,7 +318,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
                 flush=True,
             )
         started_outputs = time.perf_counter()
-        results["outputs"] = greedy_outputs(server.url, server.model_dir, data, settings.output_tokens)
+        results["outputs"] = greedy_outputs(server.url, server.model_name, data, settings.output_tokens)
         write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
                                                               for o in results["outputs"]))  # fmt: skip
         print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "

