@@ -50,7 +50,7 @@ def main() -> None:
     longest = max(len(s.input_ids) for s in samples)
     engines = {}
     startup = time.perf_counter()
-    engines["vllm"] = make_capture_fn("vllm", facts, capture_ids, longest)
+    engines["vllm"] = make_capture_fn("vllm", facts, capture_ids, longest, batch_size=args.batch)
     startup = time.perf_counter() - startup
     engines["transformers"] = make_capture_fn("transformers", verifier, capture_ids, longest)
     rates: dict[str, list[float]] = {"vllm": [], "transformers": []}

@@ -87,13 +87,16 @@ def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
 
 
 def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int,
-                    tensor_parallel_size: int = 1) -> CaptureFn:  # fmt: skip
+                    tensor_parallel_size: int = 1, batch_size: int = 4) -> CaptureFn:  # fmt: skip
     if backend == "transformers":
         return transformers_capture_fn(verifier, capture_ids)
     if backend == "vllm":
         from speculators.vllm_capture import VllmCapture
 
+        # A batch in as few engine steps as fit the activation memory (a longer batch is prefilled in
+        # chunks, in submission order, which the capture checks).
         return VllmCapture(verifier.name_or_path, capture_ids, verifier.dtype, max_model_len=max_length + 1,
+                           max_batch_tokens=min(batch_size * (max_length + 1), 65536),
                            tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
@@ -157,7 +160,7 @@ def run_datagen(
                 continue
             if capture is None:
                 capture = make_capture_fn(backend, verifier, capture_ids, max(len(s.input_ids) for s in samples),
-                                          tensor_parallel_size)  # fmt: skip
+                                          tensor_parallel_size, batch_size)  # fmt: skip
             states = capture([samples[i].input_ids for i in batch])
             for row, i in enumerate(batch):
                 if i not in missing:

@@ -150,17 +150,14 @@ class VllmCapture:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if sum(len(p) for p in prompts) > self.max_batch_tokens:
-            raise SpeculatorsError(
-                f"a datagen batch holds more than {self.max_batch_tokens} tokens; lower --batch-size"
-            )
         self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                           SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # fmt: skip
         records = next(r for r in self.llm.apply_model(fetch_records) if r is not None)
-        # One prefill forward (plus none for the single sampled token): ids in submission order.
+        # Prefill forwards only (the one sampled token needs none), each a run of the batch's tokens:
+        # concatenated they are the batch in submission order, or the states cannot be attributed.
         ids = torch.cat([r["input_ids"] for r in records])
         expected = torch.tensor([t for p in prompts for t in p])
         if not torch.equal(ids, expected):
-            raise SpeculatorsError("vLLM did not prefill the batch in one pass in submission order; lower --batch-size")
+            raise SpeculatorsError("vLLM did not prefill the batch in submission order; lower --batch-size")
         states = torch.stack([torch.cat([r[i] for r in records]) for i in self.capture_ids], dim=1)
         return list(states.split([len(p) for p in prompts]))

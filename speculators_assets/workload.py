@@ -171,8 +171,8 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
             prepare += ["--tensor-parallel-size", str(profile.tensor_parallel_size)]
     datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
                "--storage", d.storage, "--dtype", d.dtype, "--device", d.device, "--backend", d.backend]  # fmt: skip
-    if d.backend == "vllm":
-        datagen += ["--tensor-parallel-size", str(profile.tensor_parallel_size),
+    if d.backend == "vllm":  # (transformers keeps its default batch: padded eager attention grows with it)
+        datagen += ["--batch-size", str(d.batch_size), "--tensor-parallel-size", str(profile.tensor_parallel_size),
                     "--data-parallel-size", str(profile.data_parallel_size)]  # fmt: skip
     if v.drafter.aux_layer_ids:
         datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
