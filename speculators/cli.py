@@ -189,10 +189,15 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
     from speculators.tokenization import token_statistics, tokenize_conversation
 
     if args.regenerate:
+        from contextlib import nullcontext
+
         from speculators.regenerate import regenerate, transformers_generate_fn, vllm_generate_fn
         from speculators.tokenization import turn_end_ids
         from speculators.verifier import load_verifier
 
+        server = nullcontext()
+        if args.backend != "vllm" and (args.tensor_parallel_size > 1 or args.data_parallel_size > 1):
+            raise SpeculatorsError("--tensor-parallel-size and --data-parallel-size need --backend vllm")
         if args.backend == "vllm":
             import os
 
@@ -203,14 +208,29 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
 
             _, location = load_verifier_config(args.verifier)  # a GGUF file becomes its cached directory
             tokenizer = AutoTokenizer.from_pretrained(location)
-            if args.server_url:
-                generate = server_generate_fn(
-                    args.server_url, args.max_new_tokens, args.temperature, args.seed, turn_end_ids(tokenizer),
-                    model=args.server_model, concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
-                )  # fmt: skip
+            ends = turn_end_ids(tokenizer)
+            if args.data_parallel_size > 1 and not args.server_url:
+                # Data-parallel replicas: vLLM's server runs one engine per replica behind one API
+                # (the offline engine cannot for dense models); requests go to it concurrently.
+                from speculators.serve import ServerSettings, VllmServer
+
+                server = VllmServer(ServerSettings(
+                    verifier=args.verifier, port=0, dtype=args.dtype, seed=args.seed, enforce_eager=True,
+                    max_model_len=args.max_length + args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
+                    log_path=output / "regeneration-vllm.log",
+                    extra_args=["--data-parallel-size", str(args.data_parallel_size)],
+                ))  # fmt: skip
+            if args.server_url or args.data_parallel_size > 1:
+
+                def generate(prompts: list[list[int]]) -> list[list[int]]:  # the server's URL is known once it runs
+                    return server_generate_fn(
+                        args.server_url or server.url, args.max_new_tokens, args.temperature, args.seed, ends,
+                        model=args.server_model if args.server_url else server.model_name,
+                        concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
+                    )(prompts)  # fmt: skip
             else:
                 generate = vllm_generate_fn(
-                    location, args.max_new_tokens, args.temperature, args.seed, args.dtype, turn_end_ids(tokenizer),
+                    location, args.max_new_tokens, args.temperature, args.seed, args.dtype, ends,
                     max_model_len=args.max_length + args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
                 )  # fmt: skip
         else:
@@ -221,14 +241,15 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
             )
         key = regeneration_key(args)
         reuse_earlier_samples(output, key)
-        samples, regen = regenerate(
-            conversations,
-            tokenizer,
-            generate,
-            output / "samples.partial.jsonl",
-            args.max_length,
-            batch_size=args.batch_size,
-        )
+        with server:
+            samples, regen = regenerate(
+                conversations,
+                tokenizer,
+                generate,
+                output / "samples.partial.jsonl",
+                args.max_length,
+                batch_size=args.batch_size,
+            )
         details = {"regeneration": regen.to_dict(), "rejected": regen.to_dict()["rejected"], "regeneration_key": key}
     else:
         from transformers import AutoTokenizer
@@ -477,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the verifier")
     prepare.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     prepare.add_argument("--tensor-parallel-size", type=int, default=1, help="--backend vllm: GPUs for the verifier")
+    prepare.add_argument("--data-parallel-size", type=int, default=1,
+                         help="--backend vllm: verifier replicas (a vLLM server, one engine per replica)")  # fmt: skip
     prepare.add_argument("--server-url", help="with --backend vllm: a running OpenAI-compatible vLLM server")
     prepare.add_argument("--server-model", help="model name on that server (default: its first model)")
     prepare.add_argument("--max-new-tokens", type=int, default=512)

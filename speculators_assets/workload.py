@@ -168,7 +168,8 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         prepare += ["--regenerate", "--backend", d.backend, "--max-new-tokens", str(d.max_new_tokens),
                     "--batch-size", str(d.batch_size), "--no-require-assistant"]  # fmt: skip
         if d.backend == "vllm":
-            prepare += ["--tensor-parallel-size", str(profile.tensor_parallel_size)]
+            prepare += ["--tensor-parallel-size", str(profile.tensor_parallel_size),
+                        "--data-parallel-size", str(profile.data_parallel_size)]  # fmt: skip
     datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
                "--storage", d.storage, "--dtype", d.dtype, "--device", d.device, "--backend", d.backend]  # fmt: skip
     if d.backend == "vllm":  # (transformers keeps its default batch: padded eager attention grows with it)

@@ -163,8 +163,10 @@ class ScriptedCounter:
 
 
 @pytest.mark.slow
-def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
-    """vLLM's CPU build regenerates the same ids as transformers (fp32, greedy) through the CLI."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_vllm_backend_matches_transformers_greedy(replicas, tiny_verifier_dir, tmp_path):
+    """vLLM's CPU build regenerates the same ids as transformers (fp32, greedy) through the CLI: the
+    offline engine, and with 2 data-parallel replicas a vLLM server with one engine per replica."""
     import json
     import subprocess
     import sys
@@ -189,7 +191,18 @@ def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
         "256",
     ]
     result = subprocess.run(
-        [sys.executable, "-m", "speculators.cli", *common, "--backend", "vllm", "--output", str(tmp_path / "vllm")],
+        [
+            sys.executable,
+            "-m",
+            "speculators.cli",
+            *common,
+            "--backend",
+            "vllm",
+            "--output",
+            str(tmp_path / "vllm"),
+            "--data-parallel-size",
+            str(replicas),
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -199,6 +212,7 @@ def test_vllm_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_path):
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]  # noqa: E731
     assert read("vllm") == read("hf")
     assert all(sum(row["loss_mask"]) > 0 for row in read("vllm"))
+    assert (tmp_path / "vllm" / "regeneration-vllm.log").is_file() == (replicas > 1)
 
 
 @pytest.mark.slow
