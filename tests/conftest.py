@@ -91,3 +91,49 @@ def trained_drafter(store, peaked_verifier, tmp_path_factory):
                       warmup=0.05, validation_share=0.0, token_budget=512, precision="fp32", log_every=50,
                       eval_every=1000, checkpoint_every=1000, progress=False))  # fmt: skip
     return output / "drafter"
+
+
+def write_tiny_variant(folder: Path, verifier: Path, prompts: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiny_llama.yaml").write_text(f"""
+description: tiny random Llama (tests)
+verifier: {verifier}
+family: llama
+prompts: {{sources: ["{prompts}"], eval_source: "{prompts}"}}
+datagen: {{regenerate: true, backend: transformers, max_length: 256, max_new_tokens: 48, batch_size: 8,
+          storage: float32, dtype: float32}}
+drafter: {{draft_vocab_size: 128, aux_layer_ids: [1, 4, 6], speculative_tokens: 3}}
+training: {{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}}
+benchmark: {{requests: 4, output_tokens: 16, concurrency: [], dtype: float32, max_model_len: 512, enforce_eager: true,
+            kv_cache_gib: 1}}
+gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
+""")
+
+
+@pytest.fixture(scope="session")
+def lineage(peaked_verifier, tmp_path_factory):
+    """The whole lineage for `tiny_llama`, materialized in-process with real Pipes subprocesses, once per
+    session: the Dagster tests and the UI test share it (a test that changes its inputs restores them)."""
+    base = tmp_path_factory.mktemp("lineage")
+    prompts = write_peaked_prompts(base / "prompts.jsonl")
+    write_tiny_variant(base / "variants", peaked_verifier, prompts)
+    env = {"SPECULATORS_VARIANTS_DIR": str(base / "variants"), "SPECULATORS_STORAGE_ROOT": str(base / "storage")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import dagster as dg
+
+        from speculators_assets.definitions import build_defs
+
+        defs = build_defs()
+        (base / "dagster-home").mkdir()
+        instance = dg.DagsterInstance.local_temp(str(base / "dagster-home"))  # persistent: schedules read it
+        first = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
+                               instance=instance, raise_on_error=False)  # fmt: skip
+        yield {"defs": defs, "instance": instance, "first": first, "base": base, "prompts": prompts, "env": env}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -15,7 +15,6 @@ import pytest
 from speculators_assets.demo import materialized
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import VariantError, load_variant, load_variants
-from tests.conftest import write_peaked_prompts
 from tests.dagster_dev import dagster_dev, log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,49 +135,6 @@ def test_a_gpu_variant_on_the_local_runner_fails_fast():
 # ----- the lineage, end to end, with a tiny variant (slow) -----------------------------------------
 
 
-def write_tiny_variant(folder: Path, verifier: Path, prompts: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tiny_llama.yaml").write_text(f"""
-description: tiny random Llama (tests)
-verifier: {verifier}
-family: llama
-prompts: {{sources: ["{prompts}"], eval_source: "{prompts}"}}
-datagen: {{regenerate: true, backend: transformers, max_length: 256, max_new_tokens: 48, batch_size: 8,
-          storage: float32, dtype: float32}}
-drafter: {{draft_vocab_size: 128, aux_layer_ids: [1, 4, 6], speculative_tokens: 3}}
-training: {{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}}
-benchmark: {{requests: 4, output_tokens: 16, concurrency: [], dtype: float32, max_model_len: 512, enforce_eager: true,
-            kv_cache_gib: 1}}
-gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
-""")
-
-
-@pytest.fixture(scope="module")
-def lineage(peaked_verifier, tmp_path_factory):
-    """The whole lineage for `tiny_llama`, materialized in-process with real Pipes subprocesses."""
-    base = tmp_path_factory.mktemp("lineage")
-    prompts = write_peaked_prompts(base / "prompts.jsonl")
-    write_tiny_variant(base / "variants", peaked_verifier, prompts)
-    env = {"SPECULATORS_VARIANTS_DIR": str(base / "variants"), "SPECULATORS_STORAGE_ROOT": str(base / "storage")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        from speculators_assets.definitions import build_defs
-
-        defs = build_defs()
-        (base / "dagster-home").mkdir()
-        instance = dg.DagsterInstance.local_temp(str(base / "dagster-home"))  # persistent: schedules read it
-        first = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
-                               instance=instance, raise_on_error=False)  # fmt: skip
-        yield {"defs": defs, "instance": instance, "first": first, "base": base, "prompts": prompts, "env": env}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 @pytest.mark.slow
 def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(lineage):
     first = lineage["first"]
@@ -236,10 +192,15 @@ def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_n
     finally:
         os.environ.pop("SPECULATORS_AUTOMATED_VARIANTS")
     assert isinstance(tick, dg.SkipReason) and "no prompt source changed" in tick.skip_message
-    with open(lineage["prompts"], "a") as handle:
-        handle.write(json.dumps({"prompt": "A brand new prompt about tide pools."}) + "\n")
-    (request,) = retraining_requests(instance, variants)
-    assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
+    original = lineage["prompts"].read_text()
+    try:
+        with open(lineage["prompts"], "a") as handle:
+            handle.write(json.dumps({"prompt": "A brand new prompt about tide pools."}) + "\n")
+        (request,) = retraining_requests(instance, variants)
+        assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
+    finally:
+        lineage["prompts"].write_text(original)  # the later tests share the lineage
+    assert retraining_requests(instance, variants) == []
 
 
 @pytest.mark.slow

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_peaked_prompts
 from tests.dagster_dev import ROOT, dagster_dev, runs, wait_for_new_run, wait_for_run
-from tests.test_assets import write_tiny_variant
 
 pytestmark = pytest.mark.slow
 SCREENSHOTS = ROOT / "test-artifacts" / "ui"
@@ -34,13 +32,13 @@ def dismiss_first_visit_prompt(page) -> None:
     page.locator(".dagster-backdrop").first.wait_for(state="detached", timeout=20_000)
 
 
-def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(peaked_verifier, tmp_path):
+def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(lineage, tmp_path):
+    """The tiny variant's storage is the session's lineage (fresh materialization is tested there): the
+    run launched from the UI goes through all five Pipes steps and their checks, reusing the artifacts."""
     from playwright.sync_api import sync_playwright
 
-    prompts = write_peaked_prompts(tmp_path / "prompts.jsonl")
-    write_tiny_variant(tmp_path / "variants", peaked_verifier, prompts)
-    env = {"SPECULATORS_VARIANTS_DIR": str(tmp_path / "variants"),
-           "SPECULATORS_STORAGE_ROOT": str(tmp_path / "storage")}  # fmt: skip
+    assert lineage["first"].success
+    env, storage = lineage["env"], lineage["base"] / "storage"
     home = tmp_path / "dagster-home"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with dagster_dev(home, env) as url, sync_playwright() as playwright:
@@ -80,6 +78,6 @@ def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(peaked_verifi
         page.get_by_text("acceptance_length").first.wait_for()
         page.screenshot(path=str(SCREENSHOTS / "4-benchmark-report.png"), full_page=True)
         browser.close()
-    report = next((tmp_path / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json"))
+    report = next((storage / "tiny_llama" / "benchmark_report").glob("*/report.json"))
     assert json.loads(report.read_text())["acceptance"]["acceptance_length"] > 1.5
     assert (SCREENSHOTS / "3-run-succeeded.png").stat().st_size > 10_000

@@ -1,5 +1,5 @@
 """vLLM as the capture engine (its CPU build here): every family's states equal the transformers
-capture, tensor parallel 2 equals 1, and data-parallel replicas write the store one engine writes.
+capture, with tensor parallel 2 and with data-parallel replicas as with a single engine.
 
 Each test runs `speculators datagen --backend vllm` as a user would (a process of its own, since
 vLLM's engine and its worker processes are not to outlive a test)."""
@@ -87,29 +87,25 @@ def prepared(tiny_verifier_dir, tmp_path_factory):
     return get
 
 
+# Each family once through vLLM; two of them with parallelism, so TP=2 and two data-parallel replicas
+# are each held to the same transformers reference as the single-engine runs (no engine started twice).
+PARALLEL = {"llama": ("--tensor-parallel-size", "2"), "qwen3": ("--data-parallel-size", "2")}
+
+
 @pytest.mark.parametrize("family", CAPTURE_FAMILIES)
 def test_vllm_capture_equals_the_transformers_capture(family, prepared, tmp_path):
     """Same layout and keys; every aux state and the pre-norm last state within fp32 rounding (vLLM's
-    fused kernels and MoE routing round differently from transformers')."""
+    fused kernels and MoE routing round differently from transformers'). llama runs with tensor
+    parallel 2 (vLLM's CPU build: ranks as processes with its shared-memory all-reduce, each on its own
+    core), qwen3 as two data-parallel replicas (each its own engine on its own core, computing every
+    other batch; the manifest pass after them starts no engine and lists every sample in data order)."""
     verifier, samples, hf_store = prepared(family)
-    vllm_datagen(verifier, samples, tmp_path / "vllm", aux=aux_ids(family))
+    vllm_datagen(verifier, samples, tmp_path / "vllm", *PARALLEL.get(family, ()), aux=aux_ids(family))
     assert_same_store(tmp_path / "vllm", hf_store, bf16_rounding=family == "gpt_oss")
-
-
-def test_tensor_parallel_2_equals_1_on_the_cpu_build(prepared, tmp_path):
-    """vLLM's CPU build runs TP over processes with its shared-memory all-reduce, each rank on its own core."""
-    verifier, samples, hf_store = prepared("llama")
-    vllm_datagen(verifier, samples, tmp_path / "tp2", "--tensor-parallel-size", "2")
-    assert_same_store(tmp_path / "tp2", hf_store)
-
-
-def test_two_data_parallel_replicas_write_the_store_one_engine_writes(prepared, tmp_path):
-    """Each replica (its own engine on its own core) computes every other batch; the manifest pass after
-    them starts no engine and lists every sample in data order."""
-    verifier, samples, hf_store = prepared("qwen3")
-    vllm_datagen(verifier, samples, tmp_path / "dp2", "--data-parallel-size", "2")
-    logs = sorted(p.name for p in (tmp_path / "dp2").glob("replica-*.log"))
-    assert logs == ["replica-0.log", "replica-1.log"]
-    for index in (0, 1):
-        assert f"replica {index}/2: computed" in (tmp_path / "dp2" / f"replica-{index}.log").read_text()
-    assert_same_store(tmp_path / "dp2", hf_store)
+    logs = sorted(p.name for p in (tmp_path / "vllm").glob("replica-*.log"))
+    if family == "qwen3":
+        assert logs == ["replica-0.log", "replica-1.log"]
+        for index in (0, 1):
+            assert f"replica {index}/2: computed" in (tmp_path / "vllm" / f"replica-{index}.log").read_text()
+    else:
+        assert logs == []
