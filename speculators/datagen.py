@@ -93,10 +93,10 @@ def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_len
     if backend == "vllm":
         from speculators.vllm_capture import VllmCapture
 
-        # A batch in as few engine steps as fit the activation memory (a longer batch is prefilled in
-        # chunks, in submission order, which the capture checks).
+        # A batch (at most a window: plan_batches) in one engine step where the activations allow; a
+        # longer one is prefilled in chunks, in submission order, which the capture checks.
         return VllmCapture(verifier.name_or_path, capture_ids, verifier.dtype, max_model_len=max_length + 1,
-                           max_batch_tokens=min(batch_size * (max_length + 1), 65536),
+                           max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
                            tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 

