@@ -277,7 +277,7 @@ def run_datagen_replicas(
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
     processes = []
-    for index, env in enumerate(replica_devices(data_parallel_size, tensor_parallel_size)):
+    for index, env in enumerate(replica_devices(data_parallel_size, tensor_parallel_size) if missing else []):
         command = [sys.executable, "-m", "speculators.cli", "datagen", "--data", str(data), "--verifier",
                    verifier.source, "--output", str(store_dir), "--backend", "vllm", "--aux-layer-ids",
                    ",".join(map(str, aux_ids)), "--batch-size", str(batch_size), "--storage", storage, "--dtype",
