@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+from synthetic_samples import synthetic_samples
 
 from speculators.datagen import make_capture_fn, plan_batches, run_datagen
-from speculators.demo_prompts import demo_prompts
 from speculators.hidden_state_store import HiddenStateStore
-from speculators.tokenization import tokenize_conversation
 from speculators.verifier import VerifierFacts, load_verifier
 
 
@@ -37,13 +36,7 @@ def main() -> None:
 
     verifier = load_verifier(args.verifier, dtype="bfloat16")
     facts = VerifierFacts.from_source(args.verifier, dtype="bfloat16")
-    prompts = demo_prompts("train")[: args.samples]
-    samples = [
-        tokenize_conversation(verifier.tokenizer, f"s{i}",
-                              [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * 4}],
-                              args.max_length)
-        for i, p in enumerate(prompts)
-    ]  # fmt: skip
+    samples = synthetic_samples(verifier.tokenizer, args.samples, args.max_length, repeats=4)
     tokens = sum(len(s.input_ids) for s in samples)
     capture_ids = [*verifier.default_aux_layer_ids, verifier.num_layers]
     batches = [[samples[i].input_ids for i in batch] for batch in plan_batches(samples, args.batch)]

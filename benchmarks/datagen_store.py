@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from synthetic_samples import synthetic_samples
+
 from speculators.datagen import run_datagen
-from speculators.demo_prompts import demo_prompts
-from speculators.tokenization import tokenize_conversation
 from speculators.verifier import load_verifier
 
 
@@ -28,13 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     verifier = load_verifier(args.verifier, dtype="bfloat16")
-    prompts = demo_prompts("train")[: args.samples]
-    samples = [
-        tokenize_conversation(verifier.tokenizer, f"s{i}",
-                              [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * 3}],
-                              args.max_length)
-        for i, p in enumerate(prompts)
-    ]  # fmt: skip
+    samples = synthetic_samples(verifier.tokenizer, args.samples, args.max_length, repeats=3)
     old = samples[: int(len(samples) * 0.9)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
