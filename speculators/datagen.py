@@ -229,19 +229,19 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     need = replicas * tensor_parallel_size
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        if len(gpus) < need:
+        ranks = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(ranks) < need:
             raise SpeculatorsError(
-                f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} GPUs but {len(gpus)} are "
+                f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} GPUs but {len(ranks)} are "
                 f"visible; lower --data-parallel-size or --tensor-parallel-size"
             )
-        groups = [gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups]
-    from speculators.vllm_capture import cpu_core_lists
+        variable, separator = "CUDA_VISIBLE_DEVICES", ","
+    else:
+        from speculators.vllm_capture import cpu_core_lists
 
-    ranks = cpu_core_lists(need)
+        ranks, variable, separator = cpu_core_lists(need), "VLLM_CPU_OMP_THREADS_BIND", "|"
     groups = [ranks[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
-    return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(group)} for group in groups]
+    return [{variable: separator.join(group)} for group in groups]
 
 
 def run_datagen_replicas(

@@ -337,7 +337,7 @@ class VerifierFacts:
         self._fingerprint: str | None = None
 
     @classmethod
-    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> VerifierFacts:
+    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> Any:  # an instance of cls
         config, location = load_verifier_config(source)
         dtype_from_name(dtype)
         return cls(config, location, str(source), dtype)
@@ -402,11 +402,6 @@ class VerifierHead(VerifierFacts):
         tied = HEAD_TENSORS["lm_head"] not in tensors
         self.lm_head_weight = self.embedding_weight if tied else tensors[HEAD_TENSORS["lm_head"]]
         self.final_norm = final_rms_norm(tensors[HEAD_TENSORS["norm"]], float(getattr(config, "rms_norm_eps", 1e-6)))
-
-    @classmethod
-    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> VerifierHead:
-        config, location = load_verifier_config(source)
-        return cls(config, location, str(source), dtype)
 
 
 def read_named_tensors(directory: Path, names: Any, dtype: Any) -> dict[str, Any]:
