@@ -43,9 +43,11 @@ browser:
 	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
 	|| { echo "error: apt-get could not install chromium; install it by hand ('apt-get install chromium'), then make test again" >&2; exit 2; }
 
-# The whole suite, slow tests (SmolLM2, vLLM, the Dagster UI in Chromium) included.
+# The whole suite, slow tests (SmolLM2, vLLM, the Dagster UI in Chromium) included, on TEST_WORKERS
+# pytest-xdist workers that each take whole test modules (the lineage tests share one module).
+TEST_WORKERS ?= 2
 test: venv lint browser
-	$(BIN)/python -m pytest -m "slow or not slow" -q
+	$(BIN)/python -m pytest -m "slow or not slow" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The fast default suite only.
 test-fast: venv

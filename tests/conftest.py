@@ -137,3 +137,16 @@ def lineage(peaked_verifier, tmp_path_factory):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Modules that take minutes, longest first: `make test` runs two pytest-xdist workers that take whole
+# modules (`--dist loadfile`) in collection order, so starting with these keeps both busy to the end.
+SLOWEST_MODULES = ("test_lineage.py", "test_serve_bench.py", "test_regenerate.py", "test_vllm_capture.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return SLOWEST_MODULES.index(name) if name in SLOWEST_MODULES else len(SLOWEST_MODULES)
+
+    items.sort(key=rank)  # stable: the order inside each module is kept

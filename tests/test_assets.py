@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,10 +11,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from speculators_assets.demo import materialized
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import VariantError, load_variant, load_variants
-from tests.dagster_dev import dagster_dev, log_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
@@ -132,96 +129,6 @@ def test_a_gpu_variant_on_the_local_runner_fails_fast():
     )
 
 
-# ----- the lineage, end to end, with a tiny variant (slow) -----------------------------------------
-
-
-@pytest.mark.slow
-def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(lineage):
-    first = lineage["first"]
-    assert first.success
-    meta = materialized(first)
-    assert list(meta) == ASSETS
-    assert meta["raw_prompts"]["kept"] == 8 and meta["raw_prompts"]["reused"] is False
-    hidden = meta["verifier_hidden_states"]
-    assert hidden["samples"] == 8 and hidden["computed"] == 8 and hidden["regenerated"] == 8
-    drafter = meta["trained_drafter"]
-    assert drafter["acceptance_length_estimate"] > 1.5 and drafter["tokens_per_second"] > 0
-    assert drafter["training_curves"].startswith("![loss and accuracy per TTT step](data:image/png;base64,")
-    checkpoint = meta["speculator_checkpoint"]
-    assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
-    latest = Path(checkpoint["latest"])
-    assert latest.is_symlink() and (latest / "accepted.json").is_file() and (latest / "model.safetensors").is_file()
-    report = meta["benchmark_report"]
-    assert report["acceptance_length"] > 1.5 and "| synchronous | tpot_ms (median) |" in report["report"]
-    assert report["plots"].count("data:image/png;base64,") == 3
-    checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
-    assert checks["counts_match_prepared_data"] and checks["values_finite"] and checks["passes_validate"]
-    assert checks["acceptance_floor"] and checks["no_regression"] and checks["report_complete"]
-    assert checks["lossless_outputs"]  # fp32, temperature 0: every served output equals the baseline's
-    # Each asset's data version comes from its content.
-    versions = {e.materialization.asset_key.to_user_string(): e.materialization.tags.get("dagster/data_version")
-                for e in first.get_asset_materialization_events()}  # fmt: skip
-    assert versions["raw_prompts"] == meta["raw_prompts"]["data_version"]
-
-    defs = lineage["defs"]
-    started = time.perf_counter()
-    second = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
-                            instance=lineage["instance"])  # fmt: skip
-    again = materialized(second)
-    assert again["raw_prompts"]["reused"] is True
-    assert again["verifier_hidden_states"]["computed"] == 0 and again["verifier_hidden_states"]["reused"] == 8
-    assert again["verifier_hidden_states"]["regenerated"] == 0
-    assert again["trained_drafter"]["reused"] is True and again["trained_drafter"]["key"] == drafter["key"]
-    assert again["benchmark_report"]["reused"] is True
-    assert again["speculator_checkpoint"]["key"] == checkpoint["key"]
-    assert time.perf_counter() - started < 120  # no regeneration, capture, training or benchmark
-
-
-@pytest.mark.slow
-def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_not(lineage):
-    from speculators_assets.definitions import retraining_requests
-
-    assert lineage["first"].success
-    defs, instance = lineage["defs"], lineage["instance"]
-    variants = {"tiny_llama": load_variants()["tiny_llama"]}
-    assert retraining_requests(instance, variants) == []
-    schedule = defs.resolve_schedule_def("retrain_on_new_data")
-    os.environ["SPECULATORS_AUTOMATED_VARIANTS"] = "tiny_llama"
-    try:
-        tick = schedule(dg.build_schedule_context(instance=instance))  # the schedule's own evaluation
-    finally:
-        os.environ.pop("SPECULATORS_AUTOMATED_VARIANTS")
-    assert isinstance(tick, dg.SkipReason) and "no prompt source changed" in tick.skip_message
-    original = lineage["prompts"].read_text()
-    try:
-        with open(lineage["prompts"], "a") as handle:
-            handle.write(json.dumps({"prompt": "A brand new prompt about tide pools."}) + "\n")
-        (request,) = retraining_requests(instance, variants)
-        assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
-    finally:
-        lineage["prompts"].write_text(original)  # the later tests share the lineage
-    assert retraining_requests(instance, variants) == []
-
-
-@pytest.mark.slow
-def test_the_refresh_command_runs_the_benchmark_job_on_a_real_dagster_dev(lineage, tmp_path):
-    assert lineage["first"].success
-    home = tmp_path / "dagster-home"
-    with dagster_dev(home, lineage["env"]) as url:
-        reports = sorted((lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json"))
-        before = {path: path.stat().st_mtime for path in reports}
-        assert before
-        command = [sys.executable, "-m", "speculators_assets.cli", "refresh-benchmark", "--url", url]
-        command += ["--timeout", "900"]
-        env = {**os.environ, **lineage["env"]}
-        ok = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
-        assert ok.returncode == 0, ok.stdout + ok.stderr + log_tail(home)
-        assert "finished: SUCCESS" in ok.stdout
-        assert all(path.stat().st_mtime > mtime for path, mtime in before.items())  # measured anew, not reused
-        bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
-        assert bad.returncode != 0
-
-
 def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     from speculators_assets.workload import drafter_gates
 
@@ -234,26 +141,3 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     assert "1.900 against the previous drafter's 2.000" in gates["no_regression"]["description"]
     low = {"best_validation": None, "final_train": {"acceptance_length": 1.2}}  # no validation split: train estimate
     assert not drafter_gates(variant, low, None)[0]["passed"]
-
-
-@pytest.mark.slow
-def test_the_demo_command_materializes_through_dagster_and_prints_the_results(lineage, tmp_path):
-    """`make demo`'s command on the tiny variant: every artifact is already there, so it reuses them all."""
-    assert lineage["first"].success
-    env = {**os.environ, **lineage["env"]}
-    command = [sys.executable, "-m", "speculators_assets.cli", "demo", "--dagster-home", str(tmp_path / "home")]
-    done = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
-    assert "Demo finished in" in out and "step times: raw_prompts" in out and "checks: " in out
-    assert "benchmark (vLLM + GuideLLM, held-out prompts): acceptance length" in out
-    assert "outputs with and without the speculator (token ids): 4 of 4 greedy outputs identical" in out
-    report = Path(out.split("report: ")[1].split()[0])
-    assert report.is_file() and report.parent.parent.name == "benchmark_report"
-    # The run is recorded in the instance `make ui` opens.
-    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
-        (run,) = instance.get_runs()
-        assert run.job_name == "build_lineage" and run.status == dg.DagsterRunStatus.SUCCESS
-        assert run.tags["dagster/partition"] == "tiny_llama"
-    bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
-    assert bad.returncode == 2 and "'no_such_variant' is not a partition" in bad.stdout

@@ -240,45 +240,6 @@ def test_a_model_that_does_not_load_is_reported_with_the_log_tail(tiny_verifier_
     assert wait_until_gone(str(broken), 30) == []
 
 
-@pytest.mark.slow
-def test_bench_writes_a_complete_sane_report(lineage):
-    """`speculators bench` as the tiny lineage's benchmark step ran it (4 held-out prompts, 16 tokens,
-    synchronous and 2 concurrent streams; the Dagster tests check how it got there)."""
-    assert lineage["first"].success
-    (report_json,) = (lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json")
-    out = report_json.parent
-    for name in ("prompts.jsonl", "report.json", "report.md", "acceptance.png", "latency.png", "throughput.png",
-                 "baseline/vllm.log", "speculator/vllm.log"):  # fmt: skip
-        assert (out / name).stat().st_size > 0, name
-    for role in ("baseline", "speculator"):
-        for profile in ("synchronous", "concurrent-2"):
-            for kind in ("json", "html"):
-                assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
-    report = json.loads((out / "report.json").read_text())
-    assert list(report["profiles"]) == ["synchronous", "concurrent-2"]
-    assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
-    assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1
-    for name, profile in report["profiles"].items():
-        base, spec = profile["baseline"], profile["speculator"]
-        assert base["requests"]["successful"] == spec["requests"]["successful"] == 4, name
-        assert 0 < base["tpot_ms"] < 10_000 and 0 < spec["ttft_ms"] < 60_000
-        assert profile["speedup"]["tpot_ms"] == pytest.approx(base["tpot_ms"] / spec["tpot_ms"])
-        assert profile["speedup"]["output_tokens_per_s"] == pytest.approx(
-            spec["output_tokens_per_s"] / base["output_tokens_per_s"]
-        )
-        assert base["spec_decode"]["drafts"] == 0 and spec["spec_decode"]["drafts"] > 0
-    outputs = report["outputs"]
-    assert (outputs["compared"], outputs["identical"], outputs["diverged"]) == (4, 4, 0)  # fp32, temperature 0
-    for role in ("baseline", "speculator"):
-        served = [json.loads(line) for line in (out / role / "outputs.jsonl").read_text().splitlines()]
-        assert [len(o["token_ids"]) for o in served] == [16] * 4 and all(o["prompt_token_ids"] for o in served)
-    acceptance = report["acceptance"]
-    assert 1.5 < acceptance["acceptance_length"] <= 4.0
-    assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
-    markdown = (out / "report.md").read_text()
-    assert "| synchronous | tpot_ms (median) |" in markdown and "4 of 4 identical" in markdown
-
-
 def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifier):
     """At the first differing token, both tokens within the tolerance of the verifier's top logit make a
     near-tie; a token further below the top (another token, or a tighter tolerance) is a divergence."""

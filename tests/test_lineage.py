@@ -1,0 +1,240 @@
+"""The tiny lineage end to end: every test here shares the session's `lineage` fixture (the five assets
+materialized once through Dagster with real Pipes subprocesses, vLLM and GuideLLM). They live in one
+module so that `make test`'s two pytest-xdist workers (`--dist loadfile`) materialize it once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from speculators_assets.demo import materialized
+from speculators_assets.variants import load_variants
+from tests.dagster_dev import ROOT, dagster_dev, log_tail, runs, wait_for_new_run, wait_for_run
+
+pytestmark = pytest.mark.slow
+ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
+SCREENSHOTS = ROOT / "test-artifacts" / "ui"
+
+
+def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(lineage):
+    first = lineage["first"]
+    assert first.success
+    meta = materialized(first)
+    assert list(meta) == ASSETS
+    assert meta["raw_prompts"]["kept"] == 8 and meta["raw_prompts"]["reused"] is False
+    hidden = meta["verifier_hidden_states"]
+    assert hidden["samples"] == 8 and hidden["computed"] == 8 and hidden["regenerated"] == 8
+    drafter = meta["trained_drafter"]
+    assert drafter["acceptance_length_estimate"] > 1.5 and drafter["tokens_per_second"] > 0
+    assert drafter["training_curves"].startswith("![loss and accuracy per TTT step](data:image/png;base64,")
+    checkpoint = meta["speculator_checkpoint"]
+    assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
+    latest = Path(checkpoint["latest"])
+    assert latest.is_symlink() and (latest / "accepted.json").is_file() and (latest / "model.safetensors").is_file()
+    report = meta["benchmark_report"]
+    assert report["acceptance_length"] > 1.5 and "| synchronous | tpot_ms (median) |" in report["report"]
+    assert report["plots"].count("data:image/png;base64,") == 3
+    checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
+    assert checks["counts_match_prepared_data"] and checks["values_finite"] and checks["passes_validate"]
+    assert checks["acceptance_floor"] and checks["no_regression"] and checks["report_complete"]
+    assert checks["lossless_outputs"]  # fp32, temperature 0: every served output equals the baseline's
+    # Each asset's data version comes from its content.
+    versions = {e.materialization.asset_key.to_user_string(): e.materialization.tags.get("dagster/data_version")
+                for e in first.get_asset_materialization_events()}  # fmt: skip
+    assert versions["raw_prompts"] == meta["raw_prompts"]["data_version"]
+
+    defs = lineage["defs"]
+    started = time.perf_counter()
+    second = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
+                            instance=lineage["instance"])  # fmt: skip
+    again = materialized(second)
+    assert again["raw_prompts"]["reused"] is True
+    assert again["verifier_hidden_states"]["computed"] == 0 and again["verifier_hidden_states"]["reused"] == 8
+    assert again["verifier_hidden_states"]["regenerated"] == 0
+    assert again["trained_drafter"]["reused"] is True and again["trained_drafter"]["key"] == drafter["key"]
+    assert again["benchmark_report"]["reused"] is True
+    assert again["speculator_checkpoint"]["key"] == checkpoint["key"]
+    assert time.perf_counter() - started < 120  # no regeneration, capture, training or benchmark
+
+
+def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_not(lineage):
+    from speculators_assets.definitions import retraining_requests
+
+    assert lineage["first"].success
+    defs, instance = lineage["defs"], lineage["instance"]
+    variants = {"tiny_llama": load_variants()["tiny_llama"]}
+    assert retraining_requests(instance, variants) == []
+    schedule = defs.resolve_schedule_def("retrain_on_new_data")
+    os.environ["SPECULATORS_AUTOMATED_VARIANTS"] = "tiny_llama"
+    try:
+        tick = schedule(dg.build_schedule_context(instance=instance))  # the schedule's own evaluation
+    finally:
+        os.environ.pop("SPECULATORS_AUTOMATED_VARIANTS")
+    assert isinstance(tick, dg.SkipReason) and "no prompt source changed" in tick.skip_message
+    original = lineage["prompts"].read_text()
+    try:
+        with open(lineage["prompts"], "a") as handle:
+            handle.write(json.dumps({"prompt": "A brand new prompt about tide pools."}) + "\n")
+        (request,) = retraining_requests(instance, variants)
+        assert request.partition_key == "tiny_llama" and request.run_key.startswith("retrain-tiny_llama-")
+    finally:
+        lineage["prompts"].write_text(original)  # the later tests share the lineage
+    assert retraining_requests(instance, variants) == []
+
+
+def test_the_refresh_command_runs_the_benchmark_job_on_a_real_dagster_dev(lineage, tmp_path):
+    assert lineage["first"].success
+    home = tmp_path / "dagster-home"
+    with dagster_dev(home, lineage["env"]) as url:
+        reports = sorted((lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json"))
+        before = {path: path.stat().st_mtime for path in reports}
+        assert before
+        command = [sys.executable, "-m", "speculators_assets.cli", "refresh-benchmark", "--url", url]
+        command += ["--timeout", "900"]
+        env = {**os.environ, **lineage["env"]}
+        ok = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr + log_tail(home)
+        assert "finished: SUCCESS" in ok.stdout
+        assert all(path.stat().st_mtime > mtime for path, mtime in before.items())  # measured anew, not reused
+        bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
+        assert bad.returncode != 0
+
+
+def test_the_demo_command_materializes_through_dagster_and_prints_the_results(lineage, tmp_path):
+    """`make demo`'s command on the tiny variant: every artifact is already there, so it reuses them all."""
+    assert lineage["first"].success
+    env = {**os.environ, **lineage["env"]}
+    command = [sys.executable, "-m", "speculators_assets.cli", "demo", "--dagster-home", str(tmp_path / "home")]
+    done = subprocess.run([*command, "--variant", "tiny_llama"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Demo finished in" in out and "step times: raw_prompts" in out and "checks: " in out
+    assert "benchmark (vLLM + GuideLLM, held-out prompts): acceptance length" in out
+    assert "outputs with and without the speculator (token ids): 4 of 4 greedy outputs identical" in out
+    report = Path(out.split("report: ")[1].split()[0])
+    assert report.is_file() and report.parent.parent.name == "benchmark_report"
+    # The run is recorded in the instance `make ui` opens.
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        (run,) = instance.get_runs()
+        assert run.job_name == "build_lineage" and run.status == dg.DagsterRunStatus.SUCCESS
+        assert run.tags["dagster/partition"] == "tiny_llama"
+    bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "'no_such_variant' is not a partition" in bad.stdout
+
+
+def test_bench_writes_a_complete_sane_report(lineage):
+    """`speculators bench` as the tiny lineage's benchmark step ran it (4 held-out prompts, 16 tokens,
+    synchronous and 2 concurrent streams; the Dagster tests check how it got there)."""
+    assert lineage["first"].success
+    (report_json,) = (lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json")
+    out = report_json.parent
+    for name in ("prompts.jsonl", "report.json", "report.md", "acceptance.png", "latency.png", "throughput.png",
+                 "baseline/vllm.log", "speculator/vllm.log"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    for role in ("baseline", "speculator"):
+        for profile in ("synchronous", "concurrent-2"):
+            for kind in ("json", "html"):
+                assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["profiles"]) == ["synchronous", "concurrent-2"]
+    assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
+    assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1
+    for name, profile in report["profiles"].items():
+        base, spec = profile["baseline"], profile["speculator"]
+        assert base["requests"]["successful"] == spec["requests"]["successful"] == 4, name
+        assert 0 < base["tpot_ms"] < 10_000 and 0 < spec["ttft_ms"] < 60_000
+        assert profile["speedup"]["tpot_ms"] == pytest.approx(base["tpot_ms"] / spec["tpot_ms"])
+        assert profile["speedup"]["output_tokens_per_s"] == pytest.approx(
+            spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+        )
+        assert base["spec_decode"]["drafts"] == 0 and spec["spec_decode"]["drafts"] > 0
+    outputs = report["outputs"]
+    assert (outputs["compared"], outputs["identical"], outputs["diverged"]) == (4, 4, 0)  # fp32, temperature 0
+    for role in ("baseline", "speculator"):
+        served = [json.loads(line) for line in (out / role / "outputs.jsonl").read_text().splitlines()]
+        assert [len(o["token_ids"]) for o in served] == [16] * 4 and all(o["prompt_token_ids"] for o in served)
+    acceptance = report["acceptance"]
+    assert 1.5 < acceptance["acceptance_length"] <= 4.0
+    assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
+    markdown = (out / "report.md").read_text()
+    assert "| synchronous | tpot_ms (median) |" in markdown and "4 of 4 identical" in markdown
+
+
+# ----- the Dagster UI in a real browser: Chromium (Debian) driven by Playwright -----------------------
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    assert Path(path).exists(), "Chromium is missing: make test installs it (as root or with sudo)"
+    return path
+
+
+def dismiss_first_visit_prompt(page) -> None:
+    """Dagster shows a newsletter prompt on a first visit, a moment after the page loads; skip it and
+    wait until its backdrop is gone (it swallows clicks)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.get_by_role("button", name="Skip").click(timeout=20_000)
+    except PlaywrightTimeout:
+        return  # not shown
+    page.locator(".dagster-backdrop").first.wait_for(state="detached", timeout=20_000)
+
+
+def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(lineage, tmp_path):
+    """The tiny variant's storage is the session's lineage (fresh materialization is tested there): the
+    run launched from the UI goes through all five Pipes steps and their checks, reusing the artifacts."""
+    from playwright.sync_api import sync_playwright
+
+    assert lineage["first"].success
+    env, storage = lineage["env"], lineage["base"] / "storage"
+    home = tmp_path / "dagster-home"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with dagster_dev(home, env) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url + "/asset-groups/speculators", wait_until="networkidle")
+        dismiss_first_visit_prompt(page)
+        for name in ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint",
+                     "benchmark_report"):  # fmt: skip
+            assert page.get_by_text(name, exact=True).first.is_visible(), name
+        page.screenshot(path=str(SCREENSHOTS / "1-asset-graph.png"))
+
+        # Materialize all -> pick the tiny partition -> launch, as a user clicks through it.
+        before = {run["runId"] for run in runs(url)}
+        page.get_by_role("button", name="Materialize all").first.click()
+        page.get_by_text("Select a partition or create one").click()
+        page.keyboard.type("tiny_llama")
+        page.locator("span", has_text="tiny_llama").first.click()
+        page.keyboard.press("Escape")
+        page.screenshot(path=str(SCREENSHOTS / "2-launch-dialog.png"))
+        page.get_by_role("button", name="Launch 1 run").click()
+        # Stay on the page until the launch request has reached the server: navigating away at once
+        # can cancel it (seen on a loaded CI machine), and then no run ever exists.
+        run_id = wait_for_new_run(url, before)
+        (launched,) = [run for run in runs(url) if run["runId"] == run_id]
+        assert {"key": "dagster/partition", "value": "tiny_llama"} in launched["tags"], launched
+
+        page.goto(f"{url}/runs/{run_id}", wait_until="networkidle")
+        assert wait_for_run(url, run_id, home) == "SUCCESS", run_id
+        page.reload(wait_until="networkidle")
+        page.get_by_text("Success", exact=True).first.wait_for()
+        page.screenshot(path=str(SCREENSHOTS / "3-run-succeeded.png"))
+
+        # The materialized partition's metadata: the benchmark table and acceptance length.
+        page.goto(url + "/assets/benchmark_report?partition=tiny_llama", wait_until="networkidle")
+        page.get_by_text("acceptance_length").first.wait_for()
+        page.screenshot(path=str(SCREENSHOTS / "4-benchmark-report.png"), full_page=True)
+        browser.close()
+    report = next((storage / "tiny_llama" / "benchmark_report").glob("*/report.json"))
+    assert json.loads(report.read_text())["acceptance"]["acceptance_length"] > 1.5
+    assert (SCREENSHOTS / "3-run-succeeded.png").stat().st_size > 10_000
