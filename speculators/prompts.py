@@ -162,8 +162,20 @@ def iter_hf_rows(name: str, subset: str | None, split: str | None) -> Iterator[t
         yield f"{dataset_id}[{index}]", row
 
 
+# Built-in prompt files shipped with the package. `natural:eval`: 82 prompts written by hand for
+# evaluation (chat, code, arithmetic, facts, writing, editing, advice, reasoning, long requests,
+# role-play, lists), deliberately unlike the demo generator's templates: held-out acceptance on
+# prompts that no training generator produced.
+BUILTIN_SOURCES = {"natural:eval": Path(__file__).parent / "data" / "natural_prompts.jsonl"}
+
+
 def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0):
-    """Rows of a source: a local file, `hf:<preset or dataset id>`, or `demo:train` / `demo:eval`."""
+    """Rows of a source: a local file, `hf:<preset or dataset id>`, `demo:train` / `demo:eval`, or a
+    built-in file (`natural:eval`)."""
+    if source in BUILTIN_SOURCES:
+        for _, row in iter_file_rows(BUILTIN_SOURCES[source]):
+            yield row["id"], row
+        return
     if source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
 
@@ -296,7 +308,9 @@ def source_fingerprint(source: str) -> str:
     """Content hash of a prompt source, cheap enough to poll: file bytes, the demo prompt set, or
     for `hf:` the dataset spec itself (pin a revision in the name to make that meaningful)."""
     digest = hashlib.sha256(source.encode())
-    if source.startswith("demo"):
+    if source in BUILTIN_SOURCES:
+        digest.update(BUILTIN_SOURCES[source].read_bytes())
+    elif source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
 
         split = source.partition(":")[2] or "train"

@@ -182,3 +182,16 @@ def test_hf_failure_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     with pytest.raises(SpeculatorsError, match="could not load dataset 'acme/chats' \\(Couldn't reach the hub\\)"):
         prepare_conversations(["hf:acme/chats"])
+
+
+def test_the_natural_evaluation_set_is_a_builtin_source_unlike_the_demo_generator():
+    """`natural:eval`: hand-written prompts of many kinds, none of them a demo-generator prompt."""
+    from speculators.demo_prompts import all_demo_prompts
+    from speculators.prompts import load_prompts, source_fingerprint
+
+    conversations = load_prompts("natural:eval")
+    prompts = [c.messages[-1]["content"] for c in conversations]
+    assert len(prompts) >= 60 and len(set(prompts)) == len(prompts)
+    assert not set(prompts) & set(all_demo_prompts())
+    assert len({len(p.split()) for p in prompts}) > 20  # short questions to multi-sentence requests
+    assert source_fingerprint("natural:eval") == source_fingerprint("natural:eval") != source_fingerprint("demo:eval")
