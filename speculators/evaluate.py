@@ -172,7 +172,6 @@ def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Propose
             choices = [row[0] for row in best]
             accepted = 0
             while accepted < num_tokens and drafts[accepted] == choices[accepted]:
-                generation.accepted_per_position[accepted] += 1
                 accepted += 1
             generation.steps += 1
             generation.drafts += 1
@@ -186,6 +185,8 @@ def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Propose
                 tokens.append(token)
                 generation.tokens.append(token)
                 generation.top2.append(best[position])
+                if position < accepted:  # counted only when output: not past a stop token or the budget
+                    generation.accepted_per_position[position] += 1
                 if len(generation.tokens) == max_new_tokens or token in stop_ids:
                     break
     generation.seconds = time.perf_counter() - started

@@ -319,33 +319,70 @@ def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[
 # ----- evaluation, logging, plots ----------------------------------------------------------------
 
 
-def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any,
-                   rank: int, world: int) -> dict | None:  # fmt: skip
-    """Validation metrics; every rank scores its share of the packs (collective)."""
+def validation_share_of(plan: list[Any], rank: int, world: int) -> list[int | None]:
+    """The validation packs this rank scores, round by round: every rank runs the same number of
+    forwards (FSDP2 gathers parameters in each); None marks a repeat of pack 0 that is not counted."""
+    return [start + rank if start + rank < len(plan) else None for start in range(0, len(plan), world)]
+
+
+def greedy_in_draft_vocab(packs: Any, verifier: Any, selected_ids: Any, device: Any, rank: int,
+                          world: int) -> dict[int, Any]:  # fmt: skip
+    """Per validation pack this rank scores, bool [1, T]: the verifier's greedy token over its whole
+    vocabulary (at each supervised position) is in the draft vocabulary. Decoding rejects the other
+    drafts however well the draft distribution matches; computed once, the full lm_head is not kept."""
     import torch
 
-    from speculators.ttt import summarize, ttt_loss, verifier_target_logits
+    from speculators.ttt import row_chunks
+
+    plan = packs.pack_plan(0) if packs.entries else []
+    norm, lm_head = verifier.final_norm.float().to(device), verifier.lm_head_weight.to(device)
+    in_draft = torch.zeros(verifier.vocab_size, dtype=torch.bool, device=device)
+    in_draft[selected_ids.to(device)] = True
+    result = {}
+    with torch.no_grad():
+        for index in validation_share_of(plan, rank, world):
+            if index is None:
+                continue
+            pack = packs.load_pack(plan[index])
+            states = pack.target_hidden_states[pack.loss_mask].to(device)
+            greedy = torch.empty(states.shape[0], dtype=torch.long, device=device)
+            for rows in row_chunks(states.shape[0]):
+                greedy[rows] = (norm(states[rows].float()).to(lm_head.dtype) @ lm_head.T).argmax(-1)
+            flags = torch.zeros(pack.loss_mask.shape, dtype=torch.bool, device=device)
+            flags[pack.loss_mask.to(device)] = in_draft[greedy]
+            result[index] = flags
+    return result
+
+
+def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any,
+                   rank: int, world: int, in_vocab: dict[int, Any], num_tokens: int) -> dict | None:  # fmt: skip
+    """Validation metrics, with decoding replayed at K = `num_tokens`; every rank scores its share of
+    the packs (collective)."""
+    import torch
+
+    from speculators.ttt import replay_decoding, summarize, ttt_loss, verifier_target_logits
 
     plan = packs.pack_plan(0) if packs.entries else []
     if not plan:
         return None
     # DDP's forward broadcasts buffers (a collective); validation needs none, so use the inner module.
-    # FSDP2's forward gathers parameters: every rank runs the same number of forwards, and a rank
-    # past the end of the plan repeats pack 0 without counting it.
     forward = getattr(model, "module", model)
     sums = {k: torch.zeros(config.ttt_steps, dtype=torch.float64, device=device)
             for k in ("kl", "count", "correct", "cond_correct", "cond_count")}  # fmt: skip
+    sums["replay_rounds"] = torch.zeros(1, dtype=torch.float64, device=device)
+    sums["replay_accepted"] = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad(), autocast_context(config, device):
-        for start in range(0, len(plan), world):
-            index = start + rank
-            pack = to_device(packs.load_pack(plan[index if index < len(plan) else 0]), device)
+        for index in validation_share_of(plan, rank, world):
+            pack = to_device(packs.load_pack(plan[index if index is not None else 0]), device)
             normed = forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
                              pack.document_ids, pack.loss_mask)  # fmt: skip
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
+            hits: list[Any] = []
             _, step_sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
-                                    lm_head=lm_head)  # fmt: skip
-            if index < len(plan):
+                                    lm_head=lm_head, hits=hits)  # fmt: skip
+            if index is not None:
+                step_sums.update(replay_decoding(hits, pack.loss_mask, pack.document_ids, num_tokens, in_vocab[index]))
                 sums = {k: sums[k] + v.to(device) for k, v in step_sums.items()}
     model.train()
     return summarize(all_reduce_sums(sums, world))
@@ -382,6 +419,16 @@ def plot_curves(log_path: Path, output: Path) -> None:
     plt.close(figure)
 
 
+def summary_acceptance(summary: dict[str, Any]) -> tuple[float, str]:
+    """(acceptance length, what it is) from a training summary: decoding replayed on the validation
+    samples when there are any, else the training window's per-token estimate."""
+    best = summary.get("best_validation") or {}
+    if "replayed_acceptance_length" in best:
+        return float(best["replayed_acceptance_length"]), "replayed on validation samples"
+    train = summary.get("final_train") or {}
+    return float(train.get("acceptance_length", 0.0)), "training estimate (no validation samples)"
+
+
 # ----- the loop ----------------------------------------------------------------------------------
 
 
@@ -408,7 +455,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if uses_bf16(config, device) and not config.train_lm_head:
         drafter.lm_head.to(torch.bfloat16)  # frozen: autocast would re-cast it on every call
     head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
+    in_vocab = greedy_in_draft_vocab(val_packs, verifier, vocab["selected_ids"], device, rank, world)
     del verifier
+    replay_k = drafter.config.speculative_tokens
     model = wrap_model(drafter, world, device, config.fsdp)
     optimizers = build_optimizer(drafter, config)
 
@@ -498,7 +547,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
             evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
             checkpoint = state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps
             if evaluate:
-                metrics = run_validation(model, drafter.lm_head, val_packs, head, config, device, rank, world)
+                metrics = run_validation(model, drafter.lm_head, val_packs, head, config, device, rank, world,
+                                         in_vocab, replay_k)  # fmt: skip
                 improved = metrics is not None and (
                     state["best_validation_loss"] is None or sum(metrics["loss"]) < state["best_validation_loss"]
                 )
@@ -508,8 +558,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     log.flush()
                     if not config.progress:
                         print(f"validation at step {state['step']}: accuracy per TTT step "
-                              f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, acceptance estimate "
-                              f"{metrics['acceptance_length']:.2f}", flush=True)  # fmt: skip
+                              f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, replayed acceptance "
+                              f"length {metrics['replayed_acceptance_length']:.2f} at K={replay_k} (estimate "
+                              f"{metrics['acceptance_length']:.2f})", flush=True)  # fmt: skip
                 if improved:
                     state["best_validation_loss"] = sum(metrics["loss"])
                     state["best_validation"] = metrics

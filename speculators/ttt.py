@@ -132,12 +132,14 @@ def ttt_loss(
     document_ids: torch.Tensor,
     decay: float = 1.0,
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    hits: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total loss (sum over steps of decay**s x masked-mean KL) and per-step count sums [steps].
 
     `step_outputs` are per-step logits [B, T, D], or normed hidden states [B, T, H] with `lm_head`.
     `target_logits` are the verifier's, either [B, T, D] or only at the loss-mask positions
-    [mask.sum(), D] (in row-major order of the mask).
+    [mask.sum(), D] (in row-major order of the mask). A `hits` list receives, per step s, the bool
+    [B, T - s] of chain starts whose step-s draft is scored and agrees (for `replay_decoding`).
     """
     length = loss_mask.shape[1]
     needed = loss_mask.bool()
@@ -164,6 +166,8 @@ def ttt_loss(
         correct = torch.zeros_like(mask)
         correct[rows] = hit
         chain_ok = chain_ok[:, :span]
+        if hits is not None:
+            hits.append(correct)
         sums["kl"].append(kl.sum().detach())
         sums["count"].append(count)
         sums["correct"].append(hit.sum())
@@ -174,15 +178,23 @@ def ttt_loss(
 
 
 def summarize(sums: dict[str, torch.Tensor]) -> dict[str, list[float] | float]:
-    """Per-step loss / full_acc / cond_acc and the expected acceptance length from count sums."""
+    """Per-step loss / full_acc / cond_acc and the expected acceptance length from count sums; with
+    replay sums (validation), the replayed acceptance length and its per-position acceptance rates."""
     count = sums["count"].clamp(min=1)
     cond = (sums["cond_correct"] / sums["cond_count"].clamp(min=1)).tolist()
-    return {
+    metrics: dict[str, list[float] | float] = {
         "loss": (sums["kl"] / count).tolist(),
         "full_acc": (sums["correct"] / count).tolist(),
         "cond_acc": cond,
         "acceptance_length": expected_acceptance_length(cond),
     }
+    if "replay_rounds" in sums:
+        rounds = float(sums["replay_rounds"].sum())
+        accepted = sums["replay_accepted"]
+        metrics["replayed_acceptance_length"] = 1.0 + float(accepted.sum()) / rounds if rounds else 0.0
+        metrics["replayed_acceptance_per_position"] = (accepted / max(rounds, 1.0)).tolist()
+        metrics["replayed_rounds"] = int(rounds)
+    return metrics
 
 
 def expected_acceptance_length(cond_acc: list[float]) -> float:
@@ -192,3 +204,57 @@ def expected_acceptance_length(cond_acc: list[float]) -> float:
         run *= rate
         total += run
     return total
+
+
+def output_targets(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: supervised positions whose target token is still part of the answer.
+
+    Pack position u targets token u + 2 of its sample (training_data.py); the last position of a
+    supervised run targets the token after the turn's end token, which decoding never outputs.
+    """
+    mask = loss_mask.bool()
+    inside = torch.zeros_like(mask)
+    inside[:, :-1] = mask[:, :-1] & mask[:, 1:] & (document_ids[:, :-1] == document_ids[:, 1:])
+    return inside
+
+
+def replay_decoding(hits: list[torch.Tensor], loss_mask: torch.Tensor, document_ids: torch.Tensor,
+                    num_tokens: int, in_vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Decoding replayed on teacher-forced chains: count sums {replay_rounds [1], replay_accepted [K]}.
+
+    On the verifier's own greedy answers, decoding with K = `num_tokens` drafts goes: the prefill
+    outputs a turn's first token; each round then drafts K tokens from the last output token,
+    accepts the leading drafts that equal the verifier's choices and outputs one more token of the
+    verifier's. Chain start u's step-s draft is the round's s-th draft, so a round at u accepts the
+    leading run of `hits[s][u]`, and the next round starts at u + accepted + 1. Unlike the expected
+    acceptance (every position starting a chain), rounds start right after rejections, as they do in
+    decoding. `in_vocab` [B, T] marks targets whose full-vocabulary greedy token is in the draft
+    vocabulary (decoding rejects the rest; default: all). Equals `speculators evaluate`'s acceptance
+    on the same answers when the forward passes agree (tests/test_train.py).
+    """
+    steps = min(num_tokens, len(hits))
+    mask = loss_mask.bool()
+    inside = output_targets(mask, document_ids)
+    if in_vocab is not None:
+        inside &= in_vocab.bool()
+    ok = [(hits[s] & inside[:, s:]).tolist() for s in range(steps)]
+    same_run = (mask[:, 1:] & mask[:, :-1] & (document_ids[:, 1:] == document_ids[:, :-1])).tolist()
+    rounds, accepted = 0, [0] * num_tokens
+    for b, row in enumerate(mask.tolist()):
+        for u, supervised in enumerate(row):
+            if not supervised or (u > 0 and same_run[b][u - 1]):
+                continue
+            # A supervised run starts at u (the turn's first token came from the prefill) and ends at `end`.
+            end = u
+            while end < len(same_run[b]) and same_run[b][end]:
+                end += 1
+            start = u
+            while start < end:  # a round at each chain start before the run's last position
+                rounds += 1
+                run = 0
+                while run < steps and start < len(ok[run][b]) and ok[run][b][start]:
+                    accepted[run] += 1
+                    run += 1
+                start += run + 1
+    return {"replay_rounds": torch.tensor([float(rounds)], dtype=torch.float64),
+            "replay_accepted": torch.tensor(accepted, dtype=torch.float64)}  # fmt: skip

@@ -57,8 +57,8 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
     if drafter:
         accuracy = " / ".join(f"{a:.3f}" for a in drafter["full_accuracy_per_step"])
         lines.append(f"drafter: {drafter['steps']} steps, {drafter['tokens_per_second']:.0f} packed tokens/s; "
-                     f"validation accuracy per TTT step {accuracy}, acceptance estimate "
-                     f"{drafter['acceptance_length_estimate']:.2f}")  # fmt: skip
+                     f"validation accuracy per TTT step {accuracy}, acceptance length "
+                     f"{drafter['acceptance_length']:.2f} ({drafter['acceptance_length_source']})")  # fmt: skip
     checkpoint = meta.get("speculator_checkpoint")
     if checkpoint:
         state = "published" if checkpoint.get("published") else "NOT published (a gate failed)"
@@ -66,10 +66,14 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
     report = meta.get("benchmark_report")
     if report:
         rates = " / ".join(f"{r:.3f}" for r in report["acceptance_per_position"])
+        natural = report.get("tpot_speedup_natural")
+        fixed = report["tpot_speedup_synchronous"]
+        speed = f"{fixed:.2f}x faster"
+        if natural is not None:
+            speed = f"{natural:.2f}x faster at natural answer lengths, {fixed:.2f}x at fixed"
         lines.append(f"benchmark (vLLM + GuideLLM, held-out prompts): acceptance length "
-                     f"{report['acceptance_length']:.3f} ({rates}); time per output token "
-                     f"{report['tpot_speedup_synchronous']:.2f}x faster, output tokens/s "
-                     f"{report['throughput_ratio_synchronous']:.2f}x (synchronous)")  # fmt: skip
+                     f"{report['acceptance_length']:.3f} ({rates}); time per output token {speed}, output "
+                     f"tokens/s {report['throughput_ratio_synchronous']:.2f}x (synchronous)")  # fmt: skip
         lines.append(f"outputs with and without the speculator (token ids): {report['greedy_outputs']}")
         lines.append(f"report: {Path(report['path']) / 'report.md'}")
     failed = sorted(name for name, passed in checks.items() if not passed)

@@ -113,6 +113,7 @@ class BenchmarkSettings(Strict):
     requests: int = Field(32, gt=0)
     output_tokens: int = Field(128, gt=0)
     concurrency: list[int] = Field(default_factory=lambda: [2, 4])
+    natural_max_tokens: int = Field(512, ge=0)  # natural-length profile's cap (answers stop at end of turn); 0: off
     dtype: str = "auto"
     max_model_len: int = Field(2048, gt=0)
     enforce_eager: bool = False

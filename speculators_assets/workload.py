@@ -42,7 +42,7 @@ def image_markdown(path: Path, title: str) -> str:
     return f"![{title}](data:image/png;base64,{data})"
 
 
-BENCH_REPORT_FORMAT = 2  # part of the report's key: a report of an older shape is rebuilt, never reused
+BENCH_REPORT_FORMAT = 3  # part of the report's key: a report of an older shape is rebuilt, never reused
 
 
 def key_of(*parts: Any) -> str:
@@ -272,10 +272,11 @@ def previous_accepted(step: Step) -> dict[str, Any] | None:
 
 def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str, Any] | None) -> list[dict]:
     """The drafter's gates: the acceptance floor, and no regression against the last accepted drafter."""
-    best = summary.get("best_validation") or summary["final_train"]
-    acceptance, gates = float(best["acceptance_length"]), variant.gates
+    from speculators.train import summary_acceptance
+
+    (acceptance, kind), gates = summary_acceptance(summary), variant.gates
     checks = [{"name": "acceptance_floor", "passed": acceptance >= gates.min_acceptance_length,
-               "description": f"validation acceptance estimate {acceptance:.3f} against the floor "
+               "description": f"acceptance length {acceptance:.3f} ({kind}) against the floor "
                               f"{gates.min_acceptance_length}", "acceptance_length": acceptance}]  # fmt: skip
     if previous is None:
         checks.append({"name": "no_regression", "passed": True, "description": "no earlier accepted drafter",
@@ -283,7 +284,7 @@ def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str,
     else:
         earlier = float(previous["acceptance_length"])
         checks.append({"name": "no_regression", "passed": acceptance >= earlier - gates.max_regression,
-                       "description": f"acceptance estimate {acceptance:.3f} against the previous drafter's "
+                       "description": f"acceptance length {acceptance:.3f} against the previous drafter's "
                                       f"{earlier:.3f} (tolerance {gates.max_regression})",
                        "acceptance_length": acceptance, "previous": earlier})  # fmt: skip
     return checks
@@ -326,8 +327,10 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
     write_json(step.dir("trained_drafter") / "current.json", current)
 
+    from speculators.train import summary_acceptance
+
     best = summary.get("best_validation") or summary["final_train"]
-    acceptance = float(best["acceptance_length"])
+    acceptance, acceptance_kind = summary_acceptance(summary)
     for gate in drafter_gates(v, summary, previous):
         step.check(**gate)
     curves = out / "training_curves.png"
@@ -339,7 +342,9 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
         "epochs": summary["epochs"],
         "tokens_per_second": summary["tokens_per_second"],
         "wall_time_s": summary.get("wall_seconds"),
-        "acceptance_length_estimate": acceptance,
+        "acceptance_length": acceptance,
+        "acceptance_length_source": acceptance_kind,
+        "acceptance_length_estimate": float(best["acceptance_length"]),
         "full_accuracy_per_step": {"raw_value": best["full_acc"], "type": "json"},
         "loss_per_step": {"raw_value": best["loss"], "type": "json"},
         "source_fingerprint": stamp.get("source_fingerprint") or "unknown",
@@ -380,7 +385,6 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     step.check("passes_validate", passed, "valid against the verifier" if passed else "; ".join(problems),
                problems={"raw_value": problems, "type": "json"})  # fmt: skip
     drafter_summary = read_json(Path(current["drafter"]).parent / "summary.json") or {}
-    best = drafter_summary.get("best_validation") or drafter_summary.get("final_train") or {}
     latest = out_root / "latest"
     # The drafter's gates again: materializing this asset alone must not publish a rejected drafter.
     failed_gates = [g["description"] for g in drafter_gates(v, drafter_summary, previous_accepted(step))
@@ -388,7 +392,10 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     if failed_gates:
         print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
     if passed and not failed_gates:  # publish: the stable per-variant path vLLM users point at
-        write_json(target / "accepted.json", {"key": current["key"], "acceptance_length": best.get("acceptance_length"),
+        from speculators.train import summary_acceptance
+
+        acceptance = summary_acceptance(drafter_summary)[0]
+        write_json(target / "accepted.json", {"key": current["key"], "acceptance_length": acceptance,
                                               "verifier": v.verifier, "accepted_at": time.time()})  # fmt: skip
         temporary = out_root / f".latest-{os.getpid()}"
         temporary.unlink(missing_ok=True)
@@ -417,7 +424,8 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     b = v.benchmark
     arguments = ["bench", "--verifier", v.verifier, "--speculator", str(speculator), "--output", str(out),
                  "--prompts", v.prompts.eval_source, "--requests", str(b.requests), "--output-tokens",
-                 str(b.output_tokens), "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
+                 str(b.output_tokens), "--natural-max-tokens", str(b.natural_max_tokens),
+                 "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
                  "--max-model-len", str(b.max_model_len), "--kv-cache-gib", str(b.kv_cache_gib),
                  "--tensor-parallel-size", str(v.profile("benchmark_report").tensor_parallel_size)]  # fmt: skip
     if b.enforce_eager:
@@ -462,6 +470,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "acceptance_length": acceptance["acceptance_length"] or 0.0,
         "acceptance_per_position": {"raw_value": acceptance["acceptance_per_position"], "type": "json"},
         "tpot_speedup_synchronous": speedup,
+        "acceptance_length_fixed": (report.get("acceptance_fixed_length") or acceptance)["acceptance_length"] or 0.0,
         "throughput_ratio_synchronous": synchronous["speedup"].get("output_tokens_per_s", 0.0),
         "outputs_identical": identical,
         "outputs_lossless": lossless,
@@ -470,6 +479,10 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "plots": md("\n\n".join(image_markdown(out / name, name) for name in plots if (out / name).is_file())),
         "path": path_value(out),
     }
+    natural = report["profiles"].get("synchronous-natural")
+    if natural:
+        metadata["tpot_speedup_natural"] = natural["speedup"].get("tpot_ms", 0.0)
+        metadata["output_tokens_natural"] = natural["speculator"]["output_tokens_mean"]
     return metadata, key
 
 

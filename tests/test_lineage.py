@@ -34,6 +34,9 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert hidden["samples"] == 8 and hidden["computed"] == 8 and hidden["regenerated"] == 8
     drafter = meta["trained_drafter"]
     assert drafter["acceptance_length_estimate"] > 1.5 and drafter["tokens_per_second"] > 0
+    # No validation split in the tiny variant: the gate reads the training estimate and says so.
+    assert drafter["acceptance_length"] == drafter["acceptance_length_estimate"]
+    assert drafter["acceptance_length_source"] == "training estimate (no validation samples)"
     assert drafter["training_curves"].startswith("![loss and accuracy per TTT step](data:image/png;base64,")
     checkpoint = meta["speculator_checkpoint"]
     assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
@@ -41,6 +44,8 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert latest.is_symlink() and (latest / "accepted.json").is_file() and (latest / "model.safetensors").is_file()
     report = meta["benchmark_report"]
     assert report["acceptance_length"] > 1.5 and "| synchronous | tpot_ms (median) |" in report["report"]
+    assert report["tpot_speedup_natural"] > 0 and 1 <= report["output_tokens_natural"] <= 48
+    assert report["acceptance_length_fixed"] > 1.5
     assert report["plots"].count("data:image/png;base64,") == 3
     checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
     assert checks["counts_match_prepared_data"] and checks["values_finite"] and checks["passes_validate"]
@@ -140,11 +145,26 @@ def test_bench_writes_a_complete_sane_report(lineage):
                  "baseline/vllm.log", "speculator/vllm.log"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     for role in ("baseline", "speculator"):
-        for profile in ("synchronous", "concurrent-2"):
+        for profile in ("synchronous", "concurrent-2", "synchronous-natural"):
             for kind in ("json", "html"):
                 assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
     report = json.loads((out / "report.json").read_text())
-    assert list(report["profiles"]) == ["synchronous", "concurrent-2"]
+    assert list(report["profiles"]) == ["synchronous", "concurrent-2", "synchronous-natural"]
+    # Fixed length: every answer is exactly 16 tokens (ignore_eos); natural length: each stops at its end
+    # of turn, at most 48 tokens (the tiny variant's cap), and the headline acceptance is measured there.
+    fixed_rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    natural_rows = [json.loads(line) for line in (out / "prompts-natural.jsonl").read_text().splitlines()]
+    assert [r["output_tokens_count"] for r in fixed_rows] == [16] * 4
+    assert [r["messages"] for r in natural_rows] == [r["messages"] for r in fixed_rows]
+    assert all("output_tokens_count" not in r for r in natural_rows)
+    natural = report["profiles"]["synchronous-natural"]
+    assert report["profiles"]["synchronous"]["speculator"]["output_tokens_mean"] == 16
+    assert 1 <= natural["baseline"]["output_tokens_mean"] == natural["speculator"]["output_tokens_mean"] <= 48
+    assert report["acceptance"]["length"] == "natural"
+    assert report["acceptance"]["drafts"] == natural["speculator"]["spec_decode"]["drafts"]
+    fixed = report["acceptance_fixed_length"]
+    assert fixed["drafts"] == sum(report["profiles"][p]["speculator"]["spec_decode"]["drafts"]
+                                  for p in ("synchronous", "concurrent-2"))  # fmt: skip
     assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
     assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1
     for name, profile in report["profiles"].items():
@@ -166,6 +186,7 @@ def test_bench_writes_a_complete_sane_report(lineage):
     assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))
     markdown = (out / "report.md").read_text()
     assert "| synchronous | tpot_ms (median) |" in markdown and "4 of 4 identical" in markdown
+    assert "| synchronous-natural | output tokens per answer (mean) |" in markdown
 
 
 # ----- the Dagster UI in a real browser: Chromium (Debian) driven by Playwright -----------------------

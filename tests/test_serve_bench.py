@@ -291,3 +291,24 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     assert counted["differences"][1]["reason"] == "the servers tokenized the prompt differently"
     with pytest.raises(SpeculatorsError, match="different prompts"):
         compare_outputs(baseline, speculator[::-1], judge)
+
+
+def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_path):
+    """Fixed-length profiles send an exact budget per row (GuideLLM adds ignore_eos); the natural-length
+    profile's rows carry none and its requests are capped by max_tokens, so answers end at end of turn."""
+    from speculators.bench import BenchSettings, guidellm_command, guidellm_profile, profile_name
+
+    settings = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[2], natural_max_tokens=300)
+    profiles = settings.profiles()
+    assert [profile_name(p) for p in profiles] == ["synchronous", "concurrent-2", "synchronous-natural"]
+    assert guidellm_profile(profiles[1]) == {"kind": "concurrent", "streams": 2}
+    command = guidellm_command("http://h", "m", "tok", tmp_path / "d.jsonl", guidellm_profile(profiles[2]), 4,
+                               tmp_path / "a.json", tmp_path / "a.html", max_tokens=300)  # fmt: skip
+    backend = json.loads(command[command.index("--backend") + 1])
+    assert backend["extras"]["body"] == {"temperature": 0, "max_tokens": 300}
+    fixed = guidellm_command("http://h", "m", "tok", tmp_path / "d.jsonl", guidellm_profile(profiles[0]), 4,
+                             tmp_path / "a.json", tmp_path / "a.html")  # fmt: skip
+    assert json.loads(fixed[fixed.index("--backend") + 1])["extras"]["body"] == {"temperature": 0}
+    assert json.loads(fixed[fixed.index("--profile") + 1]) == {"kind": "synchronous"}
+    off = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[], natural_max_tokens=0)
+    assert [profile_name(p) for p in off.profiles()] == ["synchronous"]

@@ -226,3 +226,64 @@ def test_fused_kl_matches_autograd_in_value_and_gradient():
     (plain * weights).sum().backward()
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(fused_grad, logits.grad)
+
+
+@pytest.mark.parametrize("drafter_kind", ["trained", "untrained"])
+def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(store, peaked_verifier, trained_drafter,
+                                                                             drafter_kind, tmp_path):  # fmt: skip
+    """Validation replays decoding on teacher-forced chains: on the verifier's own greedy answers (the
+    store's regenerated samples) it counts the same rounds and per-position acceptances as
+    `speculators evaluate` decoding those prompts with the same drafter, all in fp32."""
+    from speculators.evaluate import DrafterProposer, evaluate, greedy_generate
+    from speculators.hidden_state_store import HiddenStateStore
+    from speculators.tokenization import turn_end_ids
+    from speculators.train import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.training_data import PackedStore
+    from speculators.verifier import VerifierHead, load_verifier
+    from speculators.vocab import load_draft_vocab
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    drafter = Eagle3Drafter.from_pretrained(trained_drafter, verifier_embeddings=verifier.embedding_weight,
+                                            dtype="float32").eval()  # fmt: skip
+    if drafter_kind == "untrained":  # mostly rejections: rounds start everywhere
+        drafter.reset_parameters(seed=3)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(verifier.lm_head_weight[load_draft_vocab(store)["selected_ids"]])
+    k = drafter.config.speculative_tokens
+
+    # Replay: every stored sample as validation, one pack each.
+    packs = PackedStore(store, 4096, "validation", validation_share=1.0, seed=-1)
+    head_source = VerifierHead.from_source(str(peaked_verifier), dtype="float32")
+    selected = load_draft_vocab(store)["selected_ids"]
+    head = (head_source.final_norm, head_source.lm_head_weight[selected].float())
+    cpu = torch.device("cpu")
+    in_vocab = greedy_in_draft_vocab(packs, head_source, selected, cpu, 0, 1)
+    assert 0 < sum(int(f.sum()) for f in in_vocab.values()) < sum(int(p.loss_mask.sum()) for p in map(
+        packs.load_pack, packs.pack_plan(0)))  # some greedy tokens lie outside the 128-token draft vocab  # fmt: skip
+    config = config_for(store, peaked_verifier, tmp_path, ttt_steps=k)
+    metrics = run_validation(wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1,
+                             in_vocab, k)  # fmt: skip
+
+    # Decoding: the same prompts (the stored tokens before each answer), with a budget one token past
+    # the longest stored answer (an answer cut at the budget ends in the template's end-of-turn token).
+    samples = [HiddenStateStore(store).read_sample(entry) for entry in packs.entries]
+    prompts, answers = [], []
+    for index, sample in enumerate(samples):
+        first = int(sample.loss_mask.nonzero()[0])
+        prompts.append((f"s{index}", sample.input_ids[:first].tolist()))
+        answers.append(sample.input_ids[first:][sample.loss_mask[first:]].tolist())
+    budget = max(len(a) for a in answers)
+    stops = turn_end_ids(verifier.tokenizer)
+    for (_, prompt), answer in zip(prompts, answers, strict=True):  # the stored answers are the greedy ones
+        greedy = greedy_generate(verifier, prompt, budget, stops).tokens
+        assert greedy[: len(answer) - 1] == answer[:-1]
+    report = evaluate(verifier, prompts, DrafterProposer(drafter), k, max_new_tokens=budget, progress=False)
+    totals = report.totals()
+
+    assert metrics["replayed_rounds"] == totals["drafts"] > 0
+    assert metrics["replayed_acceptance_per_position"] == pytest.approx(totals["acceptance_per_position"])
+    assert metrics["replayed_acceptance_length"] == pytest.approx(totals["acceptance_length"])
+    if drafter_kind == "trained":
+        assert totals["acceptance_length"] > 2.0
+        # The per-token estimate assumes every position starts a chain; replay differs from it.
+        assert metrics["acceptance_length"] != pytest.approx(metrics["replayed_acceptance_length"])
