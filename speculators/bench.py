@@ -57,6 +57,7 @@ class BenchSettings:
     output_tokens: int = 128  # per request, exact
     concurrency: list[int] = field(default_factory=lambda: [2, 4])
     natural_max_tokens: int = 512  # cap of the natural-length profile's answers; 0 skips that profile
+    lossless_prompts: int | None = None  # prompts whose greedy token ids are compared (default: all)
     num_speculative_tokens: int | None = None
     dtype: str = "auto"
     max_model_len: int | None = 2048
@@ -145,12 +146,13 @@ def warm_up(url: str, model: str, requests: int = 2) -> None:
         post_chat(url, body)
 
 
-def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int) -> list[dict[str, Any]]:
-    """Each prompt once, alone, at temperature 0, with the exact token ids the server produced (prompt and
-    output). The lossless comparison uses these rather than GuideLLM's records, which keep text only and
-    are not guaranteed to hold every prompt exactly once."""
+def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int,
+                   limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Each prompt (the first `limit`) once, alone, at temperature 0, with the exact token ids the server
+    produced (prompt and output). The lossless comparison uses these rather than GuideLLM's records,
+    which keep text only and are not guaranteed to hold every prompt exactly once."""
     outputs = []
-    for line in prompts_file.read_text().splitlines():
+    for line in prompts_file.read_text().splitlines()[:limit]:
         messages = json.loads(line)["messages"]
         reply = post_chat(url, {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
                                 "ignore_eos": True, "return_token_ids": True})  # fmt: skip
@@ -346,7 +348,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
             )
         started_outputs = time.perf_counter()
         results["outputs"] = greedy_outputs(server.url, server.model_name, folder / "prompts.jsonl",
-                                            settings.output_tokens)  # fmt: skip
+                                            settings.output_tokens, settings.lossless_prompts)  # fmt: skip
         write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
                                                               for o in results["outputs"]))  # fmt: skip
         print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
@@ -366,6 +368,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.requests < 1 or settings.output_tokens < 1:
         raise SpeculatorsError(f"requests ({settings.requests}) and output tokens ({settings.output_tokens}) "
                                f"must be at least 1")  # fmt: skip
+    if settings.lossless_prompts is not None and settings.lossless_prompts < 1:
+        raise SpeculatorsError(f"lossless prompts {settings.lossless_prompts} must be at least 1")
     if settings.natural_max_tokens < 0:
         raise SpeculatorsError(f"natural max tokens {settings.natural_max_tokens} must be 0 (no natural-length "
                                f"profile) or more")  # fmt: skip

@@ -142,7 +142,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     require_assistant = not args.regenerate if args.require_assistant is None else args.require_assistant
     conversations, report = prepare_conversations(
         args.source, require_assistant=require_assistant, max_samples=args.max_samples,
-        hf_subset=args.hf_subset, hf_split=args.hf_split, seed=args.seed,
+        hf_subset=args.hf_subset, hf_split=args.hf_split, seed=args.seed, validation_sources=args.validation_source,
     )  # fmt: skip
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict = {"prompts": report.to_dict()}
@@ -403,7 +403,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         verifier=args.verifier, speculator=args.speculator, output=args.output, prompts=args.prompts,
         requests=args.requests, output_tokens=args.output_tokens, concurrency=args.concurrency,
-        natural_max_tokens=args.natural_max_tokens,
+        natural_max_tokens=args.natural_max_tokens, lossless_prompts=args.lossless_prompts,
         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -482,8 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--source",
         action="append",
         required=True,
-        help="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train or demo:eval; repeatable",
+        help="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train, demo:eval or natural:eval; "
+        "repeatable",
     )
+    prepare.add_argument("--validation-source", action="append", default=[],
+                         help="a prompt source used only for validation (e.g. natural:validation): training scores "
+                              "its samples, never trains on them; repeatable")  # fmt: skip
     prepare.add_argument("--output", required=True, help="output directory")
     prepare.add_argument("--max-samples", type=int)
     prepare.add_argument("--hf-subset")
@@ -618,6 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--natural-max-tokens", type=int, default=512,
                        help="cap of the natural-length profile, where answers stop at their end of turn (default "
                             "512; 0 skips that profile)")  # fmt: skip
+    bench.add_argument("--lossless-prompts", type=int,
+                       help="compare the two servers' greedy token ids on the first N prompts (default: all)")
     bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
                        help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
     bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")

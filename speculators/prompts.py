@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,7 +166,13 @@ def iter_hf_rows(name: str, subset: str | None, split: str | None) -> Iterator[t
 # evaluation (chat, code, arithmetic, facts, writing, editing, advice, reasoning, long requests,
 # role-play, lists), deliberately unlike the demo generator's templates: held-out acceptance on
 # prompts that no training generator produced.
-BUILTIN_SOURCES = {"natural:eval": Path(__file__).parent / "data" / "natural_prompts.jsonl"}
+# `natural:validation`: 42 more, written the same way, for validation sources (see prepare_conversations).
+BUILTIN_SOURCES = {
+    "natural:eval": Path(__file__).parent / "data" / "natural_prompts.jsonl",
+    "natural:validation": Path(__file__).parent / "data" / "natural_validation_prompts.jsonl",
+}
+# Conversation ids from validation sources start with this; training never uses such samples.
+VALIDATION_PREFIX = "validation-"
 
 
 def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0):
@@ -205,6 +211,7 @@ def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | 
 class PrepareReport:
     rows_read: int = 0
     kept: int = 0
+    validation: int = 0  # of `kept`, from validation sources
     duplicates: int = 0
     rejected: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
@@ -221,6 +228,7 @@ class PrepareReport:
             "sources": self.sources,
             "rows_read": self.rows_read,
             "kept": self.kept,
+            "validation": self.validation,
             "duplicates": self.duplicates,
             "rejected": dict(sorted(self.rejected.items())),
             "rejected_total": sum(self.rejected.values()),
@@ -230,7 +238,9 @@ class PrepareReport:
 
     def summary(self) -> str:
         lines = [
-            f"read {self.rows_read} rows: kept {self.kept}, duplicates {self.duplicates}, "
+            f"read {self.rows_read} rows: kept {self.kept}"
+            + (f" ({self.validation} for validation only)" if self.validation else "")
+            + f", duplicates {self.duplicates}, "
             f"rejected {sum(self.rejected.values())}; data version {self.data_version}"
         ]
         lines += [
@@ -255,13 +265,21 @@ def prepare_conversations(
     hf_subset: str | None = None,
     hf_split: str | None = None,
     seed: int = 0,
+    validation_sources: Sequence[str] = (),
 ) -> tuple[list[Conversation], PrepareReport]:
-    report = PrepareReport(sources=list(sources))
+    """Conversations from the sources, de-duplicated by content, bad rows counted with their reasons.
+
+    Rows of `validation_sources` come first and get ids starting with VALIDATION_PREFIX: training
+    scores them only as validation (training_data.is_validation), and a training row with the same
+    content is dropped as a duplicate. `max_samples` counts the training sources' rows only.
+    """
+    report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
     conversations: list[Conversation] = []
-    for source in sources:
+    tagged = [(source, True) for source in validation_sources] + [(source, False) for source in sources]
+    for source, for_validation in tagged:
         for location, row in iter_source_rows(source, hf_subset, hf_split, seed):
-            if max_samples is not None and len(conversations) >= max_samples:
+            if not for_validation and max_samples is not None and len(conversations) - report.validation >= max_samples:
                 break
             report.rows_read += 1
             try:
@@ -276,7 +294,8 @@ def prepare_conversations(
                 report.duplicates += 1
                 continue
             seen.add(key)
-            conversations.append(Conversation(key, messages))
+            conversations.append(Conversation(VALIDATION_PREFIX + key if for_validation else key, messages))
+            report.validation += for_validation
     report.kept = len(conversations)
     report.data_version = data_version(c.id for c in conversations)
     return conversations, report

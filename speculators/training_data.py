@@ -34,6 +34,11 @@ class Pack:
 
 
 def is_validation(sample_id: str, share: float) -> bool:
+    """Samples from validation sources always; the others by a hash of their id, a `share` of them."""
+    from speculators.prompts import VALIDATION_PREFIX
+
+    if sample_id.startswith(VALIDATION_PREFIX):
+        return True
     bucket = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return bucket < share
 

@@ -67,6 +67,7 @@ class ComputeProfile(Strict):
 class PromptSettings(Strict):
     sources: list[str] = Field(min_length=1)  # files, hf:<preset>, demo:train
     max_samples: int | None = Field(None, gt=0)
+    validation_sources: list[str] = Field(default_factory=list)  # scored by training, never trained on
     eval_source: str = "demo:eval"  # held-out prompts for the benchmark
 
 
@@ -114,6 +115,7 @@ class BenchmarkSettings(Strict):
     output_tokens: int = Field(128, gt=0)
     concurrency: list[int] = Field(default_factory=lambda: [2, 4])
     natural_max_tokens: int = Field(512, ge=0)  # natural-length profile's cap (answers stop at end of turn); 0: off
+    lossless_prompts: int | None = Field(None, gt=0)  # prompts in the greedy token-id comparison (default: all)
     dtype: str = "auto"
     max_model_len: int = Field(2048, gt=0)
     enforce_eager: bool = False

@@ -121,7 +121,8 @@ def source_fingerprints(variant: Variant) -> dict[str, str]:
     """Content hash of each prompt source of a variant (what the retraining schedule compares)."""
     from speculators.prompts import source_fingerprint
 
-    return {source: source_fingerprint(source) for source in variant.prompts.sources}
+    sources = [*variant.prompts.validation_sources, *variant.prompts.sources]
+    return {source: source_fingerprint(source) for source in sources}
 
 
 def raw_prompts(step: Step) -> tuple[Metadata, str]:
@@ -136,6 +137,8 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
                      "--require-assistant"]  # fmt: skip
         for source in v.prompts.sources:
             arguments += ["--source", source]
+        for source in v.prompts.validation_sources:
+            arguments += ["--validation-source", source]
         if v.prompts.max_samples:
             arguments += ["--max-samples", str(v.prompts.max_samples)]
         speculators(*arguments)
@@ -146,6 +149,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
         "reused": reused,
         "rows_read": report["rows_read"],
         "kept": report["kept"],
+        "validation_only": report.get("validation", 0),
         "duplicates": report["duplicates"],
         "rejected": rejected,
         "rejection_reasons": {"raw_value": report["rejected"], "type": "json"},
@@ -430,6 +434,8 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
                  "--tensor-parallel-size", str(v.profile("benchmark_report").tensor_parallel_size)]  # fmt: skip
     if b.enforce_eager:
         arguments.append("--enforce-eager")
+    if b.lossless_prompts:
+        arguments += ["--lossless-prompts", str(b.lossless_prompts)]
     return arguments
 
 

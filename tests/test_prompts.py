@@ -195,3 +195,21 @@ def test_the_natural_evaluation_set_is_a_builtin_source_unlike_the_demo_generato
     assert not set(prompts) & set(all_demo_prompts())
     assert len({len(p.split()) for p in prompts}) > 20  # short questions to multi-sentence requests
     assert source_fingerprint("natural:eval") == source_fingerprint("natural:eval") != source_fingerprint("demo:eval")
+
+
+def test_validation_sources_are_tagged_come_first_and_win_over_equal_training_rows(tmp_path):
+    from speculators.prompts import VALIDATION_PREFIX
+    from speculators.training_data import is_validation
+
+    training = tmp_path / "train.jsonl"
+    shared = "Why does ice float on water?"  # also in natural:validation
+    training.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [shared, "one", "two", "three"]))
+    conversations, report = prepare_conversations([str(training)], require_assistant=False, max_samples=2,
+                                                  validation_sources=["natural:validation"])  # fmt: skip
+    validation = [c for c in conversations if c.id.startswith(VALIDATION_PREFIX)]
+    assert len(validation) == report.validation == 42 and conversations[:42] == validation
+    # The shared prompt stays a validation sample only; max_samples counts the training rows.
+    assert [c.messages[-1]["content"] for c in conversations[42:]] == ["one", "two"]
+    assert report.duplicates == 1 and report.kept == 44 and "(42 for validation only)" in report.summary()
+    assert all(is_validation(c.id, 0.0) for c in validation)
+    assert not any(is_validation(c.id, 0.0) for c in conversations[42:])
