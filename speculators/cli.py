@@ -623,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cap of the natural-length profile, where answers stop at their end of turn (default "
                             "512; 0 skips that profile)")  # fmt: skip
     bench.add_argument("--lossless-prompts", type=int,
-                       help="compare the two servers' greedy token ids on the first N prompts (default: all)")
+                       help="compare the servers' greedy token ids on the first N prompts (default: all)")  # fmt: skip
     bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
                        help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
     bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")

@@ -271,7 +271,8 @@ def prepare_conversations(
 
     Rows of `validation_sources` come first and get ids starting with VALIDATION_PREFIX: training
     scores them only as validation (training_data.is_validation), and a training row with the same
-    content is dropped as a duplicate. `max_samples` counts the training sources' rows only.
+    content is dropped as a duplicate. A row whose own `id` has that prefix (conversations.jsonl of an
+    earlier prepare) stays tagged. `max_samples` counts the training sources' rows only.
     """
     report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
@@ -294,8 +295,11 @@ def prepare_conversations(
                 report.duplicates += 1
                 continue
             seen.add(key)
-            conversations.append(Conversation(VALIDATION_PREFIX + key if for_validation else key, messages))
-            report.validation += for_validation
+            # A row written by an earlier prepare keeps its validation tag (the hidden-state step re-reads
+            # conversations.jsonl).
+            tagged = for_validation or (isinstance(row, dict) and str(row.get("id", "")).startswith(VALIDATION_PREFIX))
+            conversations.append(Conversation(VALIDATION_PREFIX + key if tagged else key, messages))
+            report.validation += tagged
     report.kept = len(conversations)
     report.data_version = data_version(c.id for c in conversations)
     return conversations, report

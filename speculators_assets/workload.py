@@ -265,9 +265,13 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
 
 
 def store_version(store: Path, manifest: dict[str, Any]) -> str:
-    """Content key of a store: its sample keys (verifier + tokens) and its draft vocabulary."""
+    """Content key of a store: its sample keys (verifier + tokens), which of them are validation-only
+    (a sample's split changes what training learns from) and its draft vocabulary."""
+    from speculators.prompts import VALIDATION_PREFIX
+
     vocab = hashlib.sha256((store / "draft_vocab.safetensors").read_bytes()).hexdigest()
-    return key_of(sorted(entry["key"] for entry in manifest["samples"]), vocab)
+    validation = sorted(e["key"] for e in manifest["samples"] if e["id"].startswith(VALIDATION_PREFIX))
+    return key_of(sorted(entry["key"] for entry in manifest["samples"]), vocab, *([validation] if validation else []))
 
 
 def previous_accepted(step: Step) -> dict[str, Any] | None:

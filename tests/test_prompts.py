@@ -213,3 +213,8 @@ def test_validation_sources_are_tagged_come_first_and_win_over_equal_training_ro
     assert report.duplicates == 1 and report.kept == 44 and "(42 for validation only)" in report.summary()
     assert all(is_validation(c.id, 0.0) for c in validation)
     assert not any(is_validation(c.id, 0.0) for c in conversations[42:])
+    # The hidden-state step re-reads conversations.jsonl: the tags survive the round trip.
+    written = tmp_path / "conversations.jsonl"
+    written.write_text("".join(c.to_json() + "\n" for c in conversations))
+    again, report = prepare_conversations([str(written)], require_assistant=False)
+    assert [c.id for c in again] == [c.id for c in conversations] and report.validation == 42
