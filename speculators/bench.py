@@ -14,7 +14,7 @@ differ between the servers are classified (`OutputJudge`): a numerical near-tie 
 diverged.
 
 Report folder:
-  prompts.jsonl  prompts-natural.jsonl  what GuideLLM sent (fixed length, natural length)
+  prompts.jsonl  prompts-natural.jsonl  what GuideLLM read (fixed length, natural length; each prompt twice)
   baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl
   report.json  report.md                the comparison, versions, hardware, settings
   acceptance.png  latency.png  throughput.png
@@ -97,7 +97,9 @@ def write_prompt_files(settings: BenchSettings, folder: Path) -> dict[str, Any]:
     for name, budget in (("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
                          ("prompts-natural.jsonl", {})):  # fmt: skip
         rows = [json.dumps({"messages": c.messages, **budget}, ensure_ascii=False) for c in conversations]
-        write_text_atomic(folder / name, "\n".join(rows) + "\n")
+        # Each prompt twice: GuideLLM (0.8.1) ends a run when its data runs out, even with a request still
+        # in flight (seen: 3 of 4 recorded); with rows to spare, max_requests ends it once all are done.
+        write_text_atomic(folder / name, "\n".join(rows + rows) + "\n")
     return {"source": settings.prompts, "count": len(conversations),
             "data_version": data_version(c.id for c in conversations)}  # fmt: skip
 
@@ -152,7 +154,7 @@ def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int,
     produced (prompt and output). The lossless comparison uses these rather than GuideLLM's records,
     which keep text only and are not guaranteed to hold every prompt exactly once."""
     outputs = []
-    for line in prompts_file.read_text().splitlines()[:limit]:
+    for line in prompts_file.read_text().splitlines()[:limit]:  # the file holds every prompt twice
         messages = json.loads(line)["messages"]
         reply = post_chat(url, {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
                                 "ignore_eos": True, "return_token_ids": True})  # fmt: skip
@@ -347,8 +349,9 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
                 flush=True,
             )
         started_outputs = time.perf_counter()
+        compared = min(settings.lossless_prompts or settings.requests, settings.requests)
         results["outputs"] = greedy_outputs(server.url, server.model_name, folder / "prompts.jsonl",
-                                            settings.output_tokens, settings.lossless_prompts)  # fmt: skip
+                                            settings.output_tokens, compared)  # fmt: skip
         write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
                                                               for o in results["outputs"]))  # fmt: skip
         print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "

@@ -154,7 +154,8 @@ def test_bench_writes_a_complete_sane_report(lineage):
     # of turn, at most 48 tokens (the tiny variant's cap), and the headline acceptance is measured there.
     fixed_rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     natural_rows = [json.loads(line) for line in (out / "prompts-natural.jsonl").read_text().splitlines()]
-    assert [r["output_tokens_count"] for r in fixed_rows] == [16] * 4
+    assert [r["output_tokens_count"] for r in fixed_rows] == [16] * 8  # each prompt twice (GuideLLM's data end)
+    assert fixed_rows[:4] == fixed_rows[4:] and len({json.dumps(r) for r in fixed_rows}) == 4
     assert [r["messages"] for r in natural_rows] == [r["messages"] for r in fixed_rows]
     assert all("output_tokens_count" not in r for r in natural_rows)
     natural = report["profiles"]["synchronous-natural"]

@@ -26,8 +26,8 @@ AUX = [0, 4, 6]  # id 0 (the embeddings), two middle layers, and id 8 (pre-norm 
 # cpu_attn.py, "executes attention sinks natively in bf16"), so its states differ from the fp32 reference by
 # bf16 rounding (~1.5% of a state's norm, measured), and the random tiny model's MoE router then flips an
 # expert at a near tie for a few tokens (2 of 545 at id 2; with the experts zeroed every id stays within
-# 1.1%). So GPT-OSS is compared at ids 0-2: id 0 exact, id 1 within bf16 rounding at every token, id 2 at
-# 98% of the tokens; the deeper ids (where flips compound) are left out of the comparison.
+# 1.1%). So GPT-OSS is compared at ids 0-2: id 0 exact, ids 1 and 2 within bf16 rounding at 98% of the tokens
+# (median under 2%); the deeper ids (where flips compound) are left out of the comparison.
 GPT_OSS_AUX = [0, 1, 2]
 
 
@@ -65,7 +65,10 @@ def assert_same_store(a, b, atol: float = 1e-4, bf16_rounding: bool = False) -> 
         torch.testing.assert_close(x.target_hidden_states, y.target_hidden_states, atol=atol, rtol=atol)
     if bf16_rounding:
         errors = torch.cat(errors)  # [tokens, 3]
-        assert errors[:, 1].max() < 0.03 and (errors[:, 2] < 0.03).float().mean() >= 0.98, errors.amax(0)
+        # Ids 1 and 2 follow MoE layers: bf16 rounding almost everywhere, a router flip at a near tie for a
+        # token or two (which tokens depends on the prompts).
+        assert (errors[:, 1:].median(dim=0).values < 0.02).all(), errors.median(dim=0).values
+        assert ((errors[:, 1:] < 0.03).float().mean(dim=0) >= 0.98).all(), (errors[:, 1:] >= 0.03).sum(dim=0)
 
 
 @pytest.fixture(scope="module")
