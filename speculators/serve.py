@@ -148,9 +148,12 @@ class VllmServer:
         return f"http://{self.settings.host}:{self.port}"
 
     def command(self) -> list[str]:
+        from speculators.precision import resolve_dtype
+
         s = self.settings
+        dtype = resolve_dtype(s.dtype, "auto")  # vLLM's own auto picks the checkpoint's bf16 even where it is slow
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                   "--host", s.host, "--port", str(self.port), "--dtype", s.dtype, "--seed", str(s.seed)]  # fmt: skip
+                   "--host", s.host, "--port", str(self.port), "--dtype", dtype, "--seed", str(s.seed)]  # fmt: skip
         if s.served_model_name:
             command += ["--served-model-name", s.served_model_name]
         if s.max_model_len:

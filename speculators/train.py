@@ -130,6 +130,8 @@ def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
 def uses_bf16(config: TrainConfig, device: Any) -> bool:
     import torch
 
+    from speculators.precision import cpu_has_bf16
+
     if config.precision != "auto":
         return config.precision == "bf16"
     return (device.type == "cuda" and torch.cuda.is_bf16_supported()) or (device.type == "cpu" and cpu_has_bf16())
@@ -139,14 +141,6 @@ def autocast_context(config: TrainConfig, device: Any) -> Any:
     import torch
 
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(config, device) else nullcontext()
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def lr_at(step: int, total: int, config: TrainConfig) -> float:

@@ -78,7 +78,7 @@ class DatagenSettings(Strict):
     max_new_tokens: int = Field(512, gt=0)
     batch_size: int = Field(8, gt=0)
     storage: Literal["bfloat16", "float32", "fp8_e4m3"] = "bfloat16"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 where native, else fp32
     device: str = "cpu"
 
 

@@ -1,0 +1,54 @@
+"""Compute dtypes: what `auto` means on this machine.
+
+bf16 halves memory traffic where the hardware computes in it (CUDA GPUs with bf16 support; x86 CPUs
+with AVX-512 BF16 or AMX), and is a trap where it does not: on an AVX2-only CPU torch's bf16 matrix
+product ran at 0.8 GFLOP/s against 155 GFLOP/s in fp32 (measured on an AMD EPYC, 2 cores), and
+vLLM's CPU build regenerated 33 instead of ~460 tokens/s. So `auto` is bf16 only where it is native,
+else fp32; an explicit `bfloat16` on such a CPU is kept, with a warning.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from pathlib import Path
+
+COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@cache
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def native_bf16(device: str = "cpu") -> bool:
+    """bf16 is native on `device` ("cpu", "cuda", "cuda:N" or "auto": a GPU when there is one)."""
+    import torch
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_has_bf16()
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """A concrete dtype name for `name` on `device`: `auto` -> bfloat16 where native, else float32."""
+    if name not in COMPUTE_DTYPES:
+        from speculators.errors import SpeculatorsError
+
+        raise SpeculatorsError(f"dtype '{name}' is not one of {', '.join(COMPUTE_DTYPES)}")
+    if name == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    if name == "bfloat16" and not native_bf16(device):
+        warn_slow_bf16()
+    return name
+
+
+@cache
+def warn_slow_bf16() -> None:
+    print("warning: this CPU has no native bf16 (no AVX-512 BF16 or AMX); bfloat16 compute runs tens of times "
+          "slower than float32 here; pass --dtype auto or float32", file=sys.stderr, flush=True)  # fmt: skip
