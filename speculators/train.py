@@ -35,6 +35,7 @@ class TrainConfig(BaseModel):
     verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
     ttt_steps: int = Field(3, ge=1)
     step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
+    aux_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux states in training, x their RMS")
     token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
     grad_accumulation: int = Field(1, ge=1)
     epochs: float = Field(1.0, gt=0)
@@ -382,6 +383,21 @@ def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], 
     return summarize(all_reduce_sums(sums, world))
 
 
+def with_aux_noise(pack: Any, scale: float, seed: int, draw: int) -> Any:
+    """The pack with Gaussian noise on its aux states, `scale` x each state's RMS (per token and layer:
+    the layers' scales differ by orders of magnitude). Seeded per draw, so a resumed run adds the same."""
+    from dataclasses import replace
+
+    import torch
+
+    aux = pack.aux_hidden_states.float()
+    generator = torch.Generator(device=aux.device).manual_seed(seed * 1_000_003 + draw)
+    noise = torch.randn(aux.shape, generator=generator, device=aux.device, dtype=aux.dtype)
+    rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
+    noisy = aux + noise.mul_(rms * scale)
+    return replace(pack, aux_hidden_states=noisy.to(pack.aux_hidden_states.dtype))
+
+
 def to_device(pack: Any, device: Any) -> Any:
     from dataclasses import fields, replace
 
@@ -496,6 +512,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 pack_index = (in_epoch * config.grad_accumulation + micro) * world + rank
                 # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
                 pack = to_device(train_packs.load_pack(plan[pack_index % len(plan)]), device)
+                if config.aux_noise:  # seeded by the pack's place in the run: a resumed run draws the same
+                    draw = step * packs_per_step + micro * world + rank
+                    pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
                 sync = micro == config.grad_accumulation - 1 or world == 1
                 with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
                         autocast_context(config, device):  # fmt: skip

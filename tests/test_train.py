@@ -118,10 +118,11 @@ train(TrainConfig.model_validate_json(sys.argv[1]))
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp_path):
+    """With aux-state noise on: a resumed run draws the same noise for the packs it has left."""
     verifier = peaked_verifier
-    reference = config_for(store, verifier, tmp_path / "reference", max_steps=16)
+    reference = config_for(store, verifier, tmp_path / "reference", max_steps=16, aux_noise=0.1)
     train(reference)
-    resumed = config_for(store, verifier, tmp_path / "resumed", max_steps=16)
+    resumed = config_for(store, verifier, tmp_path / "resumed", max_steps=16, aux_noise=0.1)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", TRAIN_SCRIPT, resumed.model_dump_json()], env=env)
     state_file = tmp_path / "resumed" / "checkpoints" / "last" / "trainer_state.json"
@@ -138,6 +139,30 @@ def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp
     b = Eagle3Drafter.from_pretrained(tmp_path / "resumed" / "checkpoints" / "last" / "drafter").state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
+    from speculators.train import with_aux_noise
+    from speculators.training_data import Pack
+
+    scales = torch.tensor([0.01, 1.0, 100.0]).view(1, 1, 3, 1)  # aux layers of very different sizes
+    aux = torch.randn(1, 400, 3, 64) * scales
+    tokens = torch.zeros(1, 400, dtype=torch.long)
+    pack = Pack(tokens, aux, torch.zeros(1, 400, 64), tokens == 0, torch.arange(1, 401)[None], tokens)
+    noisy = with_aux_noise(pack, 0.2, seed=3, draw=5).aux_hidden_states
+    relative = (noisy - aux) / aux.pow(2).mean(-1, keepdim=True).sqrt()
+    for layer in range(3):
+        assert relative[:, :, layer].std().item() == pytest.approx(0.2, rel=0.05)
+    assert torch.equal(noisy, with_aux_noise(pack, 0.2, seed=3, draw=5).aux_hidden_states)
+    assert not torch.equal(noisy, with_aux_noise(pack, 0.2, seed=3, draw=6).aux_hidden_states)
+    assert torch.equal(pack.aux_hidden_states, aux)  # the pack itself is left as it was
+
+
+def test_aux_noise_changes_training(store, peaked_verifier, tmp_path):
+    plain = train(config_for(store, peaked_verifier, tmp_path / "plain", max_steps=4))
+    noisy = train(config_for(store, peaked_verifier, tmp_path / "noisy", max_steps=4, aux_noise=0.3))
+    assert plain["final_train"]["loss"] != noisy["final_train"]["loss"]
+    assert noisy["config"]["aux_noise"] == 0.3
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
