@@ -12,8 +12,9 @@ some context, or a constraint such as a word limit), and texts to work on are fr
 Every family contributes a fixed number of distinct prompts, so the mix does not depend on how many
 duplicates a family happens to draw. A seeded shuffle orders the set, so any prefix mixes all families, and a
 hash of each prompt assigns it to the training or the held-out evaluation split, so the two never share a
-prompt whatever the seed. The hand-written `natural:eval` prompts (data/natural_prompts.jsonl) are none of
-these: that set measures the drafter on prompts no generator produced.
+prompt whatever the seed. The hand-written `natural:eval` and `natural:validation` prompts (data/*.jsonl)
+are none of these (a generated prompt equal to one, ignoring case and spacing, is left out): those sets
+measure the drafter on prompts no generator produced.
 """
 
 from __future__ import annotations
@@ -1979,9 +1980,27 @@ def family_prompts(family: Family) -> list[str]:
     return list(drawn)
 
 
+def normalised(prompt: str) -> str:
+    return " ".join(prompt.lower().split())
+
+
+@functools.cache
+def hand_written_prompts() -> frozenset[str]:
+    """The natural:eval and natural:validation prompts, normalised: the generator never yields one."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data"
+    rows = [json.loads(line) for name in ("natural_prompts.jsonl", "natural_validation_prompts.jsonl")
+            for line in (folder / name).read_text(encoding="utf-8").splitlines() if line.strip()]  # fmt: skip
+    return frozenset(normalised(row["prompt"]) for row in rows)
+
+
 @functools.cache
 def generated_prompts() -> tuple[str, ...]:
-    return tuple(dict.fromkeys(prompt for family in FAMILIES for prompt in family_prompts(family)))
+    natural = hand_written_prompts()
+    prompts = (prompt for family in FAMILIES for prompt in family_prompts(family))
+    return tuple(dict.fromkeys(p for p in prompts if normalised(p) not in natural))
 
 
 def all_demo_prompts() -> list[str]:

@@ -63,15 +63,20 @@ def select_draft_vocab(counts: Any, draft_vocab_size: int) -> DraftVocab:
 
 
 def count_supervised_tokens(store_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+    """Token counts over the supervised tokens of the samples training may learn from: samples of a
+    validation source are left out (their answers must not shape the vocabulary they are scored with)."""
     import torch
 
     from speculators.hidden_state_store import HiddenStateStore
+    from speculators.prompts import VALIDATION_PREFIX
 
     store = HiddenStateStore(store_dir)
     manifest = store.manifest()
     vocab = manifest["verifier"]["vocab_size"]
     counts = torch.zeros(vocab, dtype=torch.long)
     for entry in manifest["samples"]:
+        if entry["id"].startswith(VALIDATION_PREFIX):
+            continue
         ids, mask = store.read_tokens(entry)
         counts += torch.bincount(ids[mask.bool()], minlength=vocab)
     return counts, manifest

@@ -197,6 +197,25 @@ def test_draft_vocab_against_a_hand_computation():
         select_draft_vocab(counts, 11)
 
 
+def test_store_vocab_leaves_out_validation_source_samples(llama, tmp_path):
+    """Answers of a validation source are only scored: they must not pick the vocabulary they are scored with."""
+    from dataclasses import replace
+
+    from speculators.prompts import VALIDATION_PREFIX
+
+    train, held = make_samples(llama.tokenizer, 3), make_samples(llama.tokenizer, 2, offset=3)
+    held = [replace(s, id=VALIDATION_PREFIX + s.id) for s in held]
+    run_datagen(train + held, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    build_store_vocab(tmp_path / "store", 64)
+    expected = torch.zeros(512, dtype=torch.long)
+    for sample in train:
+        for token, flag in zip(sample.input_ids, sample.loss_mask, strict=True):
+            expected[token] += flag
+    assert torch.equal(load_draft_vocab(tmp_path / "store")["counts"], expected)
+    summary = json.loads((tmp_path / "store" / "draft_vocab.json").read_text())
+    assert summary["supervised_tokens"] == sum(s.supervised_tokens for s in train)
+
+
 def test_store_vocab_counts_supervised_tokens_only(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 5)
     run_datagen(samples, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
