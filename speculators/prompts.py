@@ -114,7 +114,19 @@ def parse_row(row: Any, require_assistant: bool) -> list[dict[str, str]]:
 
 
 def iter_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, row) for each row of a JSONL / JSON / Parquet file; bad JSON lines yield a RowRejected."""
+    """(location, row) for each row of a JSONL / JSON / Parquet file; bad JSON lines yield a RowRejected.
+    A file that cannot be read at all is one error naming it."""
+    try:
+        yield from read_file_rows(path)
+    except UnicodeDecodeError:
+        raise SpeculatorsError(
+            f"{path} is not UTF-8 text; pass a .jsonl/.json file of rows or a .parquet file"
+        ) from None
+    except OSError as error:
+        raise SpeculatorsError(f"{path} cannot be read ({error.strerror or error}); check the path") from None
+
+
+def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         with open(path, encoding="utf-8") as handle:
@@ -139,8 +151,14 @@ def iter_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path.name}[{index}]", row
     elif suffix == ".parquet":
         import datasets
+        import pyarrow.parquet
 
-        table = datasets.Dataset.from_parquet(str(path))
+        try:  # checked by pyarrow first: datasets would log its own line about a broken file
+            pyarrow.parquet.ParquetFile(str(path))
+            table = datasets.Dataset.from_parquet(str(path))
+        except Exception as error:  # pyarrow and datasets raise many kinds for a broken file
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise SpeculatorsError(f"{path} is not a readable Parquet file ({reason}); check or re-export it") from None
         for index, row in enumerate(table):
             yield f"{path.name}[{index}]", row
     else:
@@ -247,6 +265,8 @@ class PrepareReport:
             f"  rejected {count}: {reason} (e.g. {', '.join(self.examples[reason])})"
             for reason, count in sorted(self.rejected.items())
         ]
+        if self.rejected.get("no assistant turn"):
+            lines.append("  prompt-only rows are answered by the verifier with --verifier V --regenerate")
         return "\n".join(lines)
 
 

@@ -93,6 +93,21 @@ def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
     assert report.rows_read == report.kept + report.duplicates + sum(report.rejected.values())
 
 
+def test_unreadable_sources_are_one_error_naming_the_file(tmp_path):
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00binary")
+    for name, message in (("broken.parquet", "is not a readable Parquet file"), ("binary.jsonl", "is not UTF-8 text")):
+        with pytest.raises(SpeculatorsError, match=message) as error:
+            prepare_conversations([str(tmp_path / name)])
+        assert str(tmp_path / name) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_prompt_only_rows_without_regeneration_point_to_it(tmp_path):
+    _, report = prepare_conversations([write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])])
+    assert report.rejected == {"no assistant turn": 1}
+    assert "--verifier V --regenerate" in report.summary()
+
+
 def test_prompts_without_answers_are_kept_for_regeneration(tmp_path):
     conversations, report = prepare_conversations(
         [write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])], require_assistant=False
