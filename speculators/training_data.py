@@ -1,6 +1,6 @@
 """Training data from a hidden-state store: shifted samples packed into fixed token budgets.
 
-Per sample (spec/eagle3.md): input_ids = x[1:], aux = g[:-1], target states = y[1:],
+Per sample (docs/eagle3.md): input_ids = x[1:], aux = g[:-1], target states = y[1:],
 loss_mask = mask[1:], positions 1..T-1. Samples are packed in a seeded, per-epoch order into
 sequences of at most `token_budget` tokens (batch dimension 1); document ids keep attention and
 step targets inside their own sample. The train/validation split is a hash of the sample id, so

@@ -1,4 +1,4 @@
-"""Training-time-test loss and metrics (spec/eagle3.md).
+"""Training-time-test loss and metrics (docs/eagle3.md).
 
 Step s scores the drafter's step-s outputs at [:, :T-s] against the verifier's distribution at
 [:, s:] (forward KL(p_verifier || q_draft) over the draft vocab), where the loss mask holds and the

@@ -1,4 +1,4 @@
-"""An independent, plain EAGLE-3 forward written from spec/eagle3.md, for numerical checks.
+"""An independent, plain EAGLE-3 forward written from docs/eagle3.md, for numerical checks.
 
 Functional torch over a dict of checkpoint tensors; shares no code with speculators.models.
 """

@@ -1,6 +1,6 @@
 """EAGLE-3 drafter: one (or more) decoder layers fed with three of the verifier's hidden states.
 
-Forward of one draft step (see spec/eagle3.md), verifier hidden size Ht, draft hidden size H:
+Forward of one draft step (see docs/eagle3.md), verifier hidden size Ht, draft hidden size H:
 
     aux [T, 3*Ht] --(input_norm | fc_norm)--> fc --> h [T, H]
     e = verifier embedding of the next token
