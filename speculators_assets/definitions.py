@@ -78,7 +78,7 @@ def run_step(context: dg.AssetExecutionContext, variants: dict[str, Variant], st
     variant = variants[context.partition_key]
     root = str(Path(storage.path).expanduser().resolve()) if runner.mode == "local" else storage.path
     extras = {"step": step, "variant": variant.model_dump(mode="json"), "root": root, "force": force}
-    invocation = runner.run(context, variant, step, [], extras=extras)
+    invocation = runner.run(context, variant, step, extras=extras)
     yield from invocation.get_results()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -24,9 +23,6 @@ class StorageRoot(dg.ConfigurableResource):
     """Artifacts under `<path>/<variant>/<asset>/...` (a shared volume path in Kubernetes)."""
 
     path: str = ".speculators-storage"
-
-    def asset_dir(self, variant: str, asset: str) -> Path:
-        return Path(self.path).expanduser().resolve() / variant / asset
 
 
 def local_gpu_count() -> int:
@@ -52,14 +48,15 @@ class PipelineRunner(dg.ConfigurableResource):
     service_account: str = "speculators-pipes"
     load_incluster_config: bool = True
 
-    def workload_command(self, arguments: list[str]) -> list[str]:
+    def workload_command(self) -> list[str]:
+        """The workload reads its step, variant and storage root from the Pipes extras."""
         python = self.python if self.mode == "local" else "python"
-        return [python, "-m", "speculators_assets.workload", *arguments]
+        return [python, "-m", "speculators_assets.workload"]
 
-    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str, arguments: list[str],
+    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str,
             extras: dict[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:  # fmt: skip
         profile = variant.profile(step)
-        command = self.workload_command(arguments)
+        command = self.workload_command()
         context.log.info(f"{step} for {variant.name} ({self.mode} runner): {' '.join(command)}")
         if self.mode == "local":
             available = local_gpu_count()

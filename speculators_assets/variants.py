@@ -7,8 +7,6 @@ pydantic and yaml only.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -154,11 +152,6 @@ class Variant(Strict):
     @property
     def needs_gpu(self) -> bool:
         return any(p.gpus for p in self.compute.values())
-
-    def settings_hash(self, *sections: str) -> str:
-        """Content key of the named sections (what decides whether an artifact can be reused)."""
-        data = {name: getattr(self, name).model_dump() if name != "verifier" else self.verifier for name in sections}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def describe_error(path: Path, error: ValidationError) -> str:

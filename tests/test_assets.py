@@ -97,7 +97,7 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
     for name in GPU_VARIANTS:
         for step in ASSETS:
             spec = runner.pod_spec(variants[name], step)
-            pod = build_pod_body("speculators-step", None, runner.workload_command([]), {"DAGSTER_PIPES_CONTEXT": "x"},
+            pod = build_pod_body("speculators-step", None, runner.workload_command(), {"DAGSTER_PIPES_CONTEXT": "x"},
                                  {"labels": {"speculators/variant": name}}, spec)  # fmt: skip
             assert isinstance(pod, kubernetes.client.V1Pod)
             container = pod.spec.containers[0]
