@@ -78,6 +78,16 @@ class RotaryEmbedding(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
 
 
+KeyValues = tuple[torch.Tensor, torch.Tensor]  # [B, kv_heads, T, head_dim] each
+
+
+def append_kv(past: KeyValues | None, new: KeyValues) -> KeyValues:
+    """Keys and values of earlier positions followed by `new` ones (along the position axis)."""
+    if past is None:
+        return new
+    return torch.cat([past[0], new[0]], dim=2), torch.cat([past[1], new[1]], dim=2)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, layer_config: dict, input_size: int):
         super().__init__()
@@ -115,9 +125,7 @@ class DraftAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         new_kv = (k, v)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
+        k, v = append_kv(past, new_kv)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if isinstance(mask, TTTMask):
@@ -196,11 +204,7 @@ class DraftKVCache:
         return self.layers[layer_idx]
 
     def append(self, layer_idx: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        past = self.layers[layer_idx]
-        if past is None:
-            self.layers[layer_idx] = kv
-        else:
-            self.layers[layer_idx] = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+        self.layers[layer_idx] = append_kv(self.layers[layer_idx], kv)
 
     def crop(self, length: int) -> None:
         """Forget positions from `length` on (drafted positions the verifier rejected)."""
@@ -474,10 +478,7 @@ class Eagle3Drafter(nn.Module):
             else:
                 mask = ttt_attention_mask(document_ids, step)
             out = self(step_ids, hidden, step_positions, mask, past, compute_logits=not return_normed)
-            past = [
-                kv if old is None else (torch.cat([old[0], kv[0]], 2), torch.cat([old[1], kv[1]], 2))
-                for old, kv in zip(past, out.new_key_values, strict=True)
-            ]
+            past = [append_kv(old, kv) for old, kv in zip(past, out.new_key_values, strict=True)]
             result = out.normed if return_normed else out.logits
             if step and rows is not None:
                 result = result.new_zeros(batch, length, result.shape[-1]).index_copy(1, rows, result)
