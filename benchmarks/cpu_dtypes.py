@@ -73,14 +73,14 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = {}
-    ids = torch.randint(0, 49152, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(args.size, args.size, dtype=dtype), torch.randn(args.size, args.size, dtype=dtype)
         gemm = 2 * args.size**3 / best_seconds(lambda a=a, b=b: a @ b, args.repeats) / 1e9
         verifier = load_verifier(args.verifier, dtype=str(dtype).removeprefix("torch."))
         base = verifier.adapter.base_model(verifier.model)
+        ids = torch.randint(0, verifier.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
 
-        def forward(base=base) -> None:
+        def forward(base=base, ids=ids) -> None:
             with torch.inference_mode():
                 base(input_ids=ids, use_cache=False)
 

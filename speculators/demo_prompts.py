@@ -1986,13 +1986,14 @@ def normalised(prompt: str) -> str:
 
 @functools.cache
 def hand_written_prompts() -> frozenset[str]:
-    """The natural:eval and natural:validation prompts, normalised: the generator never yields one."""
+    """The built-in hand-written prompts (natural:eval, natural:validation), normalised: the generator
+    never yields one."""
     import json
-    from pathlib import Path
 
-    folder = Path(__file__).parent / "data"
-    rows = [json.loads(line) for name in ("natural_prompts.jsonl", "natural_validation_prompts.jsonl")
-            for line in (folder / name).read_text(encoding="utf-8").splitlines() if line.strip()]  # fmt: skip
+    from speculators.prompts import BUILTIN_SOURCES  # (prompts imports this module lazily: no cycle)
+
+    rows = [json.loads(line) for path in BUILTIN_SOURCES.values()
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]  # fmt: skip
     return frozenset(normalised(row["prompt"]) for row in rows)
 
 

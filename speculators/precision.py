@@ -1,10 +1,10 @@
 """Compute dtypes: what `auto` means on this machine.
 
 bf16 halves memory traffic where the hardware computes in it (CUDA GPUs with bf16 support; x86 CPUs
-with AVX-512 BF16 or AMX), and is a trap where it does not: on an AVX2-only CPU torch's bf16 matrix
-product ran at 0.8 GFLOP/s against 155 GFLOP/s in fp32 (measured on an AMD EPYC, 2 cores), and
-vLLM's CPU build regenerated 33 instead of ~460 tokens/s. So `auto` is bf16 only where it is native,
-else fp32; an explicit `bfloat16` on such a CPU is kept, with a warning.
+with AVX-512 BF16 or AMX), and is a trap where it does not: on an AVX2-only AMD EPYC (2 cores)
+torch's bf16 matrix product ran at 0.9 GFLOP/s against 118 in fp32, and vLLM's CPU build generated
+23 against 128 tokens/s (benchmarks/cpu_dtypes.py, BENCHMARKS.md). So `auto` is bf16 only where it
+is native, else fp32; an explicit `bfloat16` on such a CPU is kept, with a warning.
 """
 
 from __future__ import annotations

@@ -129,13 +129,11 @@ def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
 
 
 def uses_bf16(config: TrainConfig, device: Any) -> bool:
-    import torch
-
-    from speculators.precision import cpu_has_bf16
+    from speculators.precision import native_bf16
 
     if config.precision != "auto":
         return config.precision == "bf16"
-    return (device.type == "cuda" and torch.cuda.is_bf16_supported()) or (device.type == "cpu" and cpu_has_bf16())
+    return device.type in ("cpu", "cuda") and native_bf16(device.type)
 
 
 def autocast_context(config: TrainConfig, device: Any) -> Any:
