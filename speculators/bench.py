@@ -30,11 +30,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from speculators.errors import SpeculatorsError
+from speculators.settings import BenchSettings
 
 # GuideLLM metric -> (report name, statistic, higher is better)
 METRICS = {
@@ -45,34 +45,6 @@ METRICS = {
     "request_latency": ("request_latency_s", "median", False),
 }
 ROLES = ("baseline", "speculator")
-
-
-@dataclass
-class BenchSettings:
-    verifier: str
-    speculator: str
-    output: str | Path
-    prompts: str = "demo:eval"
-    requests: int = 32  # per profile
-    output_tokens: int = 128  # per request, exact
-    concurrency: list[int] = field(default_factory=lambda: [2, 4])
-    natural_max_tokens: int = 512  # cap of the natural-length profile's answers; 0 skips that profile
-    lossless_prompts: int | None = None  # prompts whose greedy token ids are compared (default: all)
-    num_speculative_tokens: int | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = 2048
-    enforce_eager: bool = False
-    kv_cache_gib: int = 2
-    tensor_parallel_size: int = 1
-    vllm_args: list[str] = field(default_factory=list)
-    startup_timeout: float = 900.0
-    guidellm_timeout: float = 3600.0
-
-    def profiles(self) -> list[dict[str, Any]]:
-        """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
-        fixed = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
-        natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
-        return [{"natural": False, **p} for p in fixed] + natural
 
 
 def profile_name(profile: dict[str, Any]) -> str:
@@ -369,17 +341,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     folder = Path(settings.output)
     folder.mkdir(parents=True, exist_ok=True)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
-    settings.num_speculative_tokens = settings.num_speculative_tokens or config.speculative_tokens
-    if settings.requests < 1 or settings.output_tokens < 1:
-        raise SpeculatorsError(f"requests ({settings.requests}) and output tokens ({settings.output_tokens}) "
-                               f"must be at least 1")  # fmt: skip
-    if settings.lossless_prompts is not None and settings.lossless_prompts < 1:
-        raise SpeculatorsError(f"lossless prompts {settings.lossless_prompts} must be at least 1")
-    if settings.natural_max_tokens < 0:
-        raise SpeculatorsError(f"natural max tokens {settings.natural_max_tokens} must be 0 (no natural-length "
-                               f"profile) or more")  # fmt: skip
+    k = settings.num_speculative_tokens or config.speculative_tokens
+    settings = settings.model_copy(update={"num_speculative_tokens": k})
     prompts = write_prompt_files(settings, folder)
-    settings.requests = min(settings.requests, prompts["count"])
+    settings = settings.model_copy(update={"requests": min(settings.requests, prompts["count"])})
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder) for role in ROLES}
     comparison = {}
@@ -388,7 +353,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     judge = OutputJudge(settings.verifier, settings.dtype)
     outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+        "settings": settings.model_dump(),
         "prompts": prompts,
         "versions": versions(),
         "hardware": hardware(),

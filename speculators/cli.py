@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from speculators.errors import SpeculatorsError
+from speculators.flags import add_flags, from_args
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
+from speculators.settings import AUTO_DTYPE_HELP, BenchSettings, CaptureSettings, PrepareSettings, TrainConfig
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
 COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
-AUTO_DTYPE_HELP = "compute dtype (default auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -141,203 +141,20 @@ def cmd_tiny_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from speculators.atomic_io import write_jsonl_atomic, write_text_atomic
-    from speculators.prompts import prepare_conversations
+    from speculators.prepare import run_prepare
 
-    output = Path(args.output)
-    require_assistant = not args.regenerate if args.require_assistant is None else args.require_assistant
-    conversations, report = prepare_conversations(
-        args.source, require_assistant=require_assistant, max_samples=args.max_samples,
-        hf_subset=args.hf_subset, hf_split=args.hf_split, seed=args.seed, validation_sources=args.validation_source,
-    )  # fmt: skip
-    write_jsonl_atomic(output / "conversations.jsonl", conversations)
-    result: dict = {"prompts": report.to_dict()}
-    print(report.summary())
-    if args.verifier:
-        # An offline engine only: a server (--server-url, data-parallel replicas) logs to its own file.
-        served = args.server_url or args.data_parallel_size > 1
-        offline_vllm = args.regenerate and args.backend == "vllm" and not served
-        with vllm_log(output / "regeneration-vllm.log", offline_vllm):
-            result["tokenization"] = tokenize_or_regenerate(args, conversations, output)
-    write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
-    if not conversations:
-        raise SpeculatorsError(f"no usable conversation in {', '.join(args.source)}; see the rejection reasons above")
-    print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if args.verifier else ""))
+    run_prepare(from_args(PrepareSettings, args))
     return 0
 
 
-def regeneration_key(args: argparse.Namespace) -> str:
-    """What makes regenerated answers reusable: same verifier, budget and sampling."""
-    import hashlib
-
-    settings = [str(args.verifier), args.max_new_tokens, args.temperature, args.seed, args.max_length, args.dtype]
-    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
-
-
-def reuse_earlier_samples(output: Path, key: str) -> None:
-    """Seed the resume file with the answers of an earlier run with the same settings, so a rerun
-    regenerates only new conversations (removed ones are simply not written)."""
-    report, samples, partial = (
-        output / "prepare_report.json",
-        output / "samples.jsonl",
-        output / "samples.partial.jsonl",
-    )
-    if partial.exists() or not (report.is_file() and samples.is_file()):
-        return
-    earlier = json.loads(report.read_text()).get("tokenization", {}).get("regeneration_key")
-    if earlier == key:
-        from speculators.atomic_io import write_text_atomic
-
-        write_text_atomic(partial, samples.read_text())
-
-
-def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output: Path) -> dict:
-    from collections import Counter
-
-    from speculators.atomic_io import write_jsonl_atomic
-    from speculators.prompts import RowRejected
-    from speculators.tokenization import token_statistics, tokenize_conversation
-
-    if args.regenerate:
-        from contextlib import nullcontext
-
-        from speculators.regenerate import regenerate, transformers_generate_fn, vllm_generate_fn
-        from speculators.tokenization import turn_end_ids
-        from speculators.verifier import load_verifier
-
-        server = nullcontext()
-        if args.backend != "vllm" and (args.tensor_parallel_size > 1 or args.data_parallel_size > 1):
-            raise SpeculatorsError("--tensor-parallel-size and --data-parallel-size need --backend vllm")
-        if args.backend == "vllm":
-            import os
-
-            from transformers import AutoTokenizer
-
-            from speculators.regenerate import server_generate_fn
-            from speculators.verifier import load_verifier_config
-
-            _, location = load_verifier_config(args.verifier)  # a GGUF file becomes its cached directory
-            tokenizer = AutoTokenizer.from_pretrained(location)
-            ends = turn_end_ids(tokenizer)
-            if args.data_parallel_size > 1 and not args.server_url:
-                # Data-parallel replicas: vLLM's server runs one engine per replica behind one API
-                # (the offline engine cannot for dense models); requests go to it concurrently.
-                from speculators.serve import ServerSettings, VllmServer
-
-                server = VllmServer(ServerSettings(
-                    verifier=args.verifier, port=0, dtype=args.dtype, seed=args.seed, enforce_eager=True,
-                    max_model_len=args.max_length + args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
-                    log_path=output / "regeneration-vllm.log",
-                    extra_args=["--data-parallel-size", str(args.data_parallel_size)],
-                ))  # fmt: skip
-            if args.server_url or args.data_parallel_size > 1:
-
-                def generate(prompts: list[list[int]]) -> list[list[int]]:  # the server's URL is known once it runs
-                    return server_generate_fn(
-                        args.server_url or server.url, args.max_new_tokens, args.temperature, args.seed, ends,
-                        model=args.server_model if args.server_url else server.model_name,
-                        concurrency=args.batch_size, api_key=os.environ.get("VLLM_API_KEY"),
-                    )(prompts)  # fmt: skip
-            else:
-                generate = vllm_generate_fn(
-                    location, args.max_new_tokens, args.temperature, args.seed, args.dtype, ends,
-                    max_model_len=args.max_length + args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
-                )  # fmt: skip
-        else:
-            verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
-            tokenizer = verifier.tokenizer
-            generate = transformers_generate_fn(
-                verifier.model, tokenizer, args.max_new_tokens, args.temperature, args.seed
-            )
-        key = regeneration_key(args)
-        reuse_earlier_samples(output, key)
-        with server:
-            samples, regen = regenerate(
-                conversations,
-                tokenizer,
-                generate,
-                output / "samples.partial.jsonl",
-                args.max_length,
-                batch_size=args.batch_size,
-            )
-        details = {"regeneration": regen.to_dict(), "rejected": regen.to_dict()["rejected"], "regeneration_key": key}
-    else:
-        from transformers import AutoTokenizer
-
-        from speculators.verifier import load_verifier_config
-
-        _, location = load_verifier_config(args.verifier)
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        samples, rejected = [], Counter()
-        for conversation in conversations:
-            try:
-                samples.append(
-                    tokenize_conversation(tokenizer, conversation.id, conversation.messages, args.max_length)
-                )
-            except RowRejected as reason:
-                rejected[str(reason)] += 1
-        details = {"rejected": dict(rejected)}
-    write_jsonl_atomic(output / "samples.jsonl", samples)
-    (output / "samples.partial.jsonl").unlink(missing_ok=True)
-    details["statistics"] = token_statistics(samples)
-    for reason, count in sorted(details["rejected"].items()):
-        print(f"  tokenization rejected {count}: {reason}")
-    stats = details["statistics"]
-    print(f"tokenized {stats['samples']} samples: {stats['tokens']} tokens, {stats['supervised_tokens']} supervised")
-    return details
-
-
-@contextmanager
-def vllm_log(path: Path, active: bool) -> Iterator[None]:
-    """vLLM's log lines to `path` while an offline engine works here (see vllm_capture.vllm_log_file)."""
-    if not active:
-        yield
-        return
-    from speculators.vllm_capture import vllm_log_file
-
-    with vllm_log_file(path) as written:
-        if written:
-            print(f"vLLM's log: {written}", flush=True)
-        yield
-
-
 def cmd_datagen(args: argparse.Namespace) -> int:
-    from speculators.datagen import run_datagen, run_datagen_replicas
-    from speculators.tokenization import read_samples
-    from speculators.verifier import VerifierFacts, load_verifier
+    from speculators.datagen import run_capture
 
-    samples = read_samples(args.data)
-    data_version = None
-    report_path = Path(args.data).with_name("prepare_report.json")
-    if report_path.is_file():
-        data_version = json.loads(report_path.read_text())["prompts"].get("data_version")
-    if args.backend != "vllm" and (args.tensor_parallel_size > 1 or args.data_parallel_size > 1 or args.replica):
-        raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --replica need --backend vllm")
-    common = {"aux_layer_ids": args.aux_layer_ids, "batch_size": args.batch_size, "storage": args.storage,
-              "data_version": data_version}  # fmt: skip
-    if args.backend == "vllm":  # vLLM loads the weights; here only the config and the files' fingerprint
-        verifier = VerifierFacts.from_source(args.verifier, dtype=args.dtype)
-        store = Path(args.output).resolve()
-        with vllm_log(store.with_name(store.name + "-vllm.log"), not args.replica):  # (replicas inherit it)
-            if args.data_parallel_size > 1:
-                report = run_datagen_replicas(args.data, samples, verifier, args.output, **common,
-                                              data_parallel_size=args.data_parallel_size,
-                                              tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
-            else:
-                report = run_datagen(samples, verifier, args.output, **common, backend="vllm", replica=args.replica,
-                                     tensor_parallel_size=args.tensor_parallel_size,
-                                     progress=not args.replica)  # fmt: skip
-        if args.replica:
-            print(f"replica {args.replica[0]}/{args.replica[1]}: computed {report.computed} samples")
-            return 0
+    report = run_capture(from_args(CaptureSettings, args), replica=args.replica)
+    if args.replica:
+        print(f"replica {args.replica[0]}/{args.replica[1]}: computed {report.computed} samples")
     else:
-        verifier = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
-        report = run_datagen(samples, verifier, args.output, **common, backend="transformers")
-    from speculators.atomic_io import write_text_atomic
-
-    summary = json.dumps(report.to_dict(), indent=2)
-    write_text_atomic(Path(args.output) / "datagen_report.json", summary + "\n")  # the last run's counts
-    print(summary)
+        print(json.dumps(report.to_dict(), indent=2))
     return 0
 
 
@@ -373,10 +190,9 @@ def cmd_verify_store(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speculators.train import TrainConfig, train
+    from speculators.train import train
 
-    options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
-    summary = train(TrainConfig(**options))
+    summary = train(from_args(TrainConfig, args))
     if summary:
         final = summary["final_train"]
         print(
@@ -425,31 +241,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from speculators.bench import BenchSettings, run_bench
+    from speculators.bench import run_bench
 
-    settings = BenchSettings(
-        verifier=args.verifier, speculator=args.speculator, output=args.output, prompts=args.prompts,
-        requests=args.requests, output_tokens=args.output_tokens, concurrency=args.concurrency,
-        natural_max_tokens=args.natural_max_tokens, lossless_prompts=args.lossless_prompts,
-        num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
-        tensor_parallel_size=args.tensor_parallel_size,
-        vllm_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
-    )  # fmt: skip
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    settings = from_args(BenchSettings, args, vllm_args=extra)
     run_bench(settings)
-    print((Path(args.output) / "report.md").read_text())
-    print(f"report folder: {args.output}")
+    print((Path(settings.output) / "report.md").read_text())
+    print(f"report folder: {settings.output}")
     return 0
-
-
-def parse_concurrency(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = [0]
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of stream counts, e.g. 2,4")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -505,56 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_tiny_verifier)
     prepare = commands.add_parser("prepare", help="prompt sources -> conversations (+ tokenized samples)")
-    prepare.add_argument(
-        "--source",
-        action="append",
-        required=True,
-        help="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train, demo:eval or natural:eval; "
-        "repeatable",
-    )
-    prepare.add_argument("--validation-source", action="append", default=[],
-                         help="a prompt source used only for validation (e.g. natural:validation): training scores "
-                              "its samples, never trains on them; repeatable")  # fmt: skip
-    prepare.add_argument("--output", required=True, help="output directory")
-    prepare.add_argument("--max-samples", type=int)
-    prepare.add_argument("--hf-subset")
-    prepare.add_argument("--hf-split")
-    prepare.add_argument("--seed", type=int, default=0)
-    prepare.add_argument(
-        "--require-assistant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reject rows without an assistant turn (default: on unless --regenerate)",
-    )
-    prepare.add_argument("--verifier", help="tokenize with this verifier's chat template (writes samples.jsonl)")
-    prepare.add_argument("--max-length", type=int, default=2048, help="clip samples to this many tokens")
-    prepare.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the verifier")
-    prepare.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    prepare.add_argument("--tensor-parallel-size", type=int, default=1, help="--backend vllm: GPUs for the verifier")
-    prepare.add_argument("--data-parallel-size", type=int, default=1,
-                         help="--backend vllm: verifier replicas (a vLLM server, one engine per replica)")  # fmt: skip
-    prepare.add_argument("--server-url", help="with --backend vllm: a running OpenAI-compatible vLLM server")
-    prepare.add_argument("--server-model", help="model name on that server (default: its first model)")
-    prepare.add_argument("--max-new-tokens", type=int, default=512)
-    prepare.add_argument("--temperature", type=float, default=0.0)
-    prepare.add_argument("--batch-size", type=int, default=8)
-    prepare.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
-    prepare.add_argument("--device", default="cpu")
+    add_flags(prepare, PrepareSettings)
     prepare.set_defaults(func=cmd_prepare)
 
     datagen = commands.add_parser("datagen", help="tokenized samples -> hidden-state store")
-    datagen.add_argument("--data", required=True, help="samples.jsonl written by 'speculators prepare --verifier'")
-    datagen.add_argument("--verifier", required=True)
-    datagen.add_argument("--output", required=True, help="store directory (reused: only new samples are computed)")
-    datagen.add_argument("--aux-layer-ids", type=parse_layer_ids, help="default: the verifier's [2, N//2, N-3]")
-    datagen.add_argument("--batch-size", type=int, default=4)
-    datagen.add_argument("--storage", choices=("bfloat16", "float32", "fp8_e4m3"), default="bfloat16")
-    datagen.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
-    datagen.add_argument("--device", default="cpu")
-    datagen.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    datagen.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs (or CPU ranks) per replica")
-    datagen.add_argument("--data-parallel-size", type=int, default=1,
-                         help="vllm: replicas of the verifier, each on its own GPUs, sharing the batches")  # fmt: skip
+    add_flags(datagen, CaptureSettings)
     # INDEX/COUNT: set by run_datagen_replicas for its replica processes
     datagen.add_argument("--replica", type=parse_replica, help=argparse.SUPPRESS)
     datagen.set_defaults(func=cmd_datagen)
@@ -565,39 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.set_defaults(func=cmd_vocab)
 
     train = commands.add_parser("train", help="train an EAGLE-3 drafter (training-time test) from a store")
-    train.add_argument("--store", required=True, help="hidden-state store with draft_vocab.safetensors")
-    train.add_argument("--verifier", required=True, help="the verifier the store was captured from")
-    train.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
-    train.add_argument("--output", required=True)
-    for flag, kind, help_text in (
-        ("ttt-steps", int, "draft steps simulated in training (default 3)"),
-        ("step-decay", float, "loss weight gamma**s of step s (default 1.0)"),
-        ("aux-noise", float, "training noise on the aux states, x their RMS (default 0)"),
-        ("token-budget", int, "tokens per packed sequence (default 2048)"),
-        ("grad-accumulation", int, "packs per optimizer step and rank (default 1)"),
-        ("epochs", float, "default 1"),
-        ("max-steps", int, "stop after this many optimizer steps (overrides --epochs)"),
-        ("lr", float, "peak learning rate (default 3e-4)"),
-        ("warmup", float, "share of steps with linear warmup (default 0.01)"),
-        ("weight-decay", float, "default 0"),
-        ("grad-clip", float, "default 1.0"),
-        ("seed", int, "default 0"),
-        ("validation-share", float, "share of samples held out (by id hash; default 0.05)"),
-        ("log-every", int, "default 10"),
-        ("eval-every", int, "default 100"),
-        ("checkpoint-every", int, "default 100"),
-        ("num-draft-layers", int, "default 1"),
-        ("speculative-tokens", int, "K written into the checkpoint (default: --ttt-steps)"),
-        ("warm-start", str, "start from an earlier drafter (retraining on new data)"),
-        ("device", str, "auto (cuda:LOCAL_RANK if present, else cpu), cpu, cuda"),
-    ):
-        train.add_argument(f"--{flag}", type=kind, help=help_text)
-    train.add_argument("--optimizer", choices=("adamw", "muon"))
-    train.add_argument("--precision", choices=("auto", "bf16", "fp32"), help="auto: bf16 autocast where supported")
-    train.add_argument("--draft-layer-type", choices=("llama", "qwen3"))
-    train.add_argument("--train-lm-head", action="store_true", default=None)
-    train.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 sharding (GPUs, under torchrun)")
-    train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    add_flags(train, TrainConfig)
     train.set_defaults(func=cmd_train)
 
     evaluate = commands.add_parser(
@@ -643,25 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = commands.add_parser("bench", help="GuideLLM: vLLM with and without the speculator, report folder")
-    bench.add_argument("--verifier", required=True)
-    bench.add_argument("--speculator", required=True)
-    bench.add_argument("--output", required=True, help="report folder")
-    bench.add_argument("--prompts", default="demo:eval", help="held-out prompts (default demo:eval)")
-    bench.add_argument("--requests", type=int, default=32, help="requests per profile (default 32)")
-    bench.add_argument("--output-tokens", type=int, default=128, help="exact output tokens per request")
-    bench.add_argument("--natural-max-tokens", type=int, default=512,
-                       help="cap of the natural-length profile, where answers stop at their end of turn (default "
-                            "512; 0 skips that profile)")  # fmt: skip
-    bench.add_argument("--lossless-prompts", type=int,
-                       help="compare the servers' greedy token ids on the first N prompts (default: all)")  # fmt: skip
-    bench.add_argument("--concurrency", type=parse_concurrency, default=[2, 4],
-                       help="concurrent-stream profiles after the synchronous one (default 2,4)")  # fmt: skip
-    bench.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
-    bench.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
-    bench.add_argument("--max-model-len", type=int, default=2048)
-    bench.add_argument("--enforce-eager", action="store_true")
-    bench.add_argument("--kv-cache-gib", type=int, default=2)
-    bench.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM server (both servers)")
+    add_flags(bench, BenchSettings, exclude=("vllm_args",))
     bench.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more flags for both vLLM servers")
     bench.set_defaults(func=cmd_bench)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators.errors import SpeculatorsError
+from speculators.flags import to_argv
 from speculators.hidden_state_store import (
     STORAGE_FORMATS,
     STORE_FORMAT,
@@ -27,6 +28,7 @@ from speculators.hidden_state_store import (
     file_sha256,
     sample_key,
 )
+from speculators.settings import CaptureSettings
 from speculators.tokenization import TokenizedSample
 
 # token id lists -> states [T, len(capture ids), H] per prompt
@@ -244,19 +246,8 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     return [{variable: separator.join(group)} for group in groups]
 
 
-def run_datagen_replicas(
-    data: str | Path,
-    samples: list[TokenizedSample],
-    verifier: Any,
-    store_dir: str | Path,
-    *,
-    data_parallel_size: int,
-    tensor_parallel_size: int = 1,
-    aux_layer_ids: list[int] | None = None,
-    batch_size: int = 4,
-    storage: str = "bfloat16",
-    data_version: str | None = None,
-) -> DatagenReport:
+def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: Any,
+                         data_version: str | None = None) -> DatagenReport:  # fmt: skip
     """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
     pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
@@ -266,9 +257,10 @@ def run_datagen_replicas(
 
     from tqdm import tqdm
 
-    store_dir = Path(store_dir)
+    store_dir, replicas = Path(settings.output), settings.data_parallel_size
+    tensor_parallel_size, batch_size, storage = settings.tensor_parallel_size, settings.batch_size, settings.storage
     store_dir.mkdir(parents=True, exist_ok=True)
-    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
+    aux_ids = list(settings.aux_layer_ids or verifier.default_aux_layer_ids)
     capture_ids = [*aux_ids, verifier.num_layers]
     verifier.check_layer_ids(capture_ids)
     store = HiddenStateStore(store_dir)
@@ -277,18 +269,17 @@ def run_datagen_replicas(
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
     processes = []
-    for index, env in enumerate(replica_devices(data_parallel_size, tensor_parallel_size) if missing else []):
-        command = [sys.executable, "-m", "speculators.cli", "datagen", "--data", str(data), "--verifier",
-                   verifier.source, "--output", str(store_dir), "--backend", "vllm", "--aux-layer-ids",
-                   ",".join(map(str, aux_ids)), "--batch-size", str(batch_size), "--storage", storage, "--dtype",
-                   verifier.dtype, "--tensor-parallel-size", str(tensor_parallel_size),
-                   "--replica", f"{index}/{data_parallel_size}"]  # fmt: skip
+    one_replica = settings.model_copy(update={"backend": "vllm", "aux_layer_ids": aux_ids, "data_parallel_size": 1,
+                                              "dtype": verifier.dtype, "output": str(store_dir)})  # fmt: skip
+    for index, env in enumerate(replica_devices(replicas, tensor_parallel_size) if missing else []):
+        command = [sys.executable, "-m", "speculators.cli", "datagen", *to_argv(one_replica),
+                   "--replica", f"{index}/{replicas}"]  # fmt: skip
         log = store_dir / f"replica-{index}.log"
         print(f"replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
         with open(log, "w") as handle:
             processes.append((index, log, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                                            env={**os.environ, **env})))  # fmt: skip
-    with tqdm(total=missing_before, desc=f"capturing with {data_parallel_size} replicas", unit="sample") as bar:
+    with tqdm(total=missing_before, desc=f"capturing with {replicas} replicas", unit="sample") as bar:
         while any(process.poll() is None for _, _, process in processes):
             time.sleep(2)
             bar.n = missing_before - sum(1 for key in keys if not store.has(key))
@@ -303,4 +294,39 @@ def run_datagen_replicas(
                          backend="vllm", data_version=data_version, progress=False)  # fmt: skip
     report.computed, report.reused, report.seconds = missing_before, len(samples) - missing_before, seconds
     report.computed_tokens = missing_tokens
+    return report
+
+
+def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = None) -> DatagenReport:
+    """`speculators datagen`: the samples' hidden states into the store, datagen_report.json beside
+    them (the last run's counts). `replica` (INDEX, COUNT): one of run_datagen_replicas' processes."""
+    import json
+
+    from speculators.atomic_io import write_text_atomic
+    from speculators.tokenization import read_samples
+    from speculators.verifier import VerifierFacts, load_verifier
+    from speculators.vllm_capture import vllm_log
+
+    s = settings
+    if s.backend != "vllm" and (s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or replica):
+        raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --replica need --backend vllm")
+    samples = read_samples(s.data)
+    prepared = Path(s.data).with_name("prepare_report.json")
+    data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
+    common = {"aux_layer_ids": s.aux_layer_ids, "batch_size": s.batch_size, "storage": s.storage,
+              "data_version": data_version}  # fmt: skip
+    if s.backend == "transformers":
+        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device)
+        report = run_datagen(samples, verifier, s.output, **common, backend="transformers")
+    else:  # vLLM loads the weights; here only the config and the files' fingerprint
+        facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype)
+        store = Path(s.output).resolve()
+        with vllm_log(store.with_name(store.name + "-vllm.log"), replica is None):  # (replicas inherit it)
+            if s.data_parallel_size > 1:
+                report = run_datagen_replicas(s, samples, facts, data_version)
+            else:
+                report = run_datagen(samples, facts, s.output, **common, backend="vllm", replica=replica,
+                                     tensor_parallel_size=s.tensor_parallel_size, progress=replica is None)  # fmt: skip
+    if replica is None:
+        write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -10,10 +10,13 @@ is native, else fp32; an explicit `bfloat16` on such a CPU is kept, with a warni
 from __future__ import annotations
 
 import sys
+import typing
 from functools import cache
 from pathlib import Path
 
-COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+from speculators.settings import ComputeDtype
+
+COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
 
 
 @cache

@@ -21,44 +21,12 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, Field
+from typing import Any
 
 from speculators.errors import SpeculatorsError
+from speculators.settings import TrainConfig, TrainRecipe
 
-
-class TrainConfig(BaseModel):
-    store: str
-    verifier: str
-    output: str
-    verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
-    ttt_steps: int = Field(3, ge=1)
-    step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
-    aux_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux states in training, x their RMS")
-    token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
-    grad_accumulation: int = Field(1, ge=1)
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = None
-    lr: float = 3e-4
-    warmup: float = Field(0.01, ge=0, le=1, description="share of steps with linear warmup")
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    seed: int = 0
-    validation_share: float = Field(0.05, ge=0, lt=1)
-    log_every: int = 10
-    eval_every: int = 100
-    checkpoint_every: int = 100
-    num_draft_layers: int = 1
-    draft_layer_type: Literal["llama", "qwen3"] | None = None
-    speculative_tokens: int | None = Field(None, description="K written into the checkpoint (default: ttt_steps)")
-    train_lm_head: bool = False
-    warm_start: str | None = None
-    fsdp: bool = False
-    device: str = "auto"
-    progress: bool = True
+__all__ = ["TrainConfig", "TrainRecipe", "train"]
 
 
 # ----- distributed and precision helpers ---------------------------------------------------------

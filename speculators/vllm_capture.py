@@ -155,6 +155,18 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
                 logger.addHandler(old)
 
 
+@contextmanager
+def vllm_log(path: Path, active: bool) -> Iterator[None]:
+    """vLLM's log lines to `path` while an offline engine works here (see vllm_log_file), saying where."""
+    if not active:
+        yield
+        return
+    with vllm_log_file(path) as written:
+        if written:
+            print(f"vLLM's log: {written}", flush=True)
+        yield
+
+
 class VllmCapture:
     """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`)."""
 

@@ -1,0 +1,155 @@
+"""Settings models as the one source of a command's flags.
+
+A command's settings are a pydantic model (`TrainConfig`, `PrepareSettings`, `CaptureSettings`,
+`BenchSettings`); its fields' names, types, defaults, constraints and descriptions make the argparse
+flags (`add_flags`), the parsed flags make the model back (`from_args`), and a model becomes the
+command line that reproduces it (`to_argv`: what the Dagster workload runs and prints).
+
+Per field, `json_schema_extra` may set `flag` (the flag's name when it differs from the field's:
+`sources` -> `--source`), `short` (e.g. `-k`), `repeat` (a list given by repeating the flag, not comma-separated) and
+`metavar`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from speculators.errors import SpeculatorsError
+
+
+def field_extra(info: FieldInfo) -> dict[str, Any]:
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
+def flag_of(name: str, info: FieldInfo) -> str:
+    return "--" + str(field_extra(info).get("flag", name)).replace("_", "-")
+
+
+def unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(the type inside `X | None` and `Annotated[X, ...]`, whether None is allowed)."""
+    optional = False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(inner) == 1:
+            annotation, optional = inner[0], True
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation, optional
+
+
+def comma_list(kind: Any, name: str) -> Any:
+    if typing.get_origin(kind) is Annotated:  # e.g. list[Annotated[int, Field(ge=1)]]: pydantic checks the bound
+        kind = typing.get_args(kind)[0]
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of {kind.__name__} for "
+                                             f"--{name}, e.g. 2,4") from None  # fmt: skip
+
+    return parse
+
+
+def default_text(info: FieldInfo) -> str:
+    if info.is_required():
+        return ""
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == [] or value is False:
+        return ""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    return f" (default {value})"
+
+
+def fields_in_order(model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
+    """The model's fields, required ones first (inherited fields come first in pydantic's order)."""
+    fields = list(model.model_fields.items())
+    return [f for f in fields if f[1].is_required()] + [f for f in fields if not f[1].is_required()]
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: Sequence[str] = ()) -> None:
+    """One flag per field of `model` (but `exclude`), with the field's default."""
+    for name, info in fields_in_order(model):
+        if name in exclude:
+            continue
+        extra = field_extra(info)
+        kind, _ = unwrap(info.annotation)
+        options: dict[str, Any] = {"dest": name, "required": info.is_required()}
+        if not info.is_required():
+            options["default"] = info.get_default(call_default_factory=True)
+        options["help"] = (info.description or "") + default_text(info)
+        if kind is not bool and typing.get_origin(kind) is not Literal:
+            options["metavar"] = extra.get("metavar") or flag_of(name, info)[2:].upper().replace("-", "_")
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            choices = typing.get_args(kind)
+            options["choices"], options["type"] = choices, type(choices[0])
+        elif typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if extra.get("repeat"):
+                options["action"], options["type"] = "append", item
+            else:
+                options["type"] = comma_list(item, name.replace("_", "-"))
+        else:
+            options["type"] = kind
+        names = [extra["short"], flag_of(name, info)] if extra.get("short") else [flag_of(name, info)]
+        parser.add_argument(*names, **options)
+
+
+def describe(error: ValidationError, model: type[BaseModel]) -> str:
+    first = error.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    info = model.model_fields.get(name)
+    where = flag_of(name, info) if info is not None else name or model.__name__
+    value = first.get("input")
+    return f"{where} {value!r}: {first['msg'].lower()}" if value is not None else f"{where}: {first['msg'].lower()}"
+
+
+def build(model: type[BaseModel], values: dict[str, Any]) -> Any:
+    """`model(**values)`, its validation error as one sentence naming the flag and the bad value."""
+    try:
+        return model(**values)
+    except ValidationError as error:
+        raise SpeculatorsError(describe(error, model)) from None
+
+
+def from_args(model: type[BaseModel], args: argparse.Namespace, **values: Any) -> Any:
+    """The model from flags parsed with `add_flags`, `values` replacing some."""
+    given = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
+    return build(model, {**given, **values})
+
+
+def to_argv(settings: BaseModel, exclude: Sequence[str] = ()) -> list[str]:
+    """The flags that rebuild `settings` through `add_flags`/`from_args`, required ones first: every
+    field given when the model was made, and every other field whose value is not its default."""
+    argv: list[str] = []
+    for name, info in fields_in_order(type(settings)):
+        value = getattr(settings, name)
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+        if name in exclude or (name not in settings.model_fields_set and value == default):
+            continue
+        if value is None:  # a flag cannot say None: only a field whose default is None may hold it
+            if default is None:
+                continue
+            raise SpeculatorsError(f"{flag_of(name, info)} has no command-line form for None; leave it at its default")
+        flag = flag_of(name, info)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            if field_extra(info).get("repeat"):
+                for item in value:
+                    argv += [flag, str(item)]
+            else:
+                argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return argv

