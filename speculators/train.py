@@ -19,7 +19,9 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -405,22 +407,42 @@ def summary_acceptance(summary: dict[str, Any]) -> tuple[float, str]:
     return float(train.get("acceptance_length", 0.0)), "training estimate (no validation samples)"
 
 
-# ----- the loop ----------------------------------------------------------------------------------
+# ----- the run, the log window, the metrics log ---------------------------------------------------
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+@dataclass
+class Run:
+    """What the loop and its helpers share: settings, the distributed layout, the model, the data."""
+
+    config: TrainConfig
+    rank: int
+    world: int
+    device: Any
+    drafter: Any  # the plain drafter: its config, lm_head and parameters
+    model: Any  # the TTT forward the loop calls, wrapped for DDP / FSDP2
+    optimizers: list[Any]
+    head: tuple[Any, Any]  # the verifier's final norm and its lm_head rows of the draft vocab: the targets
+    train_packs: Any
+    val_packs: Any
+    in_vocab: dict[int, Any]  # per validation pack: the verifier's greedy token is in the draft vocab
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def output(self) -> Path:
+        return Path(self.config.output)
+
+
+def start_run(config: TrainConfig) -> Run:
+    """Processes, data, verifier head, drafter, optimizers; the verifier's weights are let go."""
     import torch
-    from tqdm import tqdm
 
     from speculators.training_data import PackedStore
-    from speculators.ttt import summarize, ttt_loss, verifier_target_logits
-    from speculators.validation import validate_checkpoint
     from speculators.verifier import VerifierHead
     from speculators.vocab import load_draft_vocab
 
     rank, world, device = init_distributed(config)
     torch.manual_seed(config.seed)
-    output = Path(config.output)
     train_packs = PackedStore(config.store, config.token_budget, "train", config.validation_share, config.seed)
     val_packs = PackedStore(config.store, config.token_budget, "validation", config.validation_share, seed=-1)
     manifest = train_packs.manifest
@@ -433,10 +455,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
     in_vocab = greedy_in_draft_vocab(val_packs, verifier, vocab["selected_ids"], device, rank, world)
     del verifier
-    replay_k = drafter.config.speculative_tokens
     model = wrap_model(drafter, world, device, config.fsdp)
-    optimizers = build_optimizer(drafter, config)
-
     packs_per_step = world * config.grad_accumulation
     steps_per_epoch = len(train_packs.pack_plan(0)) // packs_per_step
     if steps_per_epoch == 0:
@@ -445,115 +464,227 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
         )
     total_steps = config.max_steps or max(1, int(config.epochs * steps_per_epoch))
-    state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
-    last = output / "checkpoints" / "last"
-    if (last / "trainer_state.json").is_file():
-        state = load_checkpoint(last, model, optimizers)
+    return Run(config, rank, world, device, drafter, model, build_optimizer(drafter, config), head, train_packs,
+               val_packs, in_vocab, steps_per_epoch, total_steps)  # fmt: skip
+
+
+class LogWindow:
+    """Loss sums, tokens and training seconds since the last log line; `paused` time (validation,
+    saving) is not training throughput."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.sums: dict[str, Any] | None = None
+        self.tokens, self.started, self.paused_seconds = 0, time.perf_counter(), 0.0
+
+    def add(self, sums: dict[str, Any], tokens: int) -> None:
+        self.sums = sums if self.sums is None else {k: self.sums[k] + v for k, v in sums.items()}
+        self.tokens += tokens
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - started
+
+    def close(self, world: int) -> tuple[dict[str, Any], int, float]:
+        """(metrics, tokens, seconds) over every rank (collective); the next window starts now."""
+        import torch
+
+        from speculators.ttt import summarize
+
+        assert self.sums is not None, "a log window closes after at least one step"
+        self.sums["tokens"] = torch.tensor([float(self.tokens)], dtype=torch.float64)
+        sums = all_reduce_sums(self.sums, world)
+        seconds = time.perf_counter() - self.started - self.paused_seconds
+        tokens = int(sums.pop("tokens").item())
+        self.start()
+        return summarize(sums), tokens, seconds
+
+
+class MetricsLog:
+    """Rank 0's train_log.jsonl (one JSON line per event) and the console: a progress bar, or without
+    --progress (Dagster, pods) one line per event."""
+
+    def __init__(self, path: Path, rank: int, progress: bool, total_steps: int, step: int):
+        from tqdm import tqdm
+
+        self.path, self.total_steps, self.lines = path, total_steps, not progress and rank == 0
+        self.file = None
         if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w" if step == 0 else "a", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        self.bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", disable=not progress or rank)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def train(self, record: dict[str, Any], epoch: float) -> None:
+        self.write(record)
+        loss, accuracy, speed = sum(record["loss"]), record["full_acc"], record["tokens_per_second"]
+        self.bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy[0]:.3f}", tok_s=f"{speed:.0f}")
+        if self.lines:
+            print(f"step {record['step']}/{self.total_steps} (epoch {epoch:.2f}): loss {loss:.3f}, accuracy per TTT "
+                  f"step {' / '.join(f'{a:.3f}' for a in accuracy)}, {speed:.0f} tokens/s", flush=True)  # fmt: skip
+
+    def validation(self, record: dict[str, Any], k: int) -> None:
+        self.write(record)
+        if self.lines:
+            print(f"validation at step {record['step']}: accuracy per TTT step "
+                  f"{' / '.join(f'{a:.3f}' for a in record['full_acc'])}, replayed acceptance length "
+                  f"{record['replayed_acceptance_length']:.2f} at K={k} (estimate "
+                  f"{record['acceptance_length']:.2f})", flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+class WallClock:
+    """Wall time of the whole run, across resumes."""
+
+    def __init__(self, before: float):
+        self.before, self.started = before, time.perf_counter()
+
+    def seconds(self) -> float:
+        return round(self.before + time.perf_counter() - self.started, 2)
+
+
+# ----- one optimizer step, validation and checkpoints, the summary ---------------------------------
+
+
+def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
+    """`grad_accumulation` packs per rank, their gradients clipped and applied at step `step`'s lr."""
+    import torch
+
+    from speculators.ttt import ttt_loss, verifier_target_logits
+
+    config, world, model = run.config, run.world, run.model
+    epoch, in_epoch = divmod(step, run.steps_per_epoch)
+    plan = run.train_packs.pack_plan(epoch)
+    for optimizer in run.optimizers:
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr_at(step, run.total_steps, config)
+    for micro in range(config.grad_accumulation):
+        pack_index = (in_epoch * config.grad_accumulation + micro) * world + run.rank
+        # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
+        pack = to_device(run.train_packs.load_pack(plan[pack_index % len(plan)]), run.device)
+        if config.aux_noise:  # seeded by the pack's place in the run: a resumed run draws the same
+            draw = (step * config.grad_accumulation + micro) * world + run.rank
+            pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
+        sync = micro == config.grad_accumulation - 1 or world == 1
+        no_sync = nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()
+        with no_sync, autocast_context(config, run.device):
+            normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
+                           pack.document_ids, pack.loss_mask)  # fmt: skip
+            targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *run.head)
+            loss, sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
+                                  lm_head=run.drafter.lm_head)  # fmt: skip
+            (loss / config.grad_accumulation).backward()
+        window.add(sums, pack.num_tokens)
+    torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], config.grad_clip)
+    for optimizer in run.optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, clock: WallClock) -> None:
+    """Every --eval-every steps: validation, and the best drafter kept; every --checkpoint-every steps
+    (and at the end): the resumable checkpoint."""
+    config, step = run.config, state["step"]
+    evaluate = step % config.eval_every == 0 or step == run.total_steps
+    save_last = step % config.checkpoint_every == 0 or step == run.total_steps
+    improved = False
+    if evaluate:
+        k = run.drafter.config.speculative_tokens
+        metrics = run_validation(run.model, run.drafter.lm_head, run.val_packs, run.head, config, run.device, run.rank,
+                                 run.world, run.in_vocab, k)  # fmt: skip
+        if metrics is not None:
+            log.validation({"event": "validation", "step": step, "wall_seconds": clock.seconds(), **metrics}, k)
+            best = state["best_validation_loss"]
+            improved = best is None or sum(metrics["loss"]) < best
+            if improved:
+                state["best_validation_loss"], state["best_validation"] = sum(metrics["loss"]), metrics
+    if not (save_last or improved):
+        return
+    state["wall_seconds"] = clock.seconds()
+    model_state, optimizer_states = gather_full_state(run.model, run.optimizers)  # (collective)
+    if run.rank == 0:
+        snapshot = drafter_from_state(run.drafter.config, model_state)
+        if improved:
+            snapshot.save_pretrained(run.output / "checkpoints" / "best")
+        if save_last:
+            save_checkpoint(run.output / "checkpoints" / "last", snapshot, optimizer_states, state)
+
+
+def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) -> dict[str, Any]:
+    """The final drafter (validated), summary.json and the curves; the summary (empty off rank 0)."""
+    from speculators.validation import validate_checkpoint
+
+    model_state, _ = gather_full_state(run.model, [])  # (collective)
+    if run.rank != 0:
+        return {}
+    output = run.output
+    drafter_from_state(run.drafter.config, model_state).save_pretrained(output / "drafter", dtype="bfloat16")
+    report = validate_checkpoint(output / "drafter", verifier=run.config.verifier)
+    if not report.ok:
+        raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
+    last_train = [json.loads(x) for x in log_path.read_text().splitlines() if '"train"' in x][-1]
+    summary = {
+        "steps": state["step"],
+        "epochs": state["step"] / run.steps_per_epoch,
+        "train_tokens": state["tokens"],
+        "train_seconds": round(state["train_seconds"], 2),
+        "wall_seconds": clock.seconds(),
+        "tokens_per_second": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
+        "world_size": run.world,
+        "final_train": {k: v for k, v in last_train.items() if k not in ("event",)},
+        "best_validation_loss": state["best_validation_loss"],
+        "best_validation": state.get("best_validation"),
+        "drafter": str(output / "drafter"),
+        "config": run.config.model_dump(),
+    }
+    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_curves(log_path, output / "training_curves.png")
+    return summary
+
+
+# ----- the loop ----------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    run = start_run(config)
+    state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
+    last = run.output / "checkpoints" / "last"
+    if (last / "trainer_state.json").is_file():
+        state = load_checkpoint(last, run.model, run.optimizers)
+        if run.rank == 0:
             print(f"resuming from {last} at step {state['step']}", flush=True)
-    log_path = output / "train_log.jsonl"
-    if rank == 0:
-        output.mkdir(parents=True, exist_ok=True)
-        if state["step"] == 0:
-            log_path.write_text("")
-    log = open(log_path, "a", encoding="utf-8") if rank == 0 else None  # noqa: SIM115 (held for the loop)
-
-    window_sums, window_tokens, window_start, window_paused = None, 0, time.perf_counter(), 0.0
-    run_started, wall_before = time.perf_counter(), state.get("wall_seconds", 0.0)
-
-    def wall_seconds() -> float:  # wall time of the whole run, across resumes
-        return round(wall_before + time.perf_counter() - run_started, 2)
-
-    model.train()
-    bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
-               disable=not config.progress or rank != 0)  # fmt: skip
+    clock, window = WallClock(state.get("wall_seconds", 0.0)), LogWindow()
+    log_path = run.output / "train_log.jsonl"
+    log = MetricsLog(log_path, run.rank, config.progress, run.total_steps, state["step"])
+    run.model.train()
     try:
-        for step in range(state["step"], total_steps):
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            plan = train_packs.pack_plan(epoch)
-            for group in optimizers:
-                for param_group in group.param_groups:
-                    param_group["lr"] = lr_at(step, total_steps, config)
-            for micro in range(config.grad_accumulation):
-                pack_index = (in_epoch * config.grad_accumulation + micro) * world + rank
-                # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
-                pack = to_device(train_packs.load_pack(plan[pack_index % len(plan)]), device)
-                if config.aux_noise:  # seeded by the pack's place in the run: a resumed run draws the same
-                    draw = step * packs_per_step + micro * world + rank
-                    pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
-                sync = micro == config.grad_accumulation - 1 or world == 1
-                with (nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()), \
-                        autocast_context(config, device):  # fmt: skip
-                    normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                                   pack.document_ids, pack.loss_mask)  # fmt: skip
-                    targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
-                    loss, sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
-                                          lm_head=drafter.lm_head)  # fmt: skip
-                    (loss / config.grad_accumulation).backward()
-                window_sums = sums if window_sums is None else {k: window_sums[k] + v for k, v in sums.items()}
-                window_tokens += pack.num_tokens
-            torch.nn.utils.clip_grad_norm_([p for p in drafter.parameters() if p.requires_grad], config.grad_clip)
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        for step in range(state["step"], run.total_steps):
+            optimizer_step(run, step, window)
             state["step"] = step + 1
-            bar.update(1)
-
-            if state["step"] % config.log_every == 0 or state["step"] == total_steps:
-                window_sums["tokens"] = torch.tensor([float(window_tokens)], dtype=torch.float64)
-                window_sums = all_reduce_sums(window_sums, world)
-                seconds = time.perf_counter() - window_start - window_paused
-                tokens = int(window_sums.pop("tokens").item())
+            log.bar.update(1)
+            if state["step"] % config.log_every == 0 or state["step"] == run.total_steps:
+                metrics, tokens, seconds = window.close(run.world)
                 state["tokens"] += tokens
                 state["train_seconds"] += seconds
-                metrics = summarize(window_sums)
-                record = {"event": "train", "step": state["step"], "wall_seconds": wall_seconds(),
-                          "lr": lr_at(step, total_steps, config), "tokens_per_second": tokens / seconds,
-                          **metrics}  # fmt: skip
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                bar.set_postfix(loss=f"{sum(metrics['loss']):.3f}", acc0=f"{metrics['full_acc'][0]:.3f}",
-                                tok_s=f"{tokens / seconds:.0f}")  # fmt: skip
-                if not config.progress and rank == 0:  # logs (Dagster, pods) get a line instead of a bar
-                    print(f"step {state['step']}/{total_steps} (epoch {state['step'] / steps_per_epoch:.2f}): loss "
-                          f"{sum(metrics['loss']):.3f}, accuracy per TTT step "
-                          f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, {tokens / seconds:.0f} tokens/s",
-                          flush=True)  # fmt: skip
-                window_sums, window_tokens, window_start, window_paused = None, 0, time.perf_counter(), 0.0
-
-            paused_from = time.perf_counter()  # validation and saving are not training throughput
-            evaluate = state["step"] % config.eval_every == 0 or state["step"] == total_steps
-            checkpoint = state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps
-            if evaluate:
-                metrics = run_validation(model, drafter.lm_head, val_packs, head, config, device, rank, world,
-                                         in_vocab, replay_k)  # fmt: skip
-                improved = metrics is not None and (
-                    state["best_validation_loss"] is None or sum(metrics["loss"]) < state["best_validation_loss"]
-                )
-                if metrics is not None and log:
-                    log.write(json.dumps({"event": "validation", "step": state["step"],
-                                          "wall_seconds": wall_seconds(), **metrics}) + "\n")  # fmt: skip
-                    log.flush()
-                    if not config.progress:
-                        print(f"validation at step {state['step']}: accuracy per TTT step "
-                              f"{' / '.join(f'{a:.3f}' for a in metrics['full_acc'])}, replayed acceptance "
-                              f"length {metrics['replayed_acceptance_length']:.2f} at K={replay_k} (estimate "
-                              f"{metrics['acceptance_length']:.2f})", flush=True)  # fmt: skip
-                if improved:
-                    state["best_validation_loss"] = sum(metrics["loss"])
-                    state["best_validation"] = metrics
-                checkpoint = checkpoint or improved
-            if checkpoint:
-                state["wall_seconds"] = wall_seconds()
-                model_state, optimizer_states = gather_full_state(model, optimizers)
-                if rank == 0:
-                    snapshot = drafter_from_state(drafter.config, model_state)
-                    if evaluate and improved:
-                        snapshot.save_pretrained(output / "checkpoints" / "best")
-                    if state["step"] % config.checkpoint_every == 0 or state["step"] == total_steps:
-                        save_checkpoint(last, snapshot, optimizer_states, state)
-            window_paused += time.perf_counter() - paused_from
+                log.train({"event": "train", "step": state["step"], "wall_seconds": clock.seconds(),
+                           "lr": lr_at(step, run.total_steps, config), "tokens_per_second": tokens / seconds,
+                           **metrics}, epoch=state["step"] / run.steps_per_epoch)  # fmt: skip
+            with window.paused():
+                validate_and_checkpoint(run, state, log, clock)
     except RuntimeError as error:
         if "out of memory" in str(error).lower() or "can't allocate" in str(error).lower():
             raise SpeculatorsError(
@@ -561,35 +692,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             ) from None
         raise
     finally:
-        bar.close()
-        if log:
-            log.close()
-
-    summary: dict[str, Any] = {}
-    model_state, _ = gather_full_state(model, [])
-    if rank == 0:
-        drafter_from_state(drafter.config, model_state).save_pretrained(output / "drafter", dtype="bfloat16")
-        report = validate_checkpoint(output / "drafter", verifier=config.verifier)
-        if not report.ok:
-            raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
-        last_train = [json.loads(x) for x in log_path.read_text().splitlines() if '"train"' in x][-1]
-        summary = {
-            "steps": state["step"],
-            "epochs": state["step"] / steps_per_epoch,
-            "train_tokens": state["tokens"],
-            "train_seconds": round(state["train_seconds"], 2),
-            "wall_seconds": wall_seconds(),
-            "tokens_per_second": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
-            "world_size": world,
-            "final_train": {k: v for k, v in last_train.items() if k not in ("event",)},
-            "best_validation_loss": state["best_validation_loss"],
-            "best_validation": state.get("best_validation"),
-            "drafter": str(output / "drafter"),
-            "config": config.model_dump(),
-        }
-        (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_curves(log_path, output / "training_curves.png")
-    if world > 1:
+        log.close()
+    summary = finish(run, state, clock, log_path)
+    if run.world > 1:
         import torch.distributed as dist
 
         dist.barrier()
