@@ -2,7 +2,7 @@
 
 Variants are read from the package's `variants/` folder and, when set, from the folder named by
 `SPECULATORS_VARIANTS_DIR` (a deployment's own variants, or tiny ones in tests). Import-light:
-pydantic and yaml only.
+pydantic, yaml and the library's settings models.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from speculators.settings import BenchProfile, PromptSources, RegenerationSettings, StoreFormat, TrainRecipe
 
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
 STEPS = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
@@ -62,22 +64,19 @@ class ComputeProfile(Strict):
         return max(1, self.gpus // self.tensor_parallel_size)
 
 
-class PromptSettings(Strict):
-    sources: list[str] = Field(min_length=1)  # files, hf:<preset>, demo:train
-    max_samples: int | None = Field(None, gt=0)
-    validation_sources: list[str] = Field(default_factory=list)  # scored by training, never trained on
+# The sections below derive from the library's settings models (speculators/settings.py): the
+# fields, defaults, constraints and descriptions of `speculators prepare|datagen|train|bench` are
+# written once there, and the workload serialises them into those commands.
+
+
+class PromptSettings(PromptSources, Strict):
     eval_source: str = "demo:eval"  # held-out prompts for the benchmark
 
 
-class DatagenSettings(Strict):
-    regenerate: bool = True  # on-policy answers written by the verifier
-    backend: Literal["transformers", "vllm"] = "transformers"
-    max_length: int = Field(2048, gt=0)
-    max_new_tokens: int = Field(512, gt=0)
-    batch_size: int = Field(8, gt=0)
-    storage: Literal["bfloat16", "float32", "fp8_e4m3"] = "bfloat16"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 where native, else fp32
-    device: str = "cpu"
+class DatagenSettings(RegenerationSettings, StoreFormat, Strict):
+    """Answers (prepare) and hidden states (datagen); vLLM's sharding comes from the compute profile."""
+
+    regenerate: bool = True  # on-policy answers written by the verifier (prepare's own default: off)
 
 
 class DrafterSettings(Strict):
@@ -86,6 +85,7 @@ class DrafterSettings(Strict):
     aux_layer_ids: list[int] | None = None  # default: the verifier's [2, N//2, N-3]
     speculative_tokens: int = Field(3, ge=1, le=16)
     num_draft_layers: int = Field(1, ge=1)
+    draft_layer_type: Literal["llama", "qwen3"] | None = None  # default: the verifier's family
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -95,29 +95,12 @@ class DrafterSettings(Strict):
         return value
 
 
-class TrainingSettings(Strict):
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, gt=0)
-    lr: float = Field(3e-4, gt=0)
-    token_budget: int = Field(2048, gt=0)
-    ttt_steps: int = Field(3, ge=1)
-    validation_share: float = Field(0.05, ge=0, lt=1)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+class TrainingSettings(TrainRecipe, Strict):
     warm_start: bool = True  # retraining starts from the last accepted drafter
-    device: str = "auto"
-    extra_args: list[str] = Field(default_factory=list)  # more `speculators train` flags
 
 
-class BenchmarkSettings(Strict):
-    requests: int = Field(32, gt=0)
-    output_tokens: int = Field(128, gt=0)
-    concurrency: list[int] = Field(default_factory=lambda: [2, 4])
-    natural_max_tokens: int = Field(512, ge=0)  # natural-length profile's cap (answers stop at end of turn); 0: off
-    lossless_prompts: int | None = Field(None, gt=0)  # prompts in the greedy token-id comparison (default: all)
-    dtype: str = "auto"
-    max_model_len: int = Field(2048, gt=0)
-    enforce_eager: bool = False
-    kv_cache_gib: int = Field(2, gt=0)
+class BenchmarkSettings(BenchProfile, Strict):
+    pass
 
 
 class GateSettings(Strict):

@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speculators.flags import to_argv
+from speculators.settings import RegenerationSettings
 from speculators_assets.variants import Variant
 
 Metadata = dict[str, Any]
@@ -82,7 +85,7 @@ def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subpro
     """Run one `speculators` command and stream its output, or with `capture` return its output and
     exit code (for commands whose verdict is the result: validate, verify-store)."""
     command = command_line(list(arguments), gpus)
-    print("$ speculators " + " ".join(arguments), flush=True)
+    print("$ speculators " + shlex.join(arguments), flush=True)
     started = time.perf_counter()
     if capture:
         done = subprocess.run(command, capture_output=True, text=True)
@@ -133,15 +136,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
     if not reused:
-        arguments = ["prepare", "--output", str(out), "--no-require-assistant" if v.datagen.regenerate else
-                     "--require-assistant"]  # fmt: skip
-        for source in v.prompts.sources:
-            arguments += ["--source", source]
-        for source in v.prompts.validation_sources:
-            arguments += ["--validation-source", source]
-        if v.prompts.max_samples:
-            arguments += ["--max-samples", str(v.prompts.max_samples)]
-        speculators(*arguments)
+        speculators(*prompts_command(v, out))
         write_json(out / "stamp.json", {"key": key, "source_fingerprint": fingerprint})
     report = read_json(out / "prepare_report.json")["prompts"]
     rejected = sum(report["rejected"].values()) if isinstance(report["rejected"], dict) else report["rejected"]
@@ -178,28 +173,36 @@ def verifier_identity(source: str) -> Any:
     return source
 
 
+def prompts_command(v: Variant, out: Path) -> list[str]:
+    """`speculators prepare` of the variant's prompt sources into conversations (no verifier yet)."""
+    from speculators.settings import PrepareSettings
+
+    p = v.prompts
+    settings = PrepareSettings(sources=p.sources, validation_sources=p.validation_sources, max_samples=p.max_samples,
+                               output=str(out), require_assistant=not v.datagen.regenerate)  # fmt: skip
+    return ["prepare", *to_argv(settings)]
+
+
 def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Path) -> list[list[str]]:
     """prepare (tokenize, or regenerate the answers), datagen (capture) and vocab for a variant: the
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas."""
+    from speculators.settings import CaptureSettings, PrepareSettings
+
     d, profile = v.datagen, v.profile("verifier_hidden_states")
-    prepare = ["prepare", "--source", str(conversations), "--output", str(data), "--verifier", v.verifier,
-               "--max-length", str(d.max_length), "--dtype", d.dtype, "--device", d.device]  # fmt: skip
-    if d.regenerate:
-        prepare += ["--regenerate", "--backend", d.backend, "--max-new-tokens", str(d.max_new_tokens),
-                    "--batch-size", str(d.batch_size), "--no-require-assistant"]  # fmt: skip
-        if d.backend == "vllm":
-            prepare += ["--tensor-parallel-size", str(profile.tensor_parallel_size),
-                        "--data-parallel-size", str(profile.data_parallel_size)]  # fmt: skip
-    datagen = ["datagen", "--data", str(data / "samples.jsonl"), "--verifier", v.verifier, "--output", str(store),
-               "--storage", d.storage, "--dtype", d.dtype, "--device", d.device, "--backend", d.backend]  # fmt: skip
-    if d.backend == "vllm":  # (transformers keeps its default batch: padded eager attention grows with it)
-        datagen += ["--batch-size", str(d.batch_size), "--tensor-parallel-size", str(profile.tensor_parallel_size),
-                    "--data-parallel-size", str(profile.data_parallel_size)]  # fmt: skip
-    if v.drafter.aux_layer_ids:
-        datagen += ["--aux-layer-ids", ",".join(map(str, v.drafter.aux_layer_ids))]
+    vllm = d.backend == "vllm"
+    parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
+    regeneration = {**d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
+                    "regenerate": d.regenerate, **(parallel if vllm and d.regenerate else {})}  # fmt: skip
+    prepare = PrepareSettings(sources=[str(conversations)], output=str(data), verifier=v.verifier,
+                              require_assistant=not d.regenerate, **regeneration)  # fmt: skip
+    # (transformers keeps its default batch: padded eager attention grows with it)
+    capture = CaptureSettings(data=str(data / "samples.jsonl"), verifier=v.verifier, output=str(store),
+                              storage=d.storage, dtype=d.dtype, device=d.device, backend=d.backend,
+                              aux_layer_ids=v.drafter.aux_layer_ids,
+                              **({"batch_size": d.batch_size, **parallel} if vllm else {}))  # fmt: skip
     vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
-    return [prepare, datagen, vocab]
+    return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
 
 
 def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
@@ -300,18 +303,14 @@ def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str,
 
 def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -> list[str]:
     """`speculators train` for a variant (run under torchrun on the step's GPUs, see command_line)."""
-    t = v.training
-    arguments = ["train", "--store", str(store), "--verifier", v.verifier, "--output", str(out),
-                 "--epochs", str(t.epochs), "--lr", str(t.lr), "--token-budget", str(t.token_budget),
-                 "--ttt-steps", str(t.ttt_steps), "--validation-share", str(t.validation_share),
-                 "--precision", t.precision, "--device", t.device, "--no-progress",
-                 "--speculative-tokens", str(v.drafter.speculative_tokens),
-                 "--num-draft-layers", str(v.drafter.num_draft_layers)]  # fmt: skip
-    if t.max_steps:
-        arguments += ["--max-steps", str(t.max_steps)]
-    if warm_start:
-        arguments += ["--warm-start", str(warm_start)]
-    return arguments + list(t.extra_args)
+    from speculators.settings import TrainConfig
+
+    d = v.drafter
+    config = TrainConfig(**v.training.model_dump(exclude={"warm_start"}, exclude_unset=True), store=str(store),
+                         verifier=v.verifier, output=str(out), warm_start=str(warm_start) if warm_start else None,
+                         speculative_tokens=d.speculative_tokens, num_draft_layers=d.num_draft_layers,
+                         draft_layer_type=d.draft_layer_type, progress=False)  # fmt: skip
+    return ["train", *to_argv(config)]
 
 
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
@@ -429,18 +428,12 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
 
 def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs."""
-    b = v.benchmark
-    arguments = ["bench", "--verifier", v.verifier, "--speculator", str(speculator), "--output", str(out),
-                 "--prompts", v.prompts.eval_source, "--requests", str(b.requests), "--output-tokens",
-                 str(b.output_tokens), "--natural-max-tokens", str(b.natural_max_tokens),
-                 "--concurrency", ",".join(map(str, b.concurrency)), "--dtype", b.dtype,
-                 "--max-model-len", str(b.max_model_len), "--kv-cache-gib", str(b.kv_cache_gib),
-                 "--tensor-parallel-size", str(v.profile("benchmark_report").tensor_parallel_size)]  # fmt: skip
-    if b.enforce_eager:
-        arguments.append("--enforce-eager")
-    if b.lossless_prompts:
-        arguments += ["--lossless-prompts", str(b.lossless_prompts)]
-    return arguments
+    from speculators.settings import BenchSettings
+
+    settings = BenchSettings(**v.benchmark.model_dump(exclude_unset=True), verifier=v.verifier,
+                             speculator=str(speculator), output=str(out), prompts=v.prompts.eval_source,
+                             tensor_parallel_size=v.profile("benchmark_report").tensor_parallel_size)  # fmt: skip
+    return ["bench", *to_argv(settings)]
 
 
 def benchmark_report(step: Step) -> tuple[Metadata, str]:
