@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from speculators.errors import SpeculatorsError
@@ -153,7 +154,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     result: dict = {"prompts": report.to_dict()}
     print(report.summary())
     if args.verifier:
-        result["tokenization"] = tokenize_or_regenerate(args, conversations, output)
+        # An offline engine only: a server (--server-url, data-parallel replicas) logs to its own file.
+        served = args.server_url or args.data_parallel_size > 1
+        offline_vllm = args.regenerate and args.backend == "vllm" and not served
+        with vllm_log(output / "regeneration-vllm.log", offline_vllm):
+            result["tokenization"] = tokenize_or_regenerate(args, conversations, output)
     write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
     if not conversations:
         raise SpeculatorsError(f"no usable conversation in {', '.join(args.source)}; see the rejection reasons above")
@@ -282,6 +287,20 @@ def tokenize_or_regenerate(args: argparse.Namespace, conversations: list, output
     return details
 
 
+@contextmanager
+def vllm_log(path: Path, active: bool) -> Iterator[None]:
+    """vLLM's log lines to `path` while an offline engine works here (see vllm_capture.vllm_log_file)."""
+    if not active:
+        yield
+        return
+    from speculators.vllm_capture import vllm_log_file
+
+    with vllm_log_file(path) as written:
+        if written:
+            print(f"vLLM's log: {written}", flush=True)
+        yield
+
+
 def cmd_datagen(args: argparse.Namespace) -> int:
     from speculators.datagen import run_datagen, run_datagen_replicas
     from speculators.tokenization import read_samples
@@ -298,13 +317,16 @@ def cmd_datagen(args: argparse.Namespace) -> int:
               "data_version": data_version}  # fmt: skip
     if args.backend == "vllm":  # vLLM loads the weights; here only the config and the files' fingerprint
         verifier = VerifierFacts.from_source(args.verifier, dtype=args.dtype)
-        if args.data_parallel_size > 1:
-            report = run_datagen_replicas(args.data, samples, verifier, args.output, **common,
-                                          data_parallel_size=args.data_parallel_size,
-                                          tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
-        else:
-            report = run_datagen(samples, verifier, args.output, **common, backend="vllm", replica=args.replica,
-                                 tensor_parallel_size=args.tensor_parallel_size, progress=not args.replica)  # fmt: skip
+        store = Path(args.output).resolve()
+        with vllm_log(store.with_name(store.name + "-vllm.log"), not args.replica):  # (replicas inherit it)
+            if args.data_parallel_size > 1:
+                report = run_datagen_replicas(args.data, samples, verifier, args.output, **common,
+                                              data_parallel_size=args.data_parallel_size,
+                                              tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+            else:
+                report = run_datagen(samples, verifier, args.output, **common, backend="vllm", replica=args.replica,
+                                     tensor_parallel_size=args.tensor_parallel_size,
+                                     progress=not args.replica)  # fmt: skip
         if args.replica:
             print(f"replica {args.replica[0]}/{args.replica[1]}: computed {report.computed} samples")
             return 0

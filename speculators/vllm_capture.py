@@ -17,7 +17,10 @@ come back through `apply_model` again.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from speculators.errors import SpeculatorsError
@@ -102,6 +105,54 @@ def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cpu_core_lists(tensor_parallel_size)))
+
+
+@contextmanager
+def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
+    """While inside, vLLM's own log lines, from every process of an engine started here, go to `path`
+    (appended) rather than the terminal, so a long step shows its progress and results. Yields the
+    path, or None when the user configured vLLM's logging (VLLM_LOGGING_CONFIG_PATH,
+    VLLM_CONFIGURE_LOGGING=0), which wins. Engine processes read the config from the environment
+    when they import vLLM; an already imported vLLM here gets the file handler directly. The
+    environment is restored on exit (later servers keep logging to their own files)."""
+    import json
+    import logging
+    import sys
+
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        yield None
+        return
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    formatter = {"format": "%(levelname)s %(asctime)s %(process)d [%(filename)s:%(lineno)d] %(message)s"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm": formatter},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(path), "formatter": "vllm"}},
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+    }
+    config_path = path.with_name(path.name + ".config.json")
+    config_path.write_text(json.dumps(config))
+    logger = logging.getLogger("vllm")
+    saved = list(logger.handlers) if "vllm" in sys.modules else None
+    if saved is not None:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter(formatter["format"]))
+        for old in saved:
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        if saved is not None:
+            for current in list(logger.handlers):
+                logger.removeHandler(current)
+                current.close()
+            for old in saved:
+                logger.addHandler(old)
 
 
 class VllmCapture:

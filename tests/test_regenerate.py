@@ -162,6 +162,27 @@ class ScriptedCounter:
         return self.generate(prompts)
 
 
+def test_the_vllm_log_file_is_set_for_engine_processes_and_restored(tmp_path, monkeypatch):
+    """The logging config reaches engine processes through the environment, only while inside; a user's own
+    vLLM logging settings win."""
+    import json
+    import os
+    from pathlib import Path
+
+    from speculators.vllm_capture import vllm_log_file
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    with vllm_log_file(tmp_path / "logs" / "vllm.log") as path:
+        config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+        assert config["handlers"]["file"]["filename"] == str(path) == str(tmp_path / "logs" / "vllm.log")
+        assert config["loggers"]["vllm"]["propagate"] is False
+    assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ  # later servers log to their own files again
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    with vllm_log_file(tmp_path / "other.log") as path:
+        assert path is None and "VLLM_LOGGING_CONFIG_PATH" not in os.environ
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_vllm_backend_matches_transformers_greedy(replicas, tiny_verifier_dir, tmp_path):
@@ -212,7 +233,11 @@ def test_vllm_backend_matches_transformers_greedy(replicas, tiny_verifier_dir, t
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]  # noqa: E731
     assert read("vllm") == read("hf")
     assert all(sum(row["loss_mask"]) > 0 for row in read("vllm"))
-    assert (tmp_path / "vllm" / "regeneration-vllm.log").is_file() == (replicas > 1)
+    # vLLM's own lines go to the log file (the server's, or the offline engine's processes'), not the terminal.
+    engine_start = "Initializing a V1 LLM engine"
+    assert engine_start in (tmp_path / "vllm" / "regeneration-vllm.log").read_text()
+    assert engine_start not in result.stdout + result.stderr
+    assert ("vLLM's log:" in result.stdout) == (replicas == 1)
 
 
 @pytest.mark.slow
