@@ -19,10 +19,10 @@ WEIGHTS_FILE = "model.safetensors"
 
 def expected_tensors(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, kind) where kind is 'float', 'int64' or 'bool'; the spec's table."""
-    layer = config.transformer_layer_config
+    layer = config.layer
     hidden, verifier_hidden = config.hidden_size, config.verifier_hidden_size
-    heads, kv_heads, head_dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
-    inner = layer["intermediate_size"]
+    heads, kv_heads, head_dim = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
+    inner = layer.intermediate_size
     aux = config.num_aux_states
     table: dict[str, tuple[tuple[int, ...], str]] = {"fc.weight": ((hidden, aux * verifier_hidden), "float")}
     if config.norm_before_fc:
@@ -37,12 +37,12 @@ def expected_tensors(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], s
         table[prefix + "self_attn.k_proj.weight"] = ((kv_heads * head_dim, width), "float")
         table[prefix + "self_attn.v_proj.weight"] = ((kv_heads * head_dim, width), "float")
         table[prefix + "self_attn.o_proj.weight"] = ((hidden, heads * head_dim), "float")
-        if layer.get("attention_bias"):
+        if layer.attention_bias:
             table[prefix + "self_attn.q_proj.bias"] = ((heads * head_dim,), "float")
             table[prefix + "self_attn.k_proj.bias"] = ((kv_heads * head_dim,), "float")
             table[prefix + "self_attn.v_proj.bias"] = ((kv_heads * head_dim,), "float")
             table[prefix + "self_attn.o_proj.bias"] = ((hidden,), "float")
-        if config.draft_layer_type == "qwen3":
+        if layer.model_type == "qwen3":
             table[prefix + "self_attn.q_norm.weight"] = ((head_dim,), "float")
             table[prefix + "self_attn.k_norm.weight"] = ((head_dim,), "float")
         table[prefix + "input_layernorm.weight"] = ((hidden,), "float")
@@ -52,7 +52,7 @@ def expected_tensors(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], s
         table[prefix + "mlp.gate_proj.weight"] = ((inner, hidden), "float")
         table[prefix + "mlp.up_proj.weight"] = ((inner, hidden), "float")
         table[prefix + "mlp.down_proj.weight"] = ((hidden, inner), "float")
-        if layer.get("mlp_bias"):
+        if layer.mlp_bias:
             for proj, size in (("gate_proj", inner), ("up_proj", inner), ("down_proj", hidden)):
                 table[prefix + f"mlp.{proj}.bias"] = ((size,), "float")
     table["norm.weight"] = ((hidden,), "float")

@@ -9,8 +9,10 @@ differ (extra keys such as `auto_map`, flags it leaves out); writing is always t
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -78,6 +80,98 @@ def check_algorithm(name: str) -> None:
     raise ValueError(f"unknown algorithm '{name}'; this project reads {', '.join(SUPPORTED_ALGORITHMS)}")
 
 
+@dataclass(frozen=True)
+class DraftLayerConfig:
+    """The draft decoder layers' settings, typed: a view of `transformer_layer_config`.
+
+    config.json keeps the dict (a complete Hugging Face decoder config, as vLLM reads it); the modelling
+    code reads these fields instead of looking keys up in it. Build it with `from_dict`.
+    """
+
+    model_type: Literal["llama", "qwen3"]
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int
+    rope_parameters: dict[str, Any] = field(hash=False)  # rope_type, rope_theta and the type's own keys
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_parameters.get("rope_type", "default")
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_parameters.get("rope_theta", 10000.0)
+
+    @classmethod
+    def from_dict(cls, layer: Mapping[str, Any]) -> DraftLayerConfig:
+        """The typed view of a complete layer config; a SpeculatorsError names a missing or mistyped field."""
+        check_layer_value_types(layer)
+        missing = [name for name in REQUIRED_LAYER_FIELDS if layer.get(name) is None]
+        if missing:
+            raise missing_layer_fields(missing)
+        if layer["model_type"] not in DRAFT_LAYER_TYPES:
+            raise SpeculatorsError(
+                f"transformer_layer_config.model_type '{layer['model_type']}' is not a draft layer type; "
+                f"use one of {', '.join(DRAFT_LAYER_TYPES)}"
+            )
+        values = {f.name: layer[f.name] for f in fields(cls) if layer.get(f.name) is not None}
+        values["rope_parameters"] = dict(values["rope_parameters"])
+        return cls(**values)
+
+
+KIND_NAMES = {int: "an integer", float: "a float", bool: "true or false", str: "a string", dict: "an object"}
+
+
+def _field_kind(hint: Any) -> type:
+    kind = get_origin(hint) or hint  # dict[str, Any] -> dict
+    return str if kind is Literal else kind  # model_type's values are checked in from_dict
+
+
+# DraftLayerConfig field -> the JSON kind of its value; the fields without a default must be present.
+LAYER_FIELD_KINDS = {name: _field_kind(hint) for name, hint in get_type_hints(DraftLayerConfig).items()}
+REQUIRED_LAYER_FIELDS = tuple(f.name for f in fields(DraftLayerConfig) if f.default is MISSING)
+
+
+def missing_layer_fields(names: list[str]) -> SpeculatorsError:
+    described = ", ".join(f"{name} ({KIND_NAMES[LAYER_FIELD_KINDS[name]]})" for name in names)
+    return SpeculatorsError(
+        f"transformer_layer_config lacks {described}; add {'it' if len(names) == 1 else 'them'} to the "
+        f"speculator's config.json (the draft layers' Hugging Face decoder config)"
+    )
+
+
+def check_layer_value_types(layer: Mapping[str, Any]) -> None:
+    """Raise a SpeculatorsError for the first DraftLayerConfig field whose (non-null) value has the wrong kind.
+
+    As strict as the transformers config classes: no bool for an integer, no integer for a float.
+    """
+    for name, kind in LAYER_FIELD_KINDS.items():
+        value = layer.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise SpeculatorsError(
+                f"transformer_layer_config.{name} is {value!r} ({type(value).__name__}), not {KIND_NAMES[kind]}; "
+                f"write it as {KIND_NAMES[kind]} in the speculator's config.json"
+            )
+    rope = layer.get("rope_parameters") or {}
+    rope_type, theta = rope.get("rope_type", "default"), rope.get("rope_theta", 10000.0)
+    if not isinstance(rope_type, str) or isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise SpeculatorsError(
+            f"transformer_layer_config.rope_parameters {rope!r} needs a string rope_type and a numeric rope_theta; "
+            f"fix them in the speculator's config.json"
+        )
+
+
 def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     """A complete, explicit Hugging Face decoder config dict for the draft layers.
 
@@ -93,7 +187,9 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     missing = [key for key in required if layer_config.get(key) is None]
     if missing:
-        raise ValueError(f"transformer_layer_config lacks {', '.join(missing)}")
+        raise missing_layer_fields(missing)
+    check_layer_value_types(layer_config)  # named here before the transformers class's own, terser check
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import LlamaConfig, Qwen3Config
 
     config_class = LlamaConfig if model_type == "llama" else Qwen3Config
@@ -101,7 +197,13 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     if "torch_dtype" in values:  # transformers 4.x name
         values.setdefault("dtype", values.pop("torch_dtype"))
     values.setdefault("num_hidden_layers", 1)
-    hf_config = config_class(**values)
+    try:
+        hf_config = config_class(**values)
+    except StrictDataclassError as error:
+        raise ValueError(
+            f"transformer_layer_config is not a valid {config_class.__name__} ({' '.join(str(error).split())}); "
+            f"fix that key in the speculator's config.json"
+        ) from None
     check_full_attention(hf_config)
     out = hf_config.to_diff_dict()
     # Token ids of the config class's defaults mean nothing for draft layers (the verifier's
@@ -183,7 +285,12 @@ class Eagle3Config(BaseModel):
     @field_validator("transformer_layer_config")
     @classmethod
     def _complete_layer(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return complete_layer_config(value)
+        try:
+            completed = complete_layer_config(value)
+            DraftLayerConfig.from_dict(completed)  # the typed view the drafter reads must build
+        except SpeculatorsError as error:
+            raise ValueError(str(error)) from None
+        return completed
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -223,12 +330,13 @@ class Eagle3Config(BaseModel):
 
     # Derived sizes, named for what they are.
     @property
-    def layer(self) -> dict[str, Any]:
-        return self.transformer_layer_config
+    def layer(self) -> DraftLayerConfig:
+        """The draft layers' settings, typed (read from transformer_layer_config on each access)."""
+        return DraftLayerConfig.from_dict(self.transformer_layer_config)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.layer["hidden_size"])
+        return self.layer.hidden_size
 
     @property
     def verifier_hidden_size(self) -> int:
@@ -236,15 +344,15 @@ class Eagle3Config(BaseModel):
 
     @property
     def verifier_vocab_size(self) -> int:
-        return int(self.layer["vocab_size"])
+        return self.layer.vocab_size
 
     @property
     def num_draft_layers(self) -> int:
-        return int(self.layer["num_hidden_layers"])
+        return self.layer.num_hidden_layers
 
     @property
     def draft_layer_type(self) -> Literal["llama", "qwen3"]:
-        return self.layer["model_type"]
+        return self.layer.model_type
 
     @property
     def num_aux_states(self) -> int:

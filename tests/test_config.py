@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from speculators.config import Eagle3Config, load_eagle3_config, parse_eagle3_config
-from speculators.errors import CheckpointFormatError
+from speculators.config import DraftLayerConfig, Eagle3Config, load_eagle3_config, parse_eagle3_config
+from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.verifier import draft_config_for_verifier
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -188,3 +189,70 @@ def test_a_sliding_window_that_no_draft_layer_uses_is_a_note():
     config, notes = parse_eagle3_config(raw)
     assert config.draft_layer_type == "qwen3"
     assert any("use_sliding_window=True" in n and "full attention" in n for n in notes)
+
+
+MODEL_CONFIGS = Path(__file__).parent / "data" / "model_configs"
+
+
+def drafter_config_for_published_verifier(name: str) -> Eagle3Config:
+    """A draft config, with draft layers of the verifier's own type, for a published verifier config.json."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    raw = json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
+    verifier = {"llama": LlamaConfig, "qwen3": Qwen3Config}[raw["model_type"]](**raw)
+    return draft_config_for_verifier(verifier, name, draft_vocab_size=32000, draft_layer_type=raw["model_type"])
+
+
+@pytest.mark.parametrize(
+    ("name", "layer_type", "rope_type"),
+    [("llama3_1_8b", "llama", "llama3"), ("qwen3_8b", "qwen3", "default"), ("reference_library", "llama", "llama3")],
+)
+def test_the_typed_layer_config_is_a_view_of_the_dict(name, layer_type, rope_type):
+    if name == "reference_library":
+        config, _ = parse_eagle3_config(json.loads((GOLDEN / "reference_library_eagle3_config.json").read_text()))
+    else:
+        config = drafter_config_for_published_verifier(name)
+    layer, typed = config.transformer_layer_config, config.layer
+    assert isinstance(typed, DraftLayerConfig)
+    for field in dataclasses.fields(DraftLayerConfig):
+        assert getattr(typed, field.name) == layer.get(field.name, field.default), field.name
+    assert (typed.model_type, typed.rope_type, typed.rope_theta) == (layer_type, rope_type, layer["rope_theta"])
+    assert typed.attention_bias is False and typed.mlp_bias is False
+    assert (config.hidden_size, config.num_draft_layers, config.draft_layer_type) == (
+        layer["hidden_size"],
+        layer["num_hidden_layers"],
+        layer_type,
+    )
+    assert config.to_json_dict()["transformer_layer_config"] == layer  # config.json still holds the dict
+
+
+def test_a_layer_config_missing_a_field_is_one_clear_error():
+    layer = dict(drafter_config_for_published_verifier("llama3_1_8b").transformer_layer_config)
+    del layer["num_key_value_heads"]
+    with pytest.raises(SpeculatorsError) as error:
+        DraftLayerConfig.from_dict(layer)
+    assert str(error.value) == (
+        "transformer_layer_config lacks num_key_value_heads (an integer); add it to the speculator's config.json "
+        "(the draft layers' Hugging Face decoder config)"
+    )
+
+
+def test_a_layer_field_of_the_wrong_type_is_one_clear_error():
+    layer = dict(drafter_config_for_published_verifier("qwen3_8b").transformer_layer_config, hidden_size="4096")
+    expected = (
+        "transformer_layer_config.hidden_size is '4096' (str), not an integer; "
+        "write it as an integer in the speculator's config.json"
+    )
+    with pytest.raises(SpeculatorsError) as error:
+        DraftLayerConfig.from_dict(layer)
+    assert str(error.value) == expected
+    # A checkpoint's config.json says the same (before, transformers' own type check escaped unformatted).
+    in_checkpoint = _bad(lambda raw: raw["transformer_layer_config"].update(hidden_size="576"))
+    assert expected.replace("4096", "576") in in_checkpoint
+    assert "not true or false" in _bad(lambda raw: raw["transformer_layer_config"].update(attention_bias=1))
+    assert "not a float" in _bad(lambda raw: raw["transformer_layer_config"].update(rms_norm_eps=1))
+
+
+def test_a_mistyped_key_only_transformers_checks_is_a_checkpoint_error():
+    message = _bad(lambda raw: raw["transformer_layer_config"].update(initializer_range="small"))
+    assert "transformer_layer_config is not a valid LlamaConfig" in message and "initializer_range" in message

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -110,6 +113,45 @@ def test_load_save_load_is_exact(tmp_path, dtype):
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE, YARN_ROPE, {"rope_type": "linear", "factor": 2.0}])
+@pytest.mark.parametrize("layer_type", ["llama", "qwen3"])
+def test_rotary_tables_equal_transformers_own_from_the_whole_layer_dict(rope, layer_type):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    drafter = make_drafter(rope_parameters=rope, draft_layer_type=layer_type, max_position_embeddings=4096)
+    layer = {k: v for k, v in drafter.config.transformer_layer_config.items() if k != "model_type"}
+    theirs = LlamaRotaryEmbedding(LlamaConfig(**copy.deepcopy(layer)))
+    positions = torch.arange(5000)[None]
+    cos, sin = drafter.rotary(positions, torch.float32)
+    their_cos, their_sin = theirs(torch.zeros(1, dtype=torch.float32), positions)
+    assert torch.equal(cos[:, 0], their_cos) and torch.equal(sin[:, 0], their_sin)
+
+
+def test_saved_config_json_keeps_its_form_for_a_scaled_rope(tmp_path):
+    """save_pretrained writes rope_theta into the legacy rope_scaling too, as it always has."""
+    drafter = make_drafter(rope_parameters=LLAMA3_ROPE)
+    layer = copy.deepcopy(drafter.config.transformer_layer_config)
+    assert "rope_theta" not in layer["rope_scaling"]
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["transformer_layer_config"]
+    assert saved == {**layer, "rope_scaling": {**layer["rope_scaling"], "rope_theta": 500000.0}}
+    assert drafter.config.transformer_layer_config == layer  # building and saving leave the config as it was
+    Eagle3Drafter.from_pretrained(tmp_path).save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "config.json").read_bytes() == (tmp_path / "config.json").read_bytes()
 
 
 def test_embeddings_saved_only_when_asked(tmp_path):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from speculators.config import Eagle3Config
+from speculators.config import DraftLayerConfig, Eagle3Config
 from speculators.errors import SpeculatorsError
 from speculators.ttt import later_steps_needed
 
@@ -52,21 +53,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables from the layer config's rope parameters (default, llama3, yarn, ...)."""
 
-    def __init__(self, layer_config: dict):
+    def __init__(self, config: DraftLayerConfig):
         super().__init__()
-        from transformers import LlamaConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        hf_config = LlamaConfig(**{k: v for k, v in layer_config.items() if k != "model_type"})
-        rope = hf_config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            head_dim = layer_config["head_dim"]
-            base = rope.get("rope_theta", 10000.0)
+        if config.rope_type == "default":
+            head_dim, base = config.head_dim, config.rope_theta
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
             self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+        else:  # transformers' own init functions, given the config fields they read
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf_config = LlamaConfig(
+                hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_parameters=dict(config.rope_parameters),
+            )
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf_config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
@@ -89,31 +94,29 @@ def append_kv(past: KeyValues | None, new: KeyValues) -> KeyValues:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, layer_config: dict, input_size: int):
+    def __init__(self, config: DraftLayerConfig, input_size: int):
         super().__init__()
-        hidden = layer_config["hidden_size"]
-        self.num_heads = layer_config["num_attention_heads"]
-        self.num_kv_heads = layer_config["num_key_value_heads"]
-        self.head_dim = layer_config["head_dim"]
-        bias = bool(layer_config.get("attention_bias", False))
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
         self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        if layer_config["model_type"] == "qwen3":
-            eps = layer_config["rms_norm_eps"]
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type == "qwen3":  # per-head RMSNorm of queries and keys before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | TTTMask | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        past: KeyValues | None,
+    ) -> tuple[torch.Tensor, KeyValues]:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -137,16 +140,15 @@ class DraftAttention(nn.Module):
 
 
 class DraftMLP(nn.Module):
-    def __init__(self, layer_config: dict):
+    def __init__(self, config: DraftLayerConfig):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        hidden, inner = layer_config["hidden_size"], layer_config["intermediate_size"]
-        bias = bool(layer_config.get("mlp_bias", False))
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.act = ACT2FN[layer_config["hidden_act"]]
+        self.act: nn.Module = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -155,14 +157,13 @@ class DraftMLP(nn.Module):
 class DraftDecoderLayer(nn.Module):
     """Layer 0 attends over [embedding ; hidden] (width 2H); later layers are plain pre-norm layers."""
 
-    def __init__(self, config: Eagle3Config, layer_idx: int):
+    def __init__(self, config: DraftLayerConfig, layer_idx: int, norm_before_residual: bool):
         super().__init__()
-        layer = config.transformer_layer_config
-        hidden, eps = layer["hidden_size"], layer["rms_norm_eps"]
+        hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_first = layer_idx == 0
-        self.norm_before_residual = config.norm_before_residual
-        self.self_attn = DraftAttention(layer, 2 * hidden if self.is_first else hidden)
-        self.mlp = DraftMLP(layer)
+        self.norm_before_residual = norm_before_residual
+        self.self_attn = DraftAttention(config, 2 * hidden if self.is_first else hidden)
+        self.mlp = DraftMLP(config)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         if self.is_first:
@@ -173,9 +174,9 @@ class DraftDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         embeds: torch.Tensor | None,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        mask: torch.Tensor | TTTMask | None,
+        past: KeyValues | None,
+    ) -> tuple[torch.Tensor, KeyValues]:
         if self.is_first:
             normed_hidden = self.hidden_norm(hidden)
             residual = normed_hidden if self.norm_before_residual else hidden
@@ -303,19 +304,32 @@ def ttt_attention_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)[:, None]
 
 
+def layer_config_as_saved(layer: dict[str, Any]) -> dict[str, Any]:
+    """transformer_layer_config as save_pretrained has always written it: a non-default rope's legacy
+    `rope_scaling` also carries rope_theta. (The rotary tables were once built from a transformers config
+    made of this dict, which added the key to it in place.) Kept so checkpoints stay byte-for-byte the same;
+    readers take rope_theta from rope_parameters or the top level."""
+    scaling = layer.get("rope_scaling")
+    if not isinstance(scaling, dict) or "rope_theta" in scaling or "rope_theta" not in layer:
+        return layer
+    return {**layer, "rope_scaling": {**scaling, "rope_theta": layer["rope_theta"]}}
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        layer = config.transformer_layer_config
-        hidden, verifier_hidden, eps = config.hidden_size, config.verifier_hidden_size, layer["rms_norm_eps"]
+        layer = config.layer  # the draft layers' settings, typed (transformer_layer_config stays the saved form)
+        hidden, verifier_hidden, eps = layer.hidden_size, config.verifier_hidden_size, layer.rms_norm_eps
         fc_input = config.num_aux_states * verifier_hidden
         if config.norm_before_fc:
             self.input_norm = RMSNorm(fc_input, eps)
         if config.fc_norm:
             self.fc_norm = nn.ModuleList([RMSNorm(verifier_hidden, eps) for _ in range(config.num_aux_states)])
         self.fc = nn.Linear(fc_input, hidden, bias=False)
-        self.layers = nn.ModuleList([DraftDecoderLayer(config, i) for i in range(config.num_draft_layers)])
+        self.layers = nn.ModuleList(
+            [DraftDecoderLayer(layer, i, config.norm_before_residual) for i in range(layer.num_hidden_layers)]
+        )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(layer)
@@ -545,7 +559,8 @@ class Eagle3Drafter(nn.Module):
             directory / "model.safetensors",
             lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
         )
-        config = self.config.model_copy(update={"dtype": dtype_name})
+        layer = layer_config_as_saved(self.config.transformer_layer_config)
+        config = self.config.model_copy(update={"dtype": dtype_name, "transformer_layer_config": layer})
         config.save(directory)
         return directory
 
