@@ -89,7 +89,8 @@ def run_demo(variant: str = "smollm2_135m", dagster_home: str | None = None, sto
         os.environ["SPECULATORS_STORAGE_ROOT"] = str(Path(storage).expanduser().resolve())
     import dagster as dg
 
-    from speculators_assets.definitions import LINEAGE, build_defs
+    from speculators_assets.definitions import build_defs
+    from speculators_assets.steps import NAMES as LINEAGE
 
     defs = build_defs()
     job = defs.resolve_job_def("build_lineage")

@@ -14,8 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from speculators_assets import steps
+
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
-STEPS = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
+STEPS = steps.NAMES  # the keys `compute:` may set
 
 
 class VariantError(ValueError):

@@ -179,11 +179,13 @@ def test_helm_values_use_only_known_chart_keys_and_agree_with_the_runner():
 
 
 def test_the_gpu_pool_limit_covers_every_heavy_asset():
-    from speculators_assets.definitions import HEAVY, build_defs
+    from speculators_assets.definitions import build_defs
+    from speculators_assets.steps import STEPS
 
     graph = build_defs().resolve_asset_graph()
     pools = {key.to_user_string(): graph.get(key).pools for key in graph.get_all_asset_keys()}
-    assert {name for name, pool in pools.items() if pool == {"gpu"}} == HEAVY
+    heavy = {step.name for step in STEPS if step.gpu_pool}
+    assert {name for name, pool in pools.items() if pool == {"gpu"}} == heavy
     values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
     assert values["concurrency"]["pools"]["defaultLimit"] >= 1
 
