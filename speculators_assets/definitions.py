@@ -4,7 +4,6 @@ Assets are thin: resolve the variant, hand the step to the runner (Pipes), pass 
 reports. Loads in about a second: no torch, no library import at module level.
 """
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import dagster as dg
 from pydantic import Field
 
 from speculators_assets.resources import PipelineRunner, StorageRoot
+from speculators_assets.settings import Settings
 from speculators_assets.steps import STEPS, StepSpec
 from speculators_assets.variants import Variant, load_variants
 
@@ -30,7 +30,7 @@ def run_step(context: dg.AssetExecutionContext, variants: dict[str, Variant], st
     variant = variants[context.partition_key]
     root = str(Path(storage.path).expanduser().resolve()) if runner.mode == "local" else storage.path
     extras = {"step": step, "variant": variant.model_dump(mode="json"), "root": root, "force": force}
-    invocation = runner.run(context, variant, step, extras=extras)
+    invocation = runner.run(context, variant, step, root, extras=extras)
     yield from invocation.get_results()
 
 
@@ -92,9 +92,9 @@ def retraining_requests(instance: dg.DagsterInstance, variants: dict[str, Varian
     return requests
 
 
-def automated_variants(variants: dict[str, Variant]) -> list[str]:
-    """SPECULATORS_AUTOMATED_VARIANTS (comma-separated) limits the schedule; default: all variants."""
-    chosen = [n.strip() for n in os.environ.get("SPECULATORS_AUTOMATED_VARIANTS", "").split(",") if n.strip()]
+def automated_variants(variants: dict[str, Variant], settings: Settings | None = None) -> list[str]:
+    """SPECULATORS_AUTOMATED_VARIANTS (comma-separated, read at each tick) limits the schedule; default: all."""
+    chosen = list((Settings.from_env() if settings is None else settings).automated_variants)
     unknown = sorted(set(chosen) - set(variants))
     if unknown:
         raise ValueError(f"SPECULATORS_AUTOMATED_VARIANTS names unknown variants {unknown}; known: {sorted(variants)}")
@@ -104,8 +104,10 @@ def automated_variants(variants: dict[str, Variant]) -> list[str]:
 # ----- the definitions -----------------------------------------------------------------------------
 
 
-def build_defs(variants: dict[str, Variant] | None = None) -> dg.Definitions:
-    variants = load_variants() if variants is None else variants
+def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | None = None) -> dg.Definitions:
+    """The code location; `settings` default: the environment's (settings.py)."""
+    settings = Settings.from_env() if settings is None else settings
+    variants = load_variants(settings) if variants is None else variants
     partitions = dg.StaticPartitionsDefinition(sorted(variants))
     assets = [step_asset(step, variants, partitions) for step in STEPS]
     lineage = dg.define_asset_job("build_lineage", selection=dg.AssetSelection.all(), partitions_def=partitions,
@@ -125,22 +127,16 @@ def build_defs(variants: dict[str, Variant] | None = None) -> dg.Definitions:
         requests = retraining_requests(context.instance, variants, automated_variants(variants))
         return requests or dg.SkipReason("no prompt source changed since the last drafter")
 
-    runner_mode = os.environ.get("SPECULATORS_RUNNER", "local")
     return dg.Definitions(
         assets=assets,
         jobs=[lineage, refresh],
         schedules=[retrain_on_new_data],
         resources={
-            "storage": StorageRoot(path=os.environ.get("SPECULATORS_STORAGE_ROOT", ".speculators-storage")),
-            "runner": PipelineRunner(
-                mode=runner_mode,
-                namespace=os.environ.get("SPECULATORS_K8S_NAMESPACE", "speculators"),
-                workload_image=os.environ.get("SPECULATORS_WORKLOAD_IMAGE", "speculators-pipeline-gpu:latest"),
-                storage_claim=os.environ.get("SPECULATORS_STORAGE_CLAIM", "speculators-storage"),
-                storage_mount=os.environ.get("SPECULATORS_STORAGE_ROOT", "/data") if runner_mode == "k8s" else "/data",
-            ),
+            "storage": StorageRoot(path=settings.storage_root),
+            "runner": PipelineRunner(mode=settings.runner, namespace=settings.k8s_namespace,
+                                     workload_image=settings.workload_image, storage_claim=settings.storage_claim),
         },
-    )
+    )  # fmt: skip
 
 
 defs = build_defs()

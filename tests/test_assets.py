@@ -13,6 +13,7 @@ import dagster as dg
 import pytest
 
 from speculators_assets.resources import PipelineRunner
+from speculators_assets.settings import K8S_STORAGE_ROOT, Settings
 from speculators_assets.steps import BY_NAME, NAMES, STEPS
 from speculators_assets.variants import VariantError, load_variant, load_variants
 
@@ -102,7 +103,7 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
     variants = load_variants()
     for name in GPU_VARIANTS:
         for step in ASSETS:
-            spec = runner.pod_spec(variants[name], step)
+            spec = runner.pod_spec(variants[name], step, K8S_STORAGE_ROOT)
             pod = build_pod_body("speculators-step", None, runner.workload_command(), {"DAGSTER_PIPES_CONTEXT": "x"},
                                  {"labels": {"speculators/variant": name}}, spec)  # fmt: skip
             assert isinstance(pod, kubernetes.client.V1Pod)
@@ -113,7 +114,8 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
             assert container.image == "registry.example/speculators-gpu:1.0"
             assert container.command[:3] == ["python", "-m", "speculators_assets.workload"]
             assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "speculators-storage"
-            assert any(m.mount_path == "/data" for m in container.volume_mounts)
+            assert any(m.mount_path == "/data" and m.name == "storage" for m in container.volume_mounts)
+            assert [e.value for e in container.env if e.name == "SPECULATORS_STORAGE_ROOT"] == ["/data"]
             if gpus:
                 assert pod.spec.tolerations[0].key == "nvidia.com/gpu"
                 assert pod.spec.node_selector == {"nvidia.com/gpu.present": "true"}
@@ -150,6 +152,64 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     assert "1.900 (replayed on validation samples) against the floor 1.3" in gates["acceptance_floor"]["description"]
     low = {"best_validation": None, "final_train": {"acceptance_length": 1.2}}  # no validation split: train estimate
     assert not drafter_gates(variant, low, None)[0]["passed"]
+
+
+@pytest.mark.parametrize("set_root", [None, "/mnt/speculators"])
+def test_with_the_k8s_runner_the_workload_root_is_where_the_claim_is_mounted(monkeypatch, set_root):
+    """SPECULATORS_STORAGE_ROOT means one thing: the root the workload is given, which the k8s runner mounts
+    the claim at (default /data) and sets in the pod; unset, it is not the local default."""
+    import dagster_k8s
+    import kubernetes
+    from dagster_k8s.pipes import build_pod_body
+
+    from speculators_assets.definitions import build_defs
+
+    calls = []
+
+    class RecordingK8sClient:  # stands in for the cluster: records what the runner asks of PipesK8sClient
+        def __init__(self, **kwargs):
+            pass
+
+        def run(self, **kwargs):
+            calls.append(kwargs)
+            return type("Invocation", (), {"get_results": lambda self: [dg.MaterializeResult()]})()
+
+    monkeypatch.setattr(dagster_k8s, "PipesK8sClient", RecordingK8sClient)
+    monkeypatch.setenv("SPECULATORS_RUNNER", "k8s")
+    if set_root is None:
+        monkeypatch.delenv("SPECULATORS_STORAGE_ROOT", raising=False)
+    else:
+        monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", set_root)
+    expected = set_root or K8S_STORAGE_ROOT
+    assert Settings.from_env().storage_root == expected
+    defs = build_defs({"smollm2_135m": load_variants()["smollm2_135m"]})
+    result = dg.materialize(list(defs.assets), partition_key="smollm2_135m", resources=defs.resources,
+                            selection=["raw_prompts"])  # fmt: skip
+    assert result.success
+    (call,) = calls
+    assert call["extras"]["root"] == expected and call["extras"]["step"] == "raw_prompts"
+    pod = build_pod_body("speculators-step", None, call["command"], {}, call["base_pod_meta"], call["base_pod_spec"])
+    assert isinstance(pod, kubernetes.client.V1Pod)
+    (container,) = pod.spec.containers
+    (mount,) = [m for m in container.volume_mounts if m.name == "storage"]
+    assert mount.mount_path == expected
+    assert [e.value for e in container.env if e.name == "SPECULATORS_STORAGE_ROOT"] == [expected]
+    assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "speculators-storage"
+
+
+def test_the_settings_read_each_variable_once_with_its_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = Settings.from_env({})
+    assert (local.runner, local.storage_root) == ("local", str(tmp_path / ".speculators-storage"))
+    assert local.variants_dir is None and local.automated_variants == ()
+    assert Settings.from_env({"SPECULATORS_STORAGE_ROOT": "store"}).storage_root == str(tmp_path / "store")
+    assert Settings.from_env({"SPECULATORS_AUTOMATED_VARIANTS": " a, ,b"}).automated_variants == ("a", "b")
+    k8s = Settings.from_env({"SPECULATORS_RUNNER": "k8s", "SPECULATORS_STORAGE_ROOT": ""})
+    assert k8s.storage_root == "/data"
+    with pytest.raises(ValueError, match="must be an absolute path with the k8s runner"):
+        Settings.from_env({"SPECULATORS_RUNNER": "k8s", "SPECULATORS_STORAGE_ROOT": "relative"})
+    with pytest.raises(ValueError, match="SPECULATORS_RUNNER=docker is not one of local, k8s"):
+        Settings.from_env({"SPECULATORS_RUNNER": "docker"})
 
 
 def reported_check_names() -> dict[str, set[str]]:
