@@ -4,7 +4,6 @@ Assets are thin: resolve the variant, hand the step to the runner (Pipes), pass 
 reports. Loads in about a second: no torch, no library import at module level.
 """
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ import dagster as dg
 from pydantic import Field
 
 from speculators_assets.resources import PipelineRunner, StorageRoot
+from speculators_assets.settings import Settings
+from speculators_assets.steps import STEPS, StepSpec
 from speculators_assets.variants import Variant, load_variants
 
 GROUP = "speculators"
@@ -24,79 +25,36 @@ class StepConfig(dg.Config):
     force: bool = Field(default=False, description="recompute even if the inputs did not change")
 
 
-def check(name: str, asset: str, description: str, blocking: bool = False) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(name=name, asset=asset, description=description, blocking=blocking)
-
-
-CHECKS = {
-    "verifier_hidden_states": [
-        check("counts_match_prepared_data", "verifier_hidden_states", "store samples = prepared samples"),
-        check("values_finite", "verifier_hidden_states", "every shard re-read: checksum, shapes, finite values", True),
-        check("draft_vocab_coverage", "verifier_hidden_states", "the draft vocab covers enough supervised tokens"),
-    ],
-    "trained_drafter": [
-        check("acceptance_floor", "trained_drafter", "validation acceptance estimate >= the variant's floor", True),
-        check("no_regression", "trained_drafter", "not worse than the last accepted drafter beyond tolerance", True),
-    ],
-    "speculator_checkpoint": [
-        check("passes_validate", "speculator_checkpoint", "speculators validate against the verifier; K as set", True),
-    ],
-    "benchmark_report": [
-        check("speedup_at_least_1", "benchmark_report", "synchronous per-token latency speed-up >= 1"),
-        check("lossless_outputs", "benchmark_report", "greedy token ids equal the baseline's up to near-ties"),
-        check("report_complete", "benchmark_report", "every report file written"),
-    ],
-}
-
-DESCRIPTIONS = {
-    "raw_prompts": "The variant's prompt sources, normalised into conversations (rows counted, data version).",
-    "verifier_hidden_states": "On-policy answers by the verifier, tokenized with loss masks; the verifier's aux "
-    "hidden states in the content-addressed store; the draft vocabulary.",
-    "trained_drafter": "EAGLE-3 drafter trained with training-time test (warm-started from the last accepted one).",
-    "speculator_checkpoint": "The validated, vLLM-ready speculator checkpoint; published to .../latest when the "
-    "gates pass.",
-    "benchmark_report": "vLLM + GuideLLM: the verifier alone vs with the speculator, acceptance and latency.",
-}
-KINDS = {
-    "raw_prompts": {"python", "json"},
-    "verifier_hidden_states": {"pytorch", "vllm", "safetensors"},
-    "trained_drafter": {"pytorch"},
-    "speculator_checkpoint": {"vllm", "safetensors"},
-    "benchmark_report": {"vllm", "guidellm"},
-}
-UPSTREAM = {
-    "verifier_hidden_states": "raw_prompts",
-    "trained_drafter": "verifier_hidden_states",
-    "speculator_checkpoint": "trained_drafter",
-    "benchmark_report": "speculator_checkpoint",
-}
-HEAVY = {"verifier_hidden_states", "trained_drafter", "benchmark_report"}  # hold a slot of the `gpu` pool
-
-
 def run_step(context: dg.AssetExecutionContext, variants: dict[str, Variant], storage: StorageRoot,
              runner: PipelineRunner, step: str, force: bool) -> Iterator[Any]:  # fmt: skip
     variant = variants[context.partition_key]
     root = str(Path(storage.path).expanduser().resolve()) if runner.mode == "local" else storage.path
     extras = {"step": step, "variant": variant.model_dump(mode="json"), "root": root, "force": force}
-    invocation = runner.run(context, variant, step, extras=extras)
+    invocation = runner.run(context, variant, step, root, extras=extras)
     yield from invocation.get_results()
 
 
-def step_asset(name: str, variants: dict[str, Variant], partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def check_specs(step: StepSpec) -> list[dg.AssetCheckSpec]:
+    return [dg.AssetCheckSpec(name=c.name, asset=step.name, description=c.description, blocking=c.blocking)
+            for c in step.checks]  # fmt: skip
+
+
+def step_asset(step: StepSpec, variants: dict[str, Variant], partitions: dg.PartitionsDefinition,
+               ) -> dg.AssetsDefinition:  # fmt: skip
     @dg.asset(
-        name=name,
+        name=step.name,
         partitions_def=partitions,
         group_name=GROUP,
-        kinds=KINDS[name],
+        kinds=set(step.kinds),
         owners=OWNERS,
-        description=DESCRIPTIONS[name],
+        description=step.description,
         code_version=CODE_VERSION,
-        deps=[UPSTREAM[name]] if name in UPSTREAM else [],
-        check_specs=CHECKS.get(name, []),
-        pool="gpu" if name in HEAVY else None,
+        deps=[step.upstream] if step.upstream else [],
+        check_specs=check_specs(step),
+        pool="gpu" if step.gpu_pool else None,
     )
     def _asset(context: dg.AssetExecutionContext, config: StepConfig, storage: StorageRoot, runner: PipelineRunner):
-        yield from run_step(context, variants, storage, runner, name, config.force)
+        yield from run_step(context, variants, storage, runner, step.name, config.force)
 
     return _asset
 
@@ -134,9 +92,9 @@ def retraining_requests(instance: dg.DagsterInstance, variants: dict[str, Varian
     return requests
 
 
-def automated_variants(variants: dict[str, Variant]) -> list[str]:
-    """SPECULATORS_AUTOMATED_VARIANTS (comma-separated) limits the schedule; default: all variants."""
-    chosen = [n.strip() for n in os.environ.get("SPECULATORS_AUTOMATED_VARIANTS", "").split(",") if n.strip()]
+def automated_variants(variants: dict[str, Variant], settings: Settings | None = None) -> list[str]:
+    """SPECULATORS_AUTOMATED_VARIANTS (comma-separated, read at each tick) limits the schedule; default: all."""
+    chosen = list((Settings.from_env() if settings is None else settings).automated_variants)
     unknown = sorted(set(chosen) - set(variants))
     if unknown:
         raise ValueError(f"SPECULATORS_AUTOMATED_VARIANTS names unknown variants {unknown}; known: {sorted(variants)}")
@@ -146,14 +104,12 @@ def automated_variants(variants: dict[str, Variant]) -> list[str]:
 # ----- the definitions -----------------------------------------------------------------------------
 
 
-# The five assets, upstream first.
-LINEAGE = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
-
-
-def build_defs(variants: dict[str, Variant] | None = None) -> dg.Definitions:
-    variants = load_variants() if variants is None else variants
+def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | None = None) -> dg.Definitions:
+    """The code location; `settings` default: the environment's (settings.py)."""
+    settings = Settings.from_env() if settings is None else settings
+    variants = load_variants(settings) if variants is None else variants
     partitions = dg.StaticPartitionsDefinition(sorted(variants))
-    assets = [step_asset(name, variants, partitions) for name in LINEAGE]
+    assets = [step_asset(step, variants, partitions) for step in STEPS]
     lineage = dg.define_asset_job("build_lineage", selection=dg.AssetSelection.all(), partitions_def=partitions,
                                   description="Materialize the whole lineage for a variant (partition).")  # fmt: skip
     refresh = dg.define_asset_job(
@@ -171,22 +127,16 @@ def build_defs(variants: dict[str, Variant] | None = None) -> dg.Definitions:
         requests = retraining_requests(context.instance, variants, automated_variants(variants))
         return requests or dg.SkipReason("no prompt source changed since the last drafter")
 
-    runner_mode = os.environ.get("SPECULATORS_RUNNER", "local")
     return dg.Definitions(
         assets=assets,
         jobs=[lineage, refresh],
         schedules=[retrain_on_new_data],
         resources={
-            "storage": StorageRoot(path=os.environ.get("SPECULATORS_STORAGE_ROOT", ".speculators-storage")),
-            "runner": PipelineRunner(
-                mode=runner_mode,
-                namespace=os.environ.get("SPECULATORS_K8S_NAMESPACE", "speculators"),
-                workload_image=os.environ.get("SPECULATORS_WORKLOAD_IMAGE", "speculators-pipeline-gpu:latest"),
-                storage_claim=os.environ.get("SPECULATORS_STORAGE_CLAIM", "speculators-storage"),
-                storage_mount=os.environ.get("SPECULATORS_STORAGE_ROOT", "/data") if runner_mode == "k8s" else "/data",
-            ),
+            "storage": StorageRoot(path=settings.storage_root),
+            "runner": PipelineRunner(mode=settings.runner, namespace=settings.k8s_namespace,
+                                     workload_image=settings.workload_image, storage_claim=settings.storage_claim),
         },
-    )
+    )  # fmt: skip
 
 
 defs = build_defs()

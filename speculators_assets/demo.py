@@ -85,21 +85,21 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
 def run_demo(variant: str = "smollm2_135m", dagster_home: str | None = None, storage: str | None = None) -> int:
     home = prepare_home(Path(dagster_home or os.environ.get("DAGSTER_HOME") or ".dagster"))
     os.environ["DAGSTER_HOME"] = str(home)
-    if storage:
-        os.environ["SPECULATORS_STORAGE_ROOT"] = str(Path(storage).expanduser().resolve())
     import dagster as dg
 
-    from speculators_assets.definitions import LINEAGE, build_defs
+    from speculators_assets.definitions import build_defs
+    from speculators_assets.settings import Settings
+    from speculators_assets.steps import NAMES as LINEAGE
 
-    defs = build_defs()
+    settings = Settings.from_env({**os.environ, "SPECULATORS_STORAGE_ROOT": storage} if storage else None)
+    defs = build_defs(settings=settings)
     job = defs.resolve_job_def("build_lineage")
     known = job.partitions_def.get_partition_keys() if job.partitions_def else []
     if variant not in known:
         print(f"error: variant {variant!r} is not a partition; choose one of {', '.join(known)}")
         return 2
-    root = defs.resources["storage"].path
     print(f"Materializing {' -> '.join(LINEAGE)} for {variant} through Dagster (local runner); artifacts under "
-          f"{Path(root).resolve() / variant}, runs recorded in {home}", flush=True)  # fmt: skip
+          f"{Path(settings.storage_root) / variant}, runs recorded in {home}", flush=True)  # fmt: skip
     instance = dg.DagsterInstance.get()
     started = time.perf_counter()
     result = job.execute_in_process(partition_key=variant, instance=instance, raise_on_error=False,

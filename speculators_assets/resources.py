@@ -14,15 +14,18 @@ from typing import Any
 
 import dagster as dg
 
+from speculators_assets.settings import LOCAL_STORAGE_ROOT, Settings
 from speculators_assets.variants import ComputeProfile, Variant
 
 WORKLOAD_CONTAINER = "workload"
 
 
 class StorageRoot(dg.ConfigurableResource):
-    """Artifacts under `<path>/<variant>/<asset>/...` (a shared volume path in Kubernetes)."""
+    """Artifacts under `<path>/<variant>/<asset>/...`: the root as the workload sees it (settings.py,
+    SPECULATORS_STORAGE_ROOT): a local directory, or with the k8s runner where the claim is mounted in
+    every step pod."""
 
-    path: str = ".speculators-storage"
+    path: str = LOCAL_STORAGE_ROOT
 
 
 def local_gpu_count() -> int:
@@ -38,13 +41,13 @@ def local_gpu_count() -> int:
 class PipelineRunner(dg.ConfigurableResource):
     """`local` (subprocess) or `k8s` (one pod per heavy step), both through Dagster Pipes."""
 
-    mode: str = "local"
+    mode: str = Settings.runner
     python: str = sys.executable  # local: the interpreter that runs workloads
-    namespace: str = "speculators"  # k8s
-    workload_image: str = "speculators-pipeline-gpu:latest"
+    # k8s (defaults: settings.py)
+    namespace: str = Settings.k8s_namespace
+    workload_image: str = Settings.workload_image
     image_pull_policy: str = "IfNotPresent"
-    storage_claim: str = "speculators-storage"  # ReadWriteMany claim mounted at the storage root
-    storage_mount: str = "/data"
+    storage_claim: str = Settings.storage_claim  # ReadWriteMany claim mounted at the storage root
     service_account: str = "speculators-pipes"
     load_incluster_config: bool = True
 
@@ -53,8 +56,9 @@ class PipelineRunner(dg.ConfigurableResource):
         python = self.python if self.mode == "local" else "python"
         return [python, "-m", "speculators_assets.workload"]
 
-    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str,
+    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str, root: str,
             extras: dict[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:  # fmt: skip
+        """Run `step` of `variant` on artifacts under `root` (k8s: the claim is mounted there)."""
         profile = variant.profile(step)
         command = self.workload_command()
         context.log.info(f"{step} for {variant.name} ({self.mode} runner): {' '.join(command)}")
@@ -71,14 +75,15 @@ class PipelineRunner(dg.ConfigurableResource):
 
             client = PipesK8sClient(load_incluster_config=self.load_incluster_config)
             return client.run(context=context, command=command, namespace=self.namespace, extras=extras,
-                              base_pod_spec=self.pod_spec(variant, step),
+                              base_pod_spec=self.pod_spec(variant, step, root),
                               base_pod_meta={"labels": {"app.kubernetes.io/part-of": "speculators-pipeline",
                                                         "speculators/variant": variant.name,
                                                         "speculators/step": step}})  # fmt: skip
         raise dg.Failure(f"runner mode '{self.mode}' is not local or k8s; set SPECULATORS_RUNNER to one of them")
 
-    def pod_spec(self, variant: Variant, step: str) -> dict[str, Any]:
-        """The pod spec (Kubernetes API field names) for one step of a variant."""
+    def pod_spec(self, variant: Variant, step: str, root: str) -> dict[str, Any]:
+        """The pod spec (Kubernetes API field names) for one step of a variant; the storage claim is
+        mounted at `root`, the storage root the workload is given."""
         profile: ComputeProfile = variant.profile(step)
         requests: dict[str, str] = {}
         limits: dict[str, str] = {}
@@ -90,7 +95,7 @@ class PipelineRunner(dg.ConfigurableResource):
             requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(profile.gpus)
         env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
                for name, ref in sorted(profile.env_from_secrets.items())]  # fmt: skip
-        env.append({"name": "SPECULATORS_STORAGE_ROOT", "value": self.storage_mount})
+        env.append({"name": "SPECULATORS_STORAGE_ROOT", "value": root})
         container: dict[str, Any] = {
             "name": WORKLOAD_CONTAINER,
             "image": profile.image or self.workload_image,
@@ -98,7 +103,7 @@ class PipelineRunner(dg.ConfigurableResource):
             "env": env,
             "resources": {"requests": requests, "limits": limits},
             "volumeMounts": [
-                {"name": "storage", "mountPath": self.storage_mount},
+                {"name": "storage", "mountPath": root},
                 {"name": "dshm", "mountPath": "/dev/shm"},
             ],
         }

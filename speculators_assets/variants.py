@@ -7,7 +7,6 @@ pydantic, yaml and the library's settings models.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,9 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators.settings import BenchProfile, PromptSources, RegenerationSettings, StoreFormat, TrainRecipe
+from speculators_assets import steps
+from speculators_assets.settings import Settings
 
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
-STEPS = ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report")
+STEPS = steps.NAMES  # the keys `compute:` may set
 
 
 class VariantError(ValueError):
@@ -160,9 +161,9 @@ def load_variant(path: str | Path) -> Variant:
         raise VariantError(describe_error(path, error)) from None
 
 
-def variant_folders() -> list[Path]:
+def variant_folders(settings: Settings | None = None) -> list[Path]:
     folders = [PACKAGE_VARIANTS]
-    extra = os.environ.get("SPECULATORS_VARIANTS_DIR")
+    extra = (Settings.from_env() if settings is None else settings).variants_dir
     if extra:
         if not Path(extra).is_dir():
             raise VariantError(
@@ -172,9 +173,9 @@ def variant_folders() -> list[Path]:
     return folders
 
 
-def load_variants() -> dict[str, Variant]:
+def load_variants(settings: Settings | None = None) -> dict[str, Variant]:
     variants: dict[str, Variant] = {}
-    for folder in variant_folders():
+    for folder in variant_folders(settings):
         for path in sorted(folder.glob("*.yaml")):
             variant = load_variant(path)
             if variant.name in variants:

@@ -489,8 +489,19 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     return metadata, key
 
 
-STEP_FUNCTIONS = {f.__name__: f for f in (raw_prompts, verifier_hidden_states, trained_drafter,
-                                          speculator_checkpoint, benchmark_report)}  # fmt: skip
+def step_functions() -> dict[str, Any]:
+    """Each step steps.py describes -> the function of the same name here (`(Step) -> (metadata, data
+    version)`); a missing one fails the import."""
+    from speculators_assets.steps import NAMES
+
+    found = {name: globals().get(name) for name in NAMES}
+    missing = [name for name, function in found.items() if not callable(function)]
+    if missing:
+        raise ImportError(f"speculators_assets.workload has no function for the steps {missing} (steps.py)")
+    return found
+
+
+STEP_FUNCTIONS = step_functions()
 
 
 def main() -> None:

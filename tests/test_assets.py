@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -12,10 +13,12 @@ import dagster as dg
 import pytest
 
 from speculators_assets.resources import PipelineRunner
+from speculators_assets.settings import K8S_STORAGE_ROOT, Settings
+from speculators_assets.steps import BY_NAME, NAMES, STEPS
 from speculators_assets.variants import VariantError, load_variant, load_variants
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
+ASSETS = list(NAMES)
 # The matrix's rows with their aux ids (their facts against the published configs: test_model_matrix.py).
 GPU_VARIANTS = {"llama3_1_8b": [2, 16, 29], "llama3_3_70b": [2, 40, 77], "qwen3_8b": [2, 18, 33],
                 "qwen3_14b": [2, 20, 37], "qwen3_32b": [2, 32, 61], "qwen3_30b_a3b": [2, 24, 45],
@@ -37,15 +40,19 @@ def test_every_asset_check_job_and_schedule_is_present():
     from speculators_assets.definitions import build_defs
 
     defs = build_defs()
+    assert [a.key.to_user_string() for a in defs.assets] == ASSETS  # upstream first, as steps.py lists them
     assert sorted(key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()) == sorted(ASSETS)
     checks = {(key.asset_key.to_user_string(), key.name) for key in defs.resolve_asset_graph().asset_check_keys}
-    assert checks == {
-        ("verifier_hidden_states", "counts_match_prepared_data"), ("verifier_hidden_states", "values_finite"),
-        ("verifier_hidden_states", "draft_vocab_coverage"), ("trained_drafter", "acceptance_floor"),
-        ("trained_drafter", "no_regression"), ("speculator_checkpoint", "passes_validate"),
-        ("benchmark_report", "speedup_at_least_1"), ("benchmark_report", "lossless_outputs"),
-        ("benchmark_report", "report_complete"),
-    }  # fmt: skip
+    assert checks == {(step.name, check.name) for step in STEPS for check in step.checks}
+    assert len(checks) == 9 and not BY_NAME["raw_prompts"].checks
+    for asset in defs.assets:
+        step = BY_NAME[asset.key.to_user_string()]
+        node = defs.resolve_asset_graph().get(asset.key)
+        assert node.description == step.description and node.kinds == set(step.kinds)
+        assert {p.to_user_string() for p in node.parent_keys} == ({step.upstream} if step.upstream else set())
+        assert node.pools == ({"gpu"} if step.gpu_pool else set())
+        specs = {spec.name: (spec.description, spec.blocking) for spec in asset.check_specs}
+        assert specs == {check.name: (check.description, check.blocking) for check in step.checks}
     assert {job.name for job in defs.resolve_all_job_defs()} >= {"build_lineage", "refresh_benchmark"}
     assert defs.resolve_schedule_def("retrain_on_new_data").cron_schedule == "0 3 * * *"
     graph = defs.resolve_asset_graph()
@@ -96,7 +103,7 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
     variants = load_variants()
     for name in GPU_VARIANTS:
         for step in ASSETS:
-            spec = runner.pod_spec(variants[name], step)
+            spec = runner.pod_spec(variants[name], step, K8S_STORAGE_ROOT)
             pod = build_pod_body("speculators-step", None, runner.workload_command(), {"DAGSTER_PIPES_CONTEXT": "x"},
                                  {"labels": {"speculators/variant": name}}, spec)  # fmt: skip
             assert isinstance(pod, kubernetes.client.V1Pod)
@@ -107,7 +114,8 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
             assert container.image == "registry.example/speculators-gpu:1.0"
             assert container.command[:3] == ["python", "-m", "speculators_assets.workload"]
             assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "speculators-storage"
-            assert any(m.mount_path == "/data" for m in container.volume_mounts)
+            assert any(m.mount_path == "/data" and m.name == "storage" for m in container.volume_mounts)
+            assert [e.value for e in container.env if e.name == "SPECULATORS_STORAGE_ROOT"] == ["/data"]
             if gpus:
                 assert pod.spec.tolerations[0].key == "nvidia.com/gpu"
                 assert pod.spec.node_selector == {"nvidia.com/gpu.present": "true"}
@@ -144,3 +152,98 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     assert "1.900 (replayed on validation samples) against the floor 1.3" in gates["acceptance_floor"]["description"]
     low = {"best_validation": None, "final_train": {"acceptance_length": 1.2}}  # no validation split: train estimate
     assert not drafter_gates(variant, low, None)[0]["passed"]
+
+
+@pytest.mark.parametrize("set_root", [None, "/mnt/speculators"])
+def test_with_the_k8s_runner_the_workload_root_is_where_the_claim_is_mounted(monkeypatch, set_root):
+    """SPECULATORS_STORAGE_ROOT means one thing: the root the workload is given, which the k8s runner mounts
+    the claim at (default /data) and sets in the pod; unset, it is not the local default."""
+    import dagster_k8s
+    import kubernetes
+    from dagster_k8s.pipes import build_pod_body
+
+    from speculators_assets.definitions import build_defs
+
+    calls = []
+
+    class RecordingK8sClient:  # stands in for the cluster: records what the runner asks of PipesK8sClient
+        def __init__(self, **kwargs):
+            pass
+
+        def run(self, **kwargs):
+            calls.append(kwargs)
+            return type("Invocation", (), {"get_results": lambda self: [dg.MaterializeResult()]})()
+
+    monkeypatch.setattr(dagster_k8s, "PipesK8sClient", RecordingK8sClient)
+    monkeypatch.setenv("SPECULATORS_RUNNER", "k8s")
+    if set_root is None:
+        monkeypatch.delenv("SPECULATORS_STORAGE_ROOT", raising=False)
+    else:
+        monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", set_root)
+    expected = set_root or K8S_STORAGE_ROOT
+    assert Settings.from_env().storage_root == expected
+    defs = build_defs({"smollm2_135m": load_variants()["smollm2_135m"]})
+    result = dg.materialize(list(defs.assets), partition_key="smollm2_135m", resources=defs.resources,
+                            selection=["raw_prompts"])  # fmt: skip
+    assert result.success
+    (call,) = calls
+    assert call["extras"]["root"] == expected and call["extras"]["step"] == "raw_prompts"
+    pod = build_pod_body("speculators-step", None, call["command"], {}, call["base_pod_meta"], call["base_pod_spec"])
+    assert isinstance(pod, kubernetes.client.V1Pod)
+    (container,) = pod.spec.containers
+    (mount,) = [m for m in container.volume_mounts if m.name == "storage"]
+    assert mount.mount_path == expected
+    assert [e.value for e in container.env if e.name == "SPECULATORS_STORAGE_ROOT"] == [expected]
+    assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "speculators-storage"
+
+
+def test_the_settings_read_each_variable_once_with_its_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = Settings.from_env({})
+    assert (local.runner, local.storage_root) == ("local", str(tmp_path / ".speculators-storage"))
+    assert local.variants_dir is None and local.automated_variants == ()
+    assert Settings.from_env({"SPECULATORS_STORAGE_ROOT": "store"}).storage_root == str(tmp_path / "store")
+    assert Settings.from_env({"SPECULATORS_AUTOMATED_VARIANTS": " a, ,b"}).automated_variants == ("a", "b")
+    k8s = Settings.from_env({"SPECULATORS_RUNNER": "k8s", "SPECULATORS_STORAGE_ROOT": ""})
+    assert k8s.storage_root == "/data"
+    with pytest.raises(ValueError, match="must be an absolute path with the k8s runner"):
+        Settings.from_env({"SPECULATORS_RUNNER": "k8s", "SPECULATORS_STORAGE_ROOT": "relative"})
+    with pytest.raises(ValueError, match="SPECULATORS_RUNNER=docker is not one of local, k8s"):
+        Settings.from_env({"SPECULATORS_RUNNER": "docker"})
+
+
+def reported_check_names() -> dict[str, set[str]]:
+    """step -> the names of the checks its workload function reports: the literal first argument of each
+    `step.check(...)` call in workload.py, and for `step.check(**gate)` the names `drafter_gates` returns."""
+    from speculators_assets import workload
+
+    variant = load_variants()["smollm2_135m"]
+    summary = {"best_validation": {"acceptance_length": 2.0}, "final_train": {"acceptance_length": 2.0}}
+    gates = {g["name"] for previous in (None, {"acceptance_length": 1.0})
+             for g in workload.drafter_gates(variant, summary, previous)}  # fmt: skip
+    tree = ast.parse(Path(workload.__file__).read_text())
+    reported: dict[str, set[str]] = {}
+    for function in tree.body:
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check":
+                names = reported.setdefault(function.name, set())
+                if node.args and isinstance(node.args[0], ast.Constant):
+                    names.add(node.args[0].value)
+                elif not node.args and [k.arg for k in node.keywords] == [None]:  # step.check(**gate)
+                    assert "drafter_gates" in ast.unparse(function), function.name
+                    names |= gates
+                else:
+                    raise AssertionError(f"{function.name}: a check call this test cannot read: {ast.unparse(node)}")
+    return reported
+
+
+def test_every_check_the_workload_reports_is_declared_for_its_step():
+    from speculators_assets.workload import STEP_FUNCTIONS
+
+    assert list(STEP_FUNCTIONS) == ASSETS and all(f.__name__ == name for name, f in STEP_FUNCTIONS.items())
+    reported = reported_check_names()
+    assert set(reported) <= set(ASSETS), "only step functions report checks"
+    for step in STEPS:
+        assert reported.get(step.name, set()) == {check.name for check in step.checks}, step.name

@@ -14,6 +14,7 @@ import yaml
 from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 
 from speculators_assets.resources import PipelineRunner
+from speculators_assets.settings import K8S_STORAGE_ROOT, Settings
 from speculators_assets.variants import load_variants
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -168,22 +169,26 @@ def test_helm_values_use_only_known_chart_keys_and_agree_with_the_runner():
     assert values["dagsterDaemon"]["runMonitoring"]["enabled"] and values["concurrency"]["enabled"]
     (deployment,) = values["dagster-user-deployments"]["deployments"]
     env = {item["name"]: item["value"] for item in deployment["env"]}
+    settings = Settings.from_env(env)  # what the code location and its run workers read
     runner = PipelineRunner()
-    assert env["SPECULATORS_RUNNER"] == "k8s" and env["SPECULATORS_K8S_NAMESPACE"] == runner.namespace
-    assert env["SPECULATORS_STORAGE_ROOT"] == runner.storage_mount
-    assert env["SPECULATORS_STORAGE_CLAIM"] == runner.storage_claim
+    assert settings.runner == "k8s" and settings.k8s_namespace == runner.namespace
+    # The run workers mount the claim where the step pods do: the one storage root.
+    assert settings.storage_root == K8S_STORAGE_ROOT == Settings.from_env({"SPECULATORS_RUNNER": "k8s"}).storage_root
+    assert settings.storage_claim == runner.storage_claim
     assert deployment["volumes"][0]["persistentVolumeClaim"]["claimName"] == runner.storage_claim
-    assert deployment["volumeMounts"][0]["mountPath"] == runner.storage_mount
+    assert deployment["volumeMounts"][0]["mountPath"] == settings.storage_root
     assert deployment["dagsterApiGrpcArgs"] == ["--module-name", "speculators_assets", "--attribute", "defs"]
     assert values["runLauncher"]["config"]["k8sRunLauncher"]["jobNamespace"] == runner.namespace
 
 
 def test_the_gpu_pool_limit_covers_every_heavy_asset():
-    from speculators_assets.definitions import HEAVY, build_defs
+    from speculators_assets.definitions import build_defs
+    from speculators_assets.steps import STEPS
 
     graph = build_defs().resolve_asset_graph()
     pools = {key.to_user_string(): graph.get(key).pools for key in graph.get_all_asset_keys()}
-    assert {name for name, pool in pools.items() if pool == {"gpu"}} == HEAVY
+    heavy = {step.name for step in STEPS if step.gpu_pool}
+    assert {name for name, pool in pools.items() if pool == {"gpu"}} == heavy
     values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
     assert values["concurrency"]["pools"]["defaultLimit"] >= 1
 
@@ -213,7 +218,7 @@ def test_step_pod_specs_for_gpu_variants_match_the_manifests():
     for variant in load_variants().values():
         if not variant.needs_gpu:
             continue
-        spec = runner.pod_spec(variant, "trained_drafter")
+        spec = runner.pod_spec(variant, "trained_drafter", K8S_STORAGE_ROOT)
         assert ("ServiceAccount", spec["serviceAccountName"]) in objects
         assert ("PersistentVolumeClaim", spec["volumes"][0]["persistentVolumeClaim"]["claimName"]) in objects
         secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in spec["containers"][0]["env"] if "valueFrom" in e}
@@ -227,3 +232,14 @@ def test_the_images_constraints_are_the_versions_the_tests_run_with():
             if line and not line.startswith("#")]  # fmt: skip
     assert len(pins) >= 10
     assert {name: importlib.metadata.version(name) for name, _ in pins} == dict(pins)
+
+
+def test_every_environment_variable_is_documented_and_the_helm_values_set_only_known_ones():
+    from dataclasses import fields
+
+    variables = {item.metadata["variable"] for item in fields(Settings)}
+    readme = (ROOT / "README.md").read_text()
+    assert [name for name in sorted(variables) if f"`{name}" not in readme] == []
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    assert {item["name"] for item in deployment["env"]} <= variables

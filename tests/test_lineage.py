@@ -16,11 +16,12 @@ import dagster as dg
 import pytest
 
 from speculators_assets.demo import materialized
+from speculators_assets.steps import NAMES, STEPS
 from speculators_assets.variants import load_variants
 from tests.dagster_dev import ROOT, dagster_dev, log_tail, runs, wait_for_new_run, wait_for_run
 
 pytestmark = pytest.mark.slow
-ASSETS = ["raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint", "benchmark_report"]
+ASSETS = list(NAMES)
 SCREENSHOTS = ROOT / "test-artifacts" / "ui"
 
 
@@ -48,6 +49,8 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert report["acceptance_length_fixed"] > 1.5
     assert report["plots"].count("data:image/png;base64,") == 3
     checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
+    evaluated = {(e.asset_key.to_user_string(), e.asset_check_key.name) for e in first.get_asset_check_evaluations()}
+    assert evaluated == {(step.name, check.name) for step in STEPS for check in step.checks}  # each declared one
     assert checks["counts_match_prepared_data"] and checks["values_finite"] and checks["passes_validate"]
     assert checks["acceptance_floor"] and checks["no_regression"] and checks["report_complete"]
     assert checks["lossless_outputs"]  # fp32, temperature 0: every served output equals the baseline's
@@ -226,8 +229,7 @@ def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(lineage, tmp_
         page.set_default_timeout(60_000)
         page.goto(url + "/asset-groups/speculators", wait_until="networkidle")
         dismiss_first_visit_prompt(page)
-        for name in ("raw_prompts", "verifier_hidden_states", "trained_drafter", "speculator_checkpoint",
-                     "benchmark_report"):  # fmt: skip
+        for name in ASSETS:
             assert page.get_by_text(name, exact=True).first.is_visible(), name
         page.screenshot(path=str(SCREENSHOTS / "1-asset-graph.png"))
 

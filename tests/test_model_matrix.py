@@ -198,7 +198,7 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     capture, training, bench = (v.profile(s) for s in ("verifier_hidden_states", "trained_drafter", "benchmark_report"))
     for step, profile in (("verifier_hidden_states", capture), ("trained_drafter", training),
                           ("benchmark_report", bench)):  # fmt: skip
-        limits = runner.pod_spec(v, step)["containers"][0]["resources"]["limits"]
+        limits = runner.pod_spec(v, step, "/data")["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == str(profile.gpus) and limits["memory"] == profile.memory
 
     prepare, datagen, vocab = hidden_state_commands(v, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "store")

@@ -1,0 +1,102 @@
+"""The five pipeline steps, described once, upstream first.
+
+Each step is one Dagster asset per variant (partition) and one function of the Pipes workload of
+the same name. Everything else is derived from `STEPS`: the assets and their check specs
+(definitions.py), the step names a variant's `compute:` may set (variants.py), the workload's
+dispatch (workload.py) and the tests. Import-light: no Dagster, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Check:
+    """An asset check the step's workload reports; a failed blocking check stops the run."""
+
+    name: str
+    description: str
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    name: str  # asset key and workload function
+    description: str
+    kinds: frozenset[str]
+    upstream: str | None = None  # the step whose artifacts this one reads
+    gpu_pool: bool = False  # holds a slot of the `gpu` concurrency pool
+    checks: tuple[Check, ...] = ()
+
+
+STEPS: tuple[StepSpec, ...] = (
+    StepSpec(
+        name="raw_prompts",
+        description="The variant's prompt sources, normalised into conversations (rows counted, data version).",
+        kinds=frozenset({"python", "json"}),
+    ),
+    StepSpec(
+        name="verifier_hidden_states",
+        description="On-policy answers by the verifier, tokenized with loss masks; the verifier's aux hidden "
+        "states in the content-addressed store; the draft vocabulary.",
+        kinds=frozenset({"pytorch", "vllm", "safetensors"}),
+        upstream="raw_prompts",
+        gpu_pool=True,
+        checks=(
+            Check("counts_match_prepared_data", "store samples = prepared samples"),
+            Check("values_finite", "every shard re-read: checksum, shapes, finite values", blocking=True),
+            Check("draft_vocab_coverage", "the draft vocab covers enough supervised tokens"),
+        ),
+    ),
+    StepSpec(
+        name="trained_drafter",
+        description="EAGLE-3 drafter trained with training-time test (warm-started from the last accepted one).",
+        kinds=frozenset({"pytorch"}),
+        upstream="verifier_hidden_states",
+        gpu_pool=True,
+        checks=(
+            Check("acceptance_floor", "validation acceptance estimate >= the variant's floor", blocking=True),
+            Check("no_regression", "not worse than the last accepted drafter beyond tolerance", blocking=True),
+        ),
+    ),
+    StepSpec(
+        name="speculator_checkpoint",
+        description="The validated, vLLM-ready speculator checkpoint; published to .../latest when the gates pass.",
+        kinds=frozenset({"vllm", "safetensors"}),
+        upstream="trained_drafter",
+        checks=(Check("passes_validate", "speculators validate against the verifier; K as set", blocking=True),),
+    ),
+    StepSpec(
+        name="benchmark_report",
+        description="vLLM + GuideLLM: the verifier alone vs with the speculator, acceptance and latency.",
+        kinds=frozenset({"vllm", "guidellm"}),
+        upstream="speculator_checkpoint",
+        gpu_pool=True,
+        checks=(
+            Check("speedup_at_least_1", "synchronous per-token latency speed-up >= 1"),
+            Check("lossless_outputs", "greedy token ids equal the baseline's up to near-ties"),
+            Check("report_complete", "every report file written"),
+        ),
+    ),
+)
+
+NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)  # the lineage, upstream first
+BY_NAME: dict[str, StepSpec] = {step.name: step for step in STEPS}
+
+
+def _validate(steps: tuple[StepSpec, ...]) -> None:
+    """Unique names; each upstream is an earlier step; check names unique within a step."""
+    seen: set[str] = set()
+    for step in steps:
+        if step.name in seen:
+            raise ValueError(f"step {step.name} is described twice")
+        if step.upstream is not None and step.upstream not in seen:
+            raise ValueError(f"step {step.name}'s upstream {step.upstream} is not an earlier step")
+        names = [check.name for check in step.checks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step {step.name} declares a check twice: {names}")
+        seen.add(step.name)
+
+
+_validate(STEPS)
