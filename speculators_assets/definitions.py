@@ -11,8 +11,8 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from speculators_assets.environment import Settings
 from speculators_assets.resources import PipelineRunner, StorageRoot
-from speculators_assets.settings import Settings
 from speculators_assets.steps import STEPS, StepSpec
 from speculators_assets.variants import Variant, load_variants
 
@@ -105,7 +105,7 @@ def automated_variants(variants: dict[str, Variant], settings: Settings | None =
 
 
 def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | None = None) -> dg.Definitions:
-    """The code location; `settings` default: the environment's (settings.py)."""
+    """The code location; `settings` default: the environment's (environment.py)."""
     settings = Settings.from_env() if settings is None else settings
     variants = load_variants(settings) if variants is None else variants
     partitions = dg.StaticPartitionsDefinition(sorted(variants))

@@ -88,7 +88,7 @@ def run_demo(variant: str = "smollm2_135m", dagster_home: str | None = None, sto
     import dagster as dg
 
     from speculators_assets.definitions import build_defs
-    from speculators_assets.settings import Settings
+    from speculators_assets.environment import Settings
     from speculators_assets.steps import NAMES as LINEAGE
 
     settings = Settings.from_env({**os.environ, "SPECULATORS_STORAGE_ROOT": storage} if storage else None)

@@ -14,14 +14,14 @@ from typing import Any
 
 import dagster as dg
 
-from speculators_assets.settings import LOCAL_STORAGE_ROOT, Settings
+from speculators_assets.environment import LOCAL_STORAGE_ROOT, Settings
 from speculators_assets.variants import ComputeProfile, Variant
 
 WORKLOAD_CONTAINER = "workload"
 
 
 class StorageRoot(dg.ConfigurableResource):
-    """Artifacts under `<path>/<variant>/<asset>/...`: the root as the workload sees it (settings.py,
+    """Artifacts under `<path>/<variant>/<asset>/...`: the root as the workload sees it (environment.py,
     SPECULATORS_STORAGE_ROOT): a local directory, or with the k8s runner where the claim is mounted in
     every step pod."""
 
@@ -43,7 +43,7 @@ class PipelineRunner(dg.ConfigurableResource):
 
     mode: str = Settings.runner
     python: str = sys.executable  # local: the interpreter that runs workloads
-    # k8s (defaults: settings.py)
+    # k8s (defaults: environment.py)
     namespace: str = Settings.k8s_namespace
     workload_image: str = Settings.workload_image
     image_pull_policy: str = "IfNotPresent"

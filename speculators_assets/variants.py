@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from speculators.settings import BenchProfile, PromptSources, RegenerationSettings, StoreFormat, TrainRecipe
 from speculators_assets import steps
-from speculators_assets.settings import Settings
+from speculators_assets.environment import Settings
 
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
 STEPS = steps.NAMES  # the keys `compute:` may set

@@ -12,8 +12,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from speculators_assets.environment import K8S_STORAGE_ROOT, Settings
 from speculators_assets.resources import PipelineRunner
-from speculators_assets.settings import K8S_STORAGE_ROOT, Settings
 from speculators_assets.steps import BY_NAME, NAMES, STEPS
 from speculators_assets.variants import VariantError, load_variant, load_variants
 

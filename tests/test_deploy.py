@@ -13,8 +13,8 @@ import kubernetes
 import yaml
 from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 
+from speculators_assets.environment import K8S_STORAGE_ROOT, Settings
 from speculators_assets.resources import PipelineRunner
-from speculators_assets.settings import K8S_STORAGE_ROOT, Settings
 from speculators_assets.variants import load_variants
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

@@ -4,6 +4,7 @@ same fields."""
 
 from __future__ import annotations
 
+import types
 import typing
 
 import pytest
@@ -25,7 +26,7 @@ COMMANDS = {
 def changed_value(name: str, info) -> object:
     """A value of the field's type that differs from its default (and passes its constraints)."""
     kind = info.annotation
-    if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     default = None if info.is_required() else info.get_default(call_default_factory=True)
     if kind is bool:
