@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from speculators.errors import SpeculatorsError
 
@@ -113,8 +113,10 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
     (appended) rather than the terminal, so a long step shows its progress and results. Yields the
     path, or None when the user configured vLLM's logging (VLLM_LOGGING_CONFIG_PATH,
     VLLM_CONFIGURE_LOGGING=0), which wins. Engine processes read the config from the environment
-    when they import vLLM; an already imported vLLM here gets the file handler directly. The
-    environment is restored on exit (later servers keep logging to their own files)."""
+    when they import vLLM; an already imported vLLM here gets the file handler directly. What the
+    engine's processes write to stderr beside their log (Python warnings, C++ warnings such as the
+    CPU build's NUMA notice) goes to the same file (`stderr_to`). The environment is restored on
+    exit (later servers keep logging to their own files)."""
     import json
     import logging
     import sys
@@ -144,7 +146,8 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
         logger.addHandler(handler)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
     try:
-        yield path
+        with stderr_to(path):
+            yield path
     finally:
         os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
         if saved is not None:
@@ -153,6 +156,38 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
                 current.close()
             for old in saved:
                 logger.addHandler(old)
+
+
+@contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
+    """While inside, file descriptor 2 (what processes started here inherit) and this process's
+    Python warnings go to `path`; this process's own `sys.stderr` (progress bars, messages) stays
+    where it was."""
+    import sys
+    import warnings
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log = open(path, "a", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115 (closed below)
+    os.dup2(log.fileno(), 2)
+    terminal = sys.stderr
+    sys.stderr = open(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+
+    def warning_to_log(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+        log.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = warning_to_log
+            yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = terminal
+        os.dup2(saved, 2)
+        os.close(saved)
+        log.close()
 
 
 @contextmanager

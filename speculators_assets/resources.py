@@ -10,6 +10,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -38,6 +41,15 @@ def local_gpu_count() -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
+@contextmanager
+def known_preview_quiet() -> Iterator[None]:
+    """Dagster's Pipes clients call their own preview API (`expected_writer_count`) and warn about
+    it on every step, between the step's progress lines; that one warning is known and not ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
+        yield
+
+
 class PipelineRunner(dg.ConfigurableResource):
     """`local` (subprocess) or `k8s` (one pod per heavy step), both through Dagster Pipes."""
 
@@ -56,8 +68,14 @@ class PipelineRunner(dg.ConfigurableResource):
         python = self.python if self.mode == "local" else "python"
         return [python, "-m", "speculators_assets.workload"]
 
-    def run(self, context: dg.AssetExecutionContext, variant: Variant, step: str, root: str,
-            extras: dict[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:  # fmt: skip
+    def run(
+        self,
+        context: dg.AssetExecutionContext,
+        variant: Variant,
+        step: str,
+        root: str,
+        extras: dict[str, Any] | None = None,
+    ) -> dg.PipesClientCompletedInvocation:
         """Run `step` of `variant` on artifacts under `root` (k8s: the claim is mounted there)."""
         profile = variant.profile(step)
         command = self.workload_command()
@@ -69,16 +87,27 @@ class PipelineRunner(dg.ConfigurableResource):
                     f"variant {variant.name} needs {profile.gpus} GPU(s) for {step} but this machine has "
                     f"{available}; run it with the k8s runner (SPECULATORS_RUNNER=k8s) or pick a CPU variant"
                 )
-            return dg.PipesSubprocessClient().run(context=context, command=command, extras=extras)
+            with known_preview_quiet():
+                return dg.PipesSubprocessClient().run(context=context, command=command, extras=extras)
         if self.mode == "k8s":
             from dagster_k8s import PipesK8sClient
 
             client = PipesK8sClient(load_incluster_config=self.load_incluster_config)
-            return client.run(context=context, command=command, namespace=self.namespace, extras=extras,
-                              base_pod_spec=self.pod_spec(variant, step, root),
-                              base_pod_meta={"labels": {"app.kubernetes.io/part-of": "speculators-pipeline",
-                                                        "speculators/variant": variant.name,
-                                                        "speculators/step": step}})  # fmt: skip
+            with known_preview_quiet():
+                return client.run(
+                    context=context,
+                    command=command,
+                    namespace=self.namespace,
+                    extras=extras,
+                    base_pod_spec=self.pod_spec(variant, step, root),
+                    base_pod_meta={
+                        "labels": {
+                            "app.kubernetes.io/part-of": "speculators-pipeline",
+                            "speculators/variant": variant.name,
+                            "speculators/step": step,
+                        }
+                    },
+                )
         raise dg.Failure(f"runner mode '{self.mode}' is not local or k8s; set SPECULATORS_RUNNER to one of them")
 
     def pod_spec(self, variant: Variant, step: str, root: str) -> dict[str, Any]:
@@ -93,8 +122,10 @@ class PipelineRunner(dg.ConfigurableResource):
             requests["memory"] = limits["memory"] = profile.memory
         if profile.gpus:
             requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(profile.gpus)
-        env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
-               for name, ref in sorted(profile.env_from_secrets.items())]  # fmt: skip
+        env = [
+            {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+            for name, ref in sorted(profile.env_from_secrets.items())
+        ]
         env.append({"name": "SPECULATORS_STORAGE_ROOT", "value": root})
         container: dict[str, Any] = {
             "name": WORKLOAD_CONTAINER,

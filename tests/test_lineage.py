@@ -55,14 +55,17 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert checks["acceptance_floor"] and checks["no_regression"] and checks["report_complete"]
     assert checks["lossless_outputs"]  # fp32, temperature 0: every served output equals the baseline's
     # Each asset's data version comes from its content.
-    versions = {e.materialization.asset_key.to_user_string(): e.materialization.tags.get("dagster/data_version")
-                for e in first.get_asset_materialization_events()}  # fmt: skip
+    versions = {
+        e.materialization.asset_key.to_user_string(): e.materialization.tags.get("dagster/data_version")
+        for e in first.get_asset_materialization_events()
+    }
     assert versions["raw_prompts"] == meta["raw_prompts"]["data_version"]
 
     defs = lineage["defs"]
     started = time.perf_counter()
-    second = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
-                            instance=lineage["instance"])  # fmt: skip
+    second = dg.materialize(
+        list(defs.assets), partition_key="tiny_llama", resources=defs.resources, instance=lineage["instance"]
+    )
     again = materialized(second)
     assert again["raw_prompts"]["reused"] is True
     assert again["verifier_hidden_states"]["computed"] == 0 and again["verifier_hidden_states"]["reused"] == 8
@@ -125,6 +128,7 @@ def test_the_demo_command_materializes_through_dagster_and_prints_the_results(li
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "Demo finished in" in out and "step times: raw_prompts" in out and "checks: " in out
+    assert "PreviewWarning" not in out + done.stderr  # Dagster's known warning about its own Pipes API
     assert "benchmark (vLLM + GuideLLM, held-out prompts): acceptance length" in out
     assert "outputs with and without the speculator (token ids): 4 of 4 greedy outputs identical" in out
     report = Path(out.split("report: ")[1].split()[0])
@@ -144,8 +148,16 @@ def test_bench_writes_a_complete_sane_report(lineage):
     assert lineage["first"].success
     (report_json,) = (lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json")
     out = report_json.parent
-    for name in ("prompts.jsonl", "report.json", "report.md", "acceptance.png", "latency.png", "throughput.png",
-                 "baseline/vllm.log", "speculator/vllm.log"):  # fmt: skip
+    for name in (
+        "prompts.jsonl",
+        "report.json",
+        "report.md",
+        "acceptance.png",
+        "latency.png",
+        "throughput.png",
+        "baseline/vllm.log",
+        "speculator/vllm.log",
+    ):
         assert (out / name).stat().st_size > 0, name
     for role in ("baseline", "speculator"):
         for profile in ("synchronous", "concurrent-2", "synchronous-natural"):
@@ -167,8 +179,9 @@ def test_bench_writes_a_complete_sane_report(lineage):
     assert report["acceptance"]["length"] == "natural"
     assert report["acceptance"]["drafts"] == natural["speculator"]["spec_decode"]["drafts"]
     fixed = report["acceptance_fixed_length"]
-    assert fixed["drafts"] == sum(report["profiles"][p]["speculator"]["spec_decode"]["drafts"]
-                                  for p in ("synchronous", "concurrent-2"))  # fmt: skip
+    assert fixed["drafts"] == sum(
+        report["profiles"][p]["speculator"]["spec_decode"]["drafts"] for p in ("synchronous", "concurrent-2")
+    )
     assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
     assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1
     for name, profile in report["profiles"].items():

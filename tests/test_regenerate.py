@@ -183,6 +183,30 @@ def test_the_vllm_log_file_is_set_for_engine_processes_and_restored(tmp_path, mo
         assert path is None and "VLLM_LOGGING_CONFIG_PATH" not in os.environ
 
 
+def test_engine_processes_stderr_goes_to_the_log_and_this_process_keeps_the_terminal(tmp_path, capfd, monkeypatch):
+    """What a child process writes to stderr (vLLM's engine: Python and C++ warnings) lands in the log
+    file; this process's progress output and messages stay on the terminal, and fd 2 is restored."""
+    import subprocess
+    import sys
+    import warnings
+
+    from speculators.vllm_capture import vllm_log_file
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    child = "import sys, warnings; sys.stderr.write('engine noise\\n'); warnings.warn('engine warning')"
+    with vllm_log_file(tmp_path / "vllm.log") as path:
+        subprocess.run([sys.executable, "-c", child], check=True)
+        print("progress 50%", file=sys.stderr, flush=True)
+        warnings.warn("deprecated inside vLLM", UserWarning, stacklevel=1)
+    print("after", file=sys.stderr, flush=True)
+    log = path.read_text()
+    assert "engine noise" in log and "engine warning" in log and "deprecated inside vLLM" in log
+    err = capfd.readouterr().err
+    assert "progress 50%" in err and "after" in err
+    assert "engine noise" not in err and "deprecated inside vLLM" not in err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_vllm_backend_matches_transformers_greedy(replicas, tiny_verifier_dir, tmp_path):
@@ -250,10 +274,29 @@ def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_
 
     verifier = str(tiny_verifier_dir("llama"))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    common = ["prepare", "--source", str(tmp_path / "rows.jsonl"), "--verifier", verifier, "--regenerate",
-              "--dtype", "float32", "--max-new-tokens", "16", "--max-length", "256"]  # fmt: skip
-    settings = ServerSettings(verifier=verifier, port=0, dtype="float32", max_model_len=512, enforce_eager=True,
-                              kv_cache_gib=1, log_path=tmp_path / "server.log")  # fmt: skip
+    common = [
+        "prepare",
+        "--source",
+        str(tmp_path / "rows.jsonl"),
+        "--verifier",
+        verifier,
+        "--regenerate",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "16",
+        "--max-length",
+        "256",
+    ]
+    settings = ServerSettings(
+        verifier=verifier,
+        port=0,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_gib=1,
+        log_path=tmp_path / "server.log",
+    )
     with VllmServer(settings) as server:
         url = server.url
         assert main([*common, "--backend", "vllm", "--server-url", url, "--output", str(tmp_path / "server")]) == 0
@@ -272,8 +315,20 @@ def test_a_rerun_regenerates_only_new_conversations_and_equals_a_fresh_run(tiny_
 
     verifier = str(tiny_verifier_dir("llama"))
     rows = tmp_path / "rows.jsonl"
-    common = ["prepare", "--source", str(rows), "--verifier", verifier, "--regenerate", "--dtype", "float32",
-              "--max-new-tokens", "12", "--max-length", "256"]  # fmt: skip
+    common = [
+        "prepare",
+        "--source",
+        str(rows),
+        "--verifier",
+        verifier,
+        "--regenerate",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--max-length",
+        "256",
+    ]
 
     def run(output: str, prompts: list[str]) -> dict:
         rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
