@@ -58,19 +58,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for backend in ("vllm", "transformers"):
             store = Path(tmp) / backend
-            report = run_datagen(samples, facts if backend == "vllm" else verifier, store, batch_size=args.batch,
-                                 backend=backend, progress=False)  # fmt: skip
+            report = run_datagen(
+                samples,
+                facts if backend == "vllm" else verifier,
+                store,
+                batch_size=args.batch,
+                backend=backend,
+                progress=False,
+            )
             assert HiddenStateStore(store).verify() == []
             per_token[backend] = report.bytes / report.tokens
     best = {name: max(values) for name, values in rates.items()}
-    print(f"verifier {args.verifier} ({verifier.model_type}, bf16), {len(samples)} samples, {tokens:,} tokens, "
-          f"batch {args.batch}, torch threads {torch.get_num_threads()}; best of 2 runs each, interleaved")  # fmt: skip
+    print(
+        f"verifier {args.verifier} ({verifier.model_type}, bf16), {len(samples)} samples, {tokens:,} tokens, "
+        f"batch {args.batch}, torch threads {torch.get_num_threads()}; best of 2 runs each, interleaved"
+    )
     print(f"| {'backend':<28} | {'tokens/s':>10} | {'bytes/token':>11} |")
     print(f"|{'-' * 30}|{'-' * 12}|{'-' * 13}|")
     for name in ("transformers", "vllm"):
         print(f"| {name:<28} | {best[name]:>10,.0f} | {per_token[name]:>11,.1f} |")
-    print(f"| {'ratio vllm / transformers':<28} | {best['vllm'] / best['transformers']:>10.3f} | "
-          f"{per_token['vllm'] / per_token['transformers']:>11.3f} |")  # fmt: skip
+    print(
+        f"| {'ratio vllm / transformers':<28} | {best['vllm'] / best['transformers']:>10.3f} | "
+        f"{per_token['vllm'] / per_token['transformers']:>11.3f} |"
+    )
     print(f"vLLM engine start-up (not in its tokens/s): {startup:.1f} s")
 
 

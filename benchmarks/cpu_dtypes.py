@@ -94,8 +94,10 @@ def main() -> None:
         rows[dtype] = (*rows[dtype], vllm)
 
     fp32, bf16 = rows[torch.float32], rows[torch.bfloat16]
-    print(f"CPU native bf16: {cpu_has_bf16()}; --dtype auto resolves to {resolve_dtype('auto', 'cpu')}; "
-          f"{torch.get_num_threads()} threads\n")  # fmt: skip
+    print(
+        f"CPU native bf16: {cpu_has_bf16()}; --dtype auto resolves to {resolve_dtype('auto', 'cpu')}; "
+        f"{torch.get_num_threads()} threads\n"
+    )
     vllm = f" vLLM generated tokens/s ({args.vllm_prompts} prompts) |" if args.vllm_prompts else ""
     print(f"| dtype | GFLOP/s ({args.size}^3 matmul) | verifier forward tokens/s ({args.tokens} tokens) |{vllm}")
     print("|---|---:|---:|" + ("---:|" if vllm else ""))

@@ -83,8 +83,10 @@ def main() -> None:
             if repeat:  # the first round warms up
                 times[name].append(time.perf_counter() - started)
     untiled, tiled = statistics.median(times["untiled"]), statistics.median(times["tiled"])
-    print(f"TTT loss, 3 steps x {args.rows} scored rows x 8,192 draft vocab, forward + backward, bf16 autocast; "
-          f"median of {args.repeats} interleaved repetitions")  # fmt: skip
+    print(
+        f"TTT loss, 3 steps x {args.rows} scored rows x 8,192 draft vocab, forward + backward, bf16 autocast; "
+        f"median of {args.repeats} interleaved repetitions"
+    )
     print("| implementation | seconds |\n|---|---|")
     print(f"| whole tensors | {untiled:.3f} |\n| row tiles | {tiled:.3f} |")
     print(f"| ratio whole / tiles | {untiled / tiled:.2f} |")

@@ -50,8 +50,20 @@ def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
     manifest["samples"] = [e for e in manifest["samples"] if e["key"] in keep]
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     vocab = json.loads((store / "draft_vocab.json").read_text())
-    subprocess.run([sys.executable, "-m", "speculators.cli", "vocab", "--store", str(directory), "--draft-vocab-size",
-                    str(vocab["draft_vocab_size"])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "speculators.cli",
+            "vocab",
+            "--store",
+            str(directory),
+            "--draft-vocab-size",
+            str(vocab["draft_vocab_size"]),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return directory
 
 
@@ -75,23 +87,54 @@ def main() -> None:
     rows = []
     for name in args.recipes.split(","):
         out = Path(args.output) / name
-        base = ["--store", str(store), "--verifier", args.verifier, "--output", str(out), "--epochs", args.epochs,
-                "--lr", "0.001", "--token-budget", "2048", "--ttt-steps", "3", "--speculative-tokens", "3",
-                "--validation-share", "0", "--no-progress", "--eval-every", "1000000"]  # fmt: skip
+        base = [
+            "--store",
+            str(store),
+            "--verifier",
+            args.verifier,
+            "--output",
+            str(out),
+            "--epochs",
+            args.epochs,
+            "--lr",
+            "0.001",
+            "--token-budget",
+            "2048",
+            "--ttt-steps",
+            "3",
+            "--speculative-tokens",
+            "3",
+            "--validation-share",
+            "0",
+            "--no-progress",
+            "--eval-every",
+            "1000000",
+        ]
         started = time.perf_counter()
         if not (out / "summary.json").is_file():
             command = [sys.executable, "-m", "speculators.cli", "train", *base, *RECIPES[name]]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         summary = json.loads((out / "summary.json").read_text())
         best = summary["best_validation"]
-        rows.append((name, " ".join(RECIPES[name]) or "(variant settings)", best["replayed_acceptance_length"],
-                     best["replayed_acceptance_per_position"], best["acceptance_length"], best["full_acc"],
-                     summary["tokens_per_second"], time.perf_counter() - started))  # fmt: skip
+        rows.append(
+            (
+                name,
+                " ".join(RECIPES[name]) or "(variant settings)",
+                best["replayed_acceptance_length"],
+                best["replayed_acceptance_per_position"],
+                best["acceptance_length"],
+                best["full_acc"],
+                summary["tokens_per_second"],
+                time.perf_counter() - started,
+            )
+        )
 
     samples = f", first {args.train_samples} training samples" if args.train_samples else ""
     print(f"store {args.store}{samples}; validation = the store's validation samples; epochs {args.epochs}\n")
-    print("| recipe | overrides | replayed acceptance (per position) | estimate | val. accuracy per step | "
-          "tokens/s | wall s |")  # fmt: skip
+    print(
+        "| recipe | overrides | replayed acceptance (per position) | estimate | val. accuracy per step | "
+        "tokens/s | wall s |"
+    )
     print("|---|---|---|---:|---|---:|---:|")
     for name, overrides, replayed, rates, estimate, accuracy, speed, wall in rows:
         print(

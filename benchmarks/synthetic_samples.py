@@ -11,8 +11,11 @@ from speculators.tokenization import TokenizedSample, tokenize_conversation
 
 def synthetic_samples(tokenizer: Any, count: int, max_length: int, repeats: int) -> list[TokenizedSample]:
     return [
-        tokenize_conversation(tokenizer, f"s{i}",
-                              [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * repeats}],
-                              max_length)
+        tokenize_conversation(
+            tokenizer,
+            f"s{i}",
+            [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * repeats}],
+            max_length,
+        )
         for i, p in enumerate(demo_prompts("train")[:count])
-    ]  # fmt: skip
+    ]

@@ -41,11 +41,14 @@ def main() -> None:
         if not (store / "draft_vocab.safetensors").is_file():
             verifier = load_verifier(args.verifier, dtype="bfloat16")
             samples = [
-                tokenize_conversation(verifier.tokenizer, f"s{i}",
-                                      [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * 4}],
-                                      1024)
+                tokenize_conversation(
+                    verifier.tokenizer,
+                    f"s{i}",
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": (p + " ") * 4}],
+                    1024,
+                )
                 for i, p in enumerate(demo_prompts("train")[: args.samples])
-            ]  # fmt: skip
+            ]
             run_datagen(samples, verifier, store, aux_layer_ids=[2, 15, 27], progress=False)
             build_store_vocab(store, 8192)
             del verifier
@@ -53,10 +56,20 @@ def main() -> None:
         for budget in [int(b) for b in args.budgets.split(",")]:
             output = Path(tmp) / f"run-{budget}"
             started = time.perf_counter()
-            train(TrainConfig(store=str(store), verifier=args.verifier, output=str(output),
-                                        token_budget=budget, max_steps=args.steps + 1, log_every=1,
-                                        eval_every=10**6, checkpoint_every=10**6, validation_share=0.0,
-                                        progress=False))  # fmt: skip
+            train(
+                TrainConfig(
+                    store=str(store),
+                    verifier=args.verifier,
+                    output=str(output),
+                    token_budget=budget,
+                    max_steps=args.steps + 1,
+                    log_every=1,
+                    eval_every=10**6,
+                    checkpoint_every=10**6,
+                    validation_share=0.0,
+                    progress=False,
+                )
+            )
             wall = time.perf_counter() - started
             log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
             steady = [r["tokens_per_second"] for r in log if r["event"] == "train"][1:]  # skip the warm-up step

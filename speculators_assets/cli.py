@@ -38,17 +38,26 @@ def graphql_client(url: str, token: str | None, timeout: int):
     )
 
 
-def refresh_benchmark(url: str, variant: str, token: str | None = None, location: str = "speculators_pipeline",
-                      job: str = "refresh_benchmark", timeout: float = 7200.0, poll: float = 5.0) -> int:  # fmt: skip
+def refresh_benchmark(
+    url: str,
+    variant: str,
+    token: str | None = None,
+    location: str = "speculators_pipeline",
+    job: str = "refresh_benchmark",
+    timeout: float = 7200.0,
+    poll: float = 5.0,
+) -> int:
     from dagster_graphql import DagsterGraphQLClientError
 
     client = graphql_client(url, token, timeout=60)
     try:
         run_id = client.submit_job_execution(
-            job, repository_location_name=location, repository_name="__repository__",
+            job,
+            repository_location_name=location,
+            repository_name="__repository__",
             run_config={"ops": {"benchmark_report": {"config": {"force": True}}}},  # measure anew, never reuse
             tags={"dagster/partition": variant, "speculators/trigger": "ci"},
-        )  # fmt: skip
+        )
     except DagsterGraphQLClientError as error:
         print(f"error: could not launch {job} for variant {variant} at {url}: {error}", file=sys.stderr)
         return 2
@@ -79,8 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     refresh.add_argument("--token", help="bearer token for a deployment behind an auth proxy")
     refresh.add_argument("--location", default="speculators_pipeline", help="code location name")
     refresh.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait for the run")
-    demo = commands.add_parser("demo", help="materialize a variant's whole lineage here, through Dagster; print "
-                                            "the results (`make demo`)")  # fmt: skip
+    demo = commands.add_parser(
+        "demo", help="materialize a variant's whole lineage here, through Dagster; print the results (`make demo`)"
+    )
     demo.add_argument("--variant", default="smollm2_135m", help="the partition (default: smollm2_135m)")
     demo.add_argument("--dagster-home", help="where the run is recorded (default: $DAGSTER_HOME or .dagster)")
     demo.add_argument("--storage", help="artifact root (default: $SPECULATORS_STORAGE_ROOT or .speculators-storage)")

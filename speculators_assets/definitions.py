@@ -25,8 +25,14 @@ class StepConfig(dg.Config):
     force: bool = Field(default=False, description="recompute even if the inputs did not change")
 
 
-def run_step(context: dg.AssetExecutionContext, variants: dict[str, Variant], storage: StorageRoot,
-             runner: PipelineRunner, step: str, force: bool) -> Iterator[Any]:  # fmt: skip
+def run_step(
+    context: dg.AssetExecutionContext,
+    variants: dict[str, Variant],
+    storage: StorageRoot,
+    runner: PipelineRunner,
+    step: str,
+    force: bool,
+) -> Iterator[Any]:
     variant = variants[context.partition_key]
     root = str(Path(storage.path).expanduser().resolve()) if runner.mode == "local" else storage.path
     extras = {"step": step, "variant": variant.model_dump(mode="json"), "root": root, "force": force}
@@ -35,12 +41,17 @@ def run_step(context: dg.AssetExecutionContext, variants: dict[str, Variant], st
 
 
 def check_specs(step: StepSpec) -> list[dg.AssetCheckSpec]:
-    return [dg.AssetCheckSpec(name=c.name, asset=step.name, description=c.description, blocking=c.blocking)
-            for c in step.checks]  # fmt: skip
+    return [
+        dg.AssetCheckSpec(name=c.name, asset=step.name, description=c.description, blocking=c.blocking)
+        for c in step.checks
+    ]
 
 
-def step_asset(step: StepSpec, variants: dict[str, Variant], partitions: dg.PartitionsDefinition,
-               ) -> dg.AssetsDefinition:  # fmt: skip
+def step_asset(
+    step: StepSpec,
+    variants: dict[str, Variant],
+    partitions: dg.PartitionsDefinition,
+) -> dg.AssetsDefinition:
     @dg.asset(
         name=step.name,
         partitions_def=partitions,
@@ -80,15 +91,21 @@ def last_drafter_fingerprint(instance: dg.DagsterInstance, variant: str) -> str 
     return None if value is None else str(value.value)
 
 
-def retraining_requests(instance: dg.DagsterInstance, variants: dict[str, Variant],
-                        names: list[str] | None = None) -> list[dg.RunRequest]:  # fmt: skip
+def retraining_requests(
+    instance: dg.DagsterInstance, variants: dict[str, Variant], names: list[str] | None = None
+) -> list[dg.RunRequest]:
     """A run of the lineage for each variant whose prompt source changed since its last drafter."""
     requests = []
     for name in names or sorted(variants):
         fingerprint = source_fingerprint_of(variants[name])
         if fingerprint != last_drafter_fingerprint(instance, name):
-            requests.append(dg.RunRequest(partition_key=name, run_key=f"retrain-{name}-{fingerprint}",
-                                          tags={"speculators/reason": "prompt source changed"}))  # fmt: skip
+            requests.append(
+                dg.RunRequest(
+                    partition_key=name,
+                    run_key=f"retrain-{name}-{fingerprint}",
+                    tags={"speculators/reason": "prompt source changed"},
+                )
+            )
     return requests
 
 
@@ -110,8 +127,12 @@ def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | 
     variants = load_variants(settings) if variants is None else variants
     partitions = dg.StaticPartitionsDefinition(sorted(variants))
     assets = [step_asset(step, variants, partitions) for step in STEPS]
-    lineage = dg.define_asset_job("build_lineage", selection=dg.AssetSelection.all(), partitions_def=partitions,
-                                  description="Materialize the whole lineage for a variant (partition).")  # fmt: skip
+    lineage = dg.define_asset_job(
+        "build_lineage",
+        selection=dg.AssetSelection.all(),
+        partitions_def=partitions,
+        description="Materialize the whole lineage for a variant (partition).",
+    )
     refresh = dg.define_asset_job(
         "refresh_benchmark",
         selection=dg.AssetSelection.assets("benchmark_report"),
@@ -120,9 +141,13 @@ def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | 
         description="Re-run the benchmark of a variant's published checkpoint (CI calls this).",
     )
 
-    @dg.schedule(job=lineage, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED,
-                 description="Daily: retrain (warm start) the variants whose prompt source changed since their "
-                             "last drafter; nothing runs otherwise.")  # fmt: skip
+    @dg.schedule(
+        job=lineage,
+        cron_schedule="0 3 * * *",
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+        description="Daily: retrain (warm start) the variants whose prompt source changed since their "
+        "last drafter; nothing runs otherwise.",
+    )
     def retrain_on_new_data(context: dg.ScheduleEvaluationContext):
         requests = retraining_requests(context.instance, variants, automated_variants(variants))
         return requests or dg.SkipReason("no prompt source changed since the last drafter")
@@ -133,10 +158,14 @@ def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | 
         schedules=[retrain_on_new_data],
         resources={
             "storage": StorageRoot(path=settings.storage_root),
-            "runner": PipelineRunner(mode=settings.runner, namespace=settings.k8s_namespace,
-                                     workload_image=settings.workload_image, storage_claim=settings.storage_claim),
+            "runner": PipelineRunner(
+                mode=settings.runner,
+                namespace=settings.k8s_namespace,
+                workload_image=settings.workload_image,
+                storage_claim=settings.storage_claim,
+            ),
         },
-    )  # fmt: skip
+    )
 
 
 defs = build_defs()

@@ -65,8 +65,10 @@ class Settings:
         if self.runner == "local":
             object.__setattr__(self, "storage_root", str(Path(self.storage_root).expanduser().resolve()))
         elif not self.storage_root.startswith("/"):
-            raise ValueError(f"SPECULATORS_STORAGE_ROOT={self.storage_root} must be an absolute path with the k8s "
-                             f"runner: the claim is mounted there in every pod")  # fmt: skip
+            raise ValueError(
+                f"SPECULATORS_STORAGE_ROOT={self.storage_root} must be an absolute path with the k8s "
+                f"runner: the claim is mounted there in every pod"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -55,8 +55,9 @@ class ComputeProfile(Strict):
     def _whole_replicas(self) -> ComputeProfile:
         tp = self.tensor_parallel_size
         if tp > 1 and self.gpus % tp:
-            raise ValueError(f"gpus {self.gpus} is not a multiple of tensor_parallel_size {tp}; "
-                             f"give whole tensor-parallel groups")  # fmt: skip
+            raise ValueError(
+                f"gpus {self.gpus} is not a multiple of tensor_parallel_size {tp}; give whole tensor-parallel groups"
+            )
         return self
 
     @property

@@ -93,8 +93,9 @@ def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subpro
         return done
     done = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr, text=True)
     if done.returncode != 0:
-        raise StepFailed(f"`speculators {arguments[0]}` failed with exit code {done.returncode}; its output is in "
-                         f"the step log")  # fmt: skip
+        raise StepFailed(
+            f"`speculators {arguments[0]}` failed with exit code {done.returncode}; its output is in the step log"
+        )
     print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
     return done
 
@@ -113,8 +114,14 @@ class Step:
 
     def check(self, name: str, passed: bool, description: str, severity: str = "ERROR", **metadata: Any) -> None:
         """Record an asset check result for Pipes (a failed ERROR check of a blocking spec stops the run)."""
-        self.checks.append({"check_name": name, "passed": bool(passed), "severity": severity,
-                            "metadata": {"result": description, **metadata}})  # fmt: skip
+        self.checks.append(
+            {
+                "check_name": name,
+                "passed": bool(passed),
+                "severity": severity,
+                "metadata": {"result": description, **metadata},
+            }
+        )
 
 
 # ----- the five steps ------------------------------------------------------------------------------
@@ -178,8 +185,13 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
     from speculators.settings import PrepareSettings
 
     p = v.prompts
-    settings = PrepareSettings(sources=p.sources, validation_sources=p.validation_sources, max_samples=p.max_samples,
-                               output=str(out), require_assistant=not v.datagen.regenerate)  # fmt: skip
+    settings = PrepareSettings(
+        sources=p.sources,
+        validation_sources=p.validation_sources,
+        max_samples=p.max_samples,
+        output=str(out),
+        require_assistant=not v.datagen.regenerate,
+    )
     return ["prepare", *to_argv(settings)]
 
 
@@ -192,15 +204,30 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
-    regeneration = {**d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
-                    "regenerate": d.regenerate, **(parallel if vllm and d.regenerate else {})}  # fmt: skip
-    prepare = PrepareSettings(sources=[str(conversations)], output=str(data), verifier=v.verifier,
-                              require_assistant=not d.regenerate, **regeneration)  # fmt: skip
+    regeneration = {
+        **d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
+        "regenerate": d.regenerate,
+        **(parallel if vllm and d.regenerate else {}),
+    }
+    prepare = PrepareSettings(
+        sources=[str(conversations)],
+        output=str(data),
+        verifier=v.verifier,
+        require_assistant=not d.regenerate,
+        **regeneration,
+    )
     # (transformers keeps its default batch: padded eager attention grows with it)
-    capture = CaptureSettings(data=str(data / "samples.jsonl"), verifier=v.verifier, output=str(store),
-                              storage=d.storage, dtype=d.dtype, device=d.device, backend=d.backend,
-                              aux_layer_ids=v.drafter.aux_layer_ids,
-                              **({"batch_size": d.batch_size, **parallel} if vllm else {}))  # fmt: skip
+    capture = CaptureSettings(
+        data=str(data / "samples.jsonl"),
+        verifier=v.verifier,
+        output=str(store),
+        storage=d.storage,
+        dtype=d.dtype,
+        device=d.device,
+        backend=d.backend,
+        aux_layer_ids=v.drafter.aux_layer_ids,
+        **({"batch_size": d.batch_size, **parallel} if vllm else {}),
+    )
     vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
     return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
 
@@ -215,8 +242,13 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     # starts none of the three commands (each would load the verifier only to find nothing to do).
     from speculators.hidden_state_store import file_sha256
 
-    key = key_of(file_sha256(conversations), verifier_identity(v.verifier), v.datagen.model_dump(),
-                 v.drafter.aux_layer_ids, v.drafter.draft_vocab_size)  # fmt: skip
+    key = key_of(
+        file_sha256(conversations),
+        verifier_identity(v.verifier),
+        v.datagen.model_dump(),
+        v.drafter.aux_layer_ids,
+        v.drafter.draft_vocab_size,
+    )
     stamp = read_json(out / "stamp.json")
     outputs = (store / "manifest.json", store / "draft_vocab.safetensors", data / "samples.jsonl")
     reused = bool(stamp and stamp.get("key") == key and all(p.is_file() for p in outputs) and not step.force)
@@ -235,16 +267,28 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     with open(data / "samples.jsonl", encoding="utf-8") as handle:
         samples_written = sum(1 for _ in handle)
     stored = len(manifest["samples"])
-    step.check("counts_match_prepared_data", stored == samples_written,
-               f"{stored} samples in the store, {samples_written} prepared", stored=stored,
-               prepared=samples_written)  # fmt: skip
-    step.check("values_finite", verified.returncode == 0,
-               "every shard re-read: checksums, shapes and finite values" if verified.returncode == 0
-               else (verified.stdout + verified.stderr).strip()[-2000:])  # fmt: skip
+    step.check(
+        "counts_match_prepared_data",
+        stored == samples_written,
+        f"{stored} samples in the store, {samples_written} prepared",
+        stored=stored,
+        prepared=samples_written,
+    )
+    step.check(
+        "values_finite",
+        verified.returncode == 0,
+        "every shard re-read: checksums, shapes and finite values"
+        if verified.returncode == 0
+        else (verified.stdout + verified.stderr).strip()[-2000:],
+    )
     coverage, floor = float(vocab.get("coverage", 0.0)), v.gates.min_vocab_coverage
-    step.check("draft_vocab_coverage", coverage >= floor,
-               f"the draft vocab covers {coverage:.3f} of supervised tokens (floor {floor})", severity="WARN",
-               coverage=coverage)  # fmt: skip
+    step.check(
+        "draft_vocab_coverage",
+        coverage >= floor,
+        f"the draft vocab covers {coverage:.3f} of supervised tokens (floor {floor})",
+        severity="WARN",
+        coverage=coverage,
+    )
     stats = prepared["statistics"]
     regeneration = prepared.get("regeneration", {})
     metadata = {
@@ -286,18 +330,36 @@ def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str,
     from speculators.train import summary_acceptance
 
     (acceptance, kind), gates = summary_acceptance(summary), variant.gates
-    checks = [{"name": "acceptance_floor", "passed": acceptance >= gates.min_acceptance_length,
-               "description": f"acceptance length {acceptance:.3f} ({kind}) against the floor "
-                              f"{gates.min_acceptance_length}", "acceptance_length": acceptance}]  # fmt: skip
+    checks = [
+        {
+            "name": "acceptance_floor",
+            "passed": acceptance >= gates.min_acceptance_length,
+            "description": f"acceptance length {acceptance:.3f} ({kind}) against the floor "
+            f"{gates.min_acceptance_length}",
+            "acceptance_length": acceptance,
+        }
+    ]
     if previous is None:
-        checks.append({"name": "no_regression", "passed": True, "description": "no earlier accepted drafter",
-                       "acceptance_length": acceptance})  # fmt: skip
+        checks.append(
+            {
+                "name": "no_regression",
+                "passed": True,
+                "description": "no earlier accepted drafter",
+                "acceptance_length": acceptance,
+            }
+        )
     else:
         earlier = float(previous["acceptance_length"])
-        checks.append({"name": "no_regression", "passed": acceptance >= earlier - gates.max_regression,
-                       "description": f"acceptance length {acceptance:.3f} against the previous drafter's "
-                                      f"{earlier:.3f} (tolerance {gates.max_regression})",
-                       "acceptance_length": acceptance, "previous": earlier})  # fmt: skip
+        checks.append(
+            {
+                "name": "no_regression",
+                "passed": acceptance >= earlier - gates.max_regression,
+                "description": f"acceptance length {acceptance:.3f} against the previous drafter's "
+                f"{earlier:.3f} (tolerance {gates.max_regression})",
+                "acceptance_length": acceptance,
+                "previous": earlier,
+            }
+        )
     return checks
 
 
@@ -306,10 +368,17 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -
     from speculators.settings import TrainConfig
 
     d = v.drafter
-    config = TrainConfig(**v.training.model_dump(exclude={"warm_start"}, exclude_unset=True), store=str(store),
-                         verifier=v.verifier, output=str(out), warm_start=str(warm_start) if warm_start else None,
-                         speculative_tokens=d.speculative_tokens, num_draft_layers=d.num_draft_layers,
-                         draft_layer_type=d.draft_layer_type, progress=False)  # fmt: skip
+    config = TrainConfig(
+        **v.training.model_dump(exclude={"warm_start"}, exclude_unset=True),
+        store=str(store),
+        verifier=v.verifier,
+        output=str(out),
+        warm_start=str(warm_start) if warm_start else None,
+        speculative_tokens=d.speculative_tokens,
+        num_draft_layers=d.num_draft_layers,
+        draft_layer_type=d.draft_layer_type,
+        progress=False,
+    )
     return ["train", *to_argv(config)]
 
 
@@ -389,21 +458,33 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     problems = validation["problems"] + (
         [] if k_ok else [f"K is {tokens}, the variant says {v.drafter.speculative_tokens}"]
     )
-    step.check("passes_validate", passed, "valid against the verifier" if passed else "; ".join(problems),
-               problems={"raw_value": problems, "type": "json"})  # fmt: skip
+    step.check(
+        "passes_validate",
+        passed,
+        "valid against the verifier" if passed else "; ".join(problems),
+        problems={"raw_value": problems, "type": "json"},
+    )
     drafter_summary = read_json(Path(current["drafter"]).parent / "summary.json") or {}
     latest = out_root / "latest"
     # The drafter's gates again: materializing this asset alone must not publish a rejected drafter.
-    failed_gates = [g["description"] for g in drafter_gates(v, drafter_summary, previous_accepted(step))
-                    if not g["passed"]]  # fmt: skip
+    failed_gates = [
+        g["description"] for g in drafter_gates(v, drafter_summary, previous_accepted(step)) if not g["passed"]
+    ]
     if failed_gates:
         print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
     if passed and not failed_gates:  # publish: the stable per-variant path vLLM users point at
         from speculators.train import summary_acceptance
 
         acceptance = summary_acceptance(drafter_summary)[0]
-        write_json(target / "accepted.json", {"key": current["key"], "acceptance_length": acceptance,
-                                              "verifier": v.verifier, "accepted_at": time.time()})  # fmt: skip
+        write_json(
+            target / "accepted.json",
+            {
+                "key": current["key"],
+                "acceptance_length": acceptance,
+                "verifier": v.verifier,
+                "accepted_at": time.time(),
+            },
+        )
         temporary = out_root / f".latest-{os.getpid()}"
         temporary.unlink(missing_ok=True)
         temporary.symlink_to(target.name)
@@ -430,9 +511,14 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs."""
     from speculators.settings import BenchSettings
 
-    settings = BenchSettings(**v.benchmark.model_dump(exclude_unset=True), verifier=v.verifier,
-                             speculator=str(speculator), output=str(out), prompts=v.prompts.eval_source,
-                             tensor_parallel_size=v.profile("benchmark_report").tensor_parallel_size)  # fmt: skip
+    settings = BenchSettings(
+        **v.benchmark.model_dump(exclude_unset=True),
+        verifier=v.verifier,
+        speculator=str(speculator),
+        output=str(out),
+        prompts=v.prompts.eval_source,
+        tensor_parallel_size=v.profile("benchmark_report").tensor_parallel_size,
+    )
     return ["bench", *to_argv(settings)]
 
 
@@ -459,11 +545,18 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     lossless = outputs["diverged"] == 0
     files = ["report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl"]
     missing = [name for name in files if not (out / name).is_file()]
-    step.check("speedup_at_least_1", speedup >= 1.0, f"synchronous TPOT speed-up {speedup:.3f}x", severity="WARN",
-               speedup=speedup)  # fmt: skip
+    step.check(
+        "speedup_at_least_1",
+        speedup >= 1.0,
+        f"synchronous TPOT speed-up {speedup:.3f}x",
+        severity="WARN",
+        speedup=speedup,
+    )
     # Lossless as the evaluator defines it: identical, or parted at a numerical near-tie of the verifier.
-    compared = (f"{outputs['identical']} of {outputs['compared']} greedy outputs identical, {outputs['near_tie']} "
-                f"near-tie, {outputs['diverged']} diverged")  # fmt: skip
+    compared = (
+        f"{outputs['identical']} of {outputs['compared']} greedy outputs identical, {outputs['near_tie']} "
+        f"near-tie, {outputs['diverged']} diverged"
+    )
     step.check("lossless_outputs", lossless, compared, severity="WARN")
     step.check("report_complete", not missing, "every report file present" if not missing else f"missing {missing}")
     acceptance = report["acceptance"]
@@ -509,8 +602,11 @@ def main() -> None:
 
     with open_dagster_pipes() as pipes:
         name = pipes.get_extra("step")
-        step = Step(Variant.model_validate(pipes.get_extra("variant")), Path(pipes.get_extra("root")),
-                    force=bool(pipes.get_extra("force")))  # fmt: skip
+        step = Step(
+            Variant.model_validate(pipes.get_extra("variant")),
+            Path(pipes.get_extra("root")),
+            force=bool(pipes.get_extra("force")),
+        )
         pipes.log.info(f"{name} for variant {step.variant.name} under {step.root}")
         metadata, version = STEP_FUNCTIONS[name](step)
         for check in step.checks:

@@ -74,8 +74,9 @@ def store(peaked_verifier, tmp_path_factory):
     directory = tmp_path_factory.mktemp("train-store")
     conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
-    samples, _ = regenerate(conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512,
-                            progress=False)  # fmt: skip
+    samples, _ = regenerate(
+        conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512, progress=False
+    )
     run_datagen(samples, verifier, directory, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False)
     build_store_vocab(directory, 128)
     return directory
@@ -87,9 +88,23 @@ def trained_drafter(store, peaked_verifier, tmp_path_factory):
     from speculators.train import TrainConfig, train
 
     output = tmp_path_factory.mktemp("trained-drafter")
-    train(TrainConfig(store=str(store), verifier=str(peaked_verifier), output=str(output), epochs=80, lr=1e-2,
-                      warmup=0.05, validation_share=0.0, token_budget=512, precision="fp32", log_every=50,
-                      eval_every=1000, checkpoint_every=1000, progress=False))  # fmt: skip
+    train(
+        TrainConfig(
+            store=str(store),
+            verifier=str(peaked_verifier),
+            output=str(output),
+            epochs=80,
+            lr=1e-2,
+            warmup=0.05,
+            validation_share=0.0,
+            token_budget=512,
+            precision="fp32",
+            log_every=50,
+            eval_every=1000,
+            checkpoint_every=1000,
+            progress=False,
+        )
+    )
     return output / "drafter"
 
 
@@ -128,8 +143,13 @@ def lineage(peaked_verifier, tmp_path_factory):
         defs = build_defs()
         (base / "dagster-home").mkdir()
         instance = dg.DagsterInstance.local_temp(str(base / "dagster-home"))  # persistent: schedules read it
-        first = dg.materialize(list(defs.assets), partition_key="tiny_llama", resources=defs.resources,
-                               instance=instance, raise_on_error=False)  # fmt: skip
+        first = dg.materialize(
+            list(defs.assets),
+            partition_key="tiny_llama",
+            resources=defs.resources,
+            instance=instance,
+            raise_on_error=False,
+        )
         yield {"defs": defs, "instance": instance, "first": first, "base": base, "prompts": prompts, "env": env}
     finally:
         for key, value in saved.items():

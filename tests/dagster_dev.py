@@ -30,9 +30,12 @@ def dagster_dev(home: Path, env: dict[str, str], *, startup_s: float = 180) -> I
         command = [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1"]
         server = subprocess.Popen(
             [*command, "-p", url.rsplit(":")[-1]],
-            cwd=ROOT, env={**os.environ, **env, "DAGSTER_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **env, "DAGSTER_HOME": str(home)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             deadline = time.monotonic() + startup_s
             while True:
@@ -70,8 +73,9 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
 
 def runs(url: str) -> list[dict]:
     """Every run the instance knows, newest first: runId, status, jobName, tags."""
-    data = graphql(url, "{ runsOrError { __typename ... on Runs { results { runId status jobName "
-                        "tags { key value } } } } }")  # fmt: skip
+    data = graphql(
+        url, "{ runsOrError { __typename ... on Runs { results { runId status jobName tags { key value } } } } }"
+    )
     return data["runsOrError"]["results"]
 
 
@@ -111,6 +115,8 @@ def wait_for_run(url: str, run_id: str, home: Path, timeout_s: float = 900) -> s
         if status in TERMINAL:
             return status
         if time.monotonic() > deadline:
-            raise AssertionError(f"run {run_id} still {status} after {timeout_s:.0f} s; its last events:\n"
-                                 f"{run_messages(url, run_id)}\n--- dagster dev log ---\n{log_tail(home)}")  # fmt: skip
+            raise AssertionError(
+                f"run {run_id} still {status} after {timeout_s:.0f} s; its last events:\n"
+                f"{run_messages(url, run_id)}\n--- dagster dev log ---\n{log_tail(home)}"
+            )
         time.sleep(3)

@@ -20,19 +20,35 @@ from speculators_assets.variants import VariantError, load_variant, load_variant
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = list(NAMES)
 # The matrix's rows with their aux ids (their facts against the published configs: test_model_matrix.py).
-GPU_VARIANTS = {"llama3_1_8b": [2, 16, 29], "llama3_3_70b": [2, 40, 77], "qwen3_8b": [2, 18, 33],
-                "qwen3_14b": [2, 20, 37], "qwen3_32b": [2, 32, 61], "qwen3_30b_a3b": [2, 24, 45],
-                "qwen3_235b_a22b": [2, 47, 91], "gpt_oss_20b": [2, 12, 21], "gpt_oss_120b": [2, 18, 33]}  # fmt: skip
+GPU_VARIANTS = {
+    "llama3_1_8b": [2, 16, 29],
+    "llama3_3_70b": [2, 40, 77],
+    "qwen3_8b": [2, 18, 33],
+    "qwen3_14b": [2, 20, 37],
+    "qwen3_32b": [2, 32, 61],
+    "qwen3_30b_a3b": [2, 24, 45],
+    "qwen3_235b_a22b": [2, 47, 91],
+    "gpt_oss_20b": [2, 12, 21],
+    "gpt_oss_120b": [2, 18, 33],
+}
 
 
 def test_definitions_validate_and_load_fast_without_torch():
-    result = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    probe = ("import sys, time; t = time.perf_counter(); import speculators_assets as s; d = s.defs; "
-             "print(time.perf_counter() - t, 'torch' in sys.modules)")  # fmt: skip
-    seconds, torch_loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
-                                           check=True).stdout.split()  # fmt: skip
+    probe = (
+        "import sys, time; t = time.perf_counter(); import speculators_assets as s; d = s.defs; "
+        "print(time.perf_counter() - t, 'torch' in sys.modules)"
+    )
+    seconds, torch_loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert torch_loaded == "False" and float(seconds) < 10
 
 
@@ -86,8 +102,13 @@ def test_shipped_variants_carry_the_published_facts():
     ],
 )
 def test_a_bad_variant_file_is_one_clear_error(tmp_path, change, message):
-    base = {"description": "d", "verifier": "v", "family": "llama", "prompts": {"sources": ["demo:train"]},
-            "drafter": {"draft_vocab_size": 64}}  # fmt: skip
+    base = {
+        "description": "d",
+        "verifier": "v",
+        "family": "llama",
+        "prompts": {"sources": ["demo:train"]},
+        "drafter": {"draft_vocab_size": 64},
+    }
     path = tmp_path / "broken.yaml"
     path.write_text(json.dumps({**base, **change}))
     with pytest.raises(VariantError) as error:
@@ -104,8 +125,14 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
     for name in GPU_VARIANTS:
         for step in ASSETS:
             spec = runner.pod_spec(variants[name], step, K8S_STORAGE_ROOT)
-            pod = build_pod_body("speculators-step", None, runner.workload_command(), {"DAGSTER_PIPES_CONTEXT": "x"},
-                                 {"labels": {"speculators/variant": name}}, spec)  # fmt: skip
+            pod = build_pod_body(
+                "speculators-step",
+                None,
+                runner.workload_command(),
+                {"DAGSTER_PIPES_CONTEXT": "x"},
+                {"labels": {"speculators/variant": name}},
+                spec,
+            )
             assert isinstance(pod, kubernetes.client.V1Pod)
             container = pod.spec.containers[0]
             gpus = variants[name].profile(step).gpus
@@ -128,8 +155,13 @@ def test_a_gpu_variant_on_the_local_runner_fails_fast():
 
     defs = build_defs()
     started = time.perf_counter()
-    result = dg.materialize(list(defs.assets), partition_key="llama3_1_8b", resources=defs.resources,
-                            selection=["verifier_hidden_states"], raise_on_error=False)  # fmt: skip
+    result = dg.materialize(
+        list(defs.assets),
+        partition_key="llama3_1_8b",
+        resources=defs.resources,
+        selection=["verifier_hidden_states"],
+        raise_on_error=False,
+    )
     assert not result.success and time.perf_counter() - started < 60
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert "variant llama3_1_8b needs 8 GPU(s) for verifier_hidden_states but this machine has 0" in str(
@@ -142,8 +174,10 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
 
     variant = load_variants()["smollm2_135m"]  # floor 1.3, tolerance 0.05
     # The replayed acceptance of the validation samples decides, not the per-token estimates.
-    summary = {"best_validation": {"acceptance_length": 2.4, "replayed_acceptance_length": 1.9},
-               "final_train": {"acceptance_length": 2.5}}  # fmt: skip
+    summary = {
+        "best_validation": {"acceptance_length": 2.4, "replayed_acceptance_length": 1.9},
+        "final_train": {"acceptance_length": 2.5},
+    }
     assert all(g["passed"] for g in drafter_gates(variant, summary, None))
     assert all(g["passed"] for g in drafter_gates(variant, summary, {"acceptance_length": 1.94}))
     gates = {g["name"]: g for g in drafter_gates(variant, summary, {"acceptance_length": 2.0})}
@@ -183,8 +217,9 @@ def test_with_the_k8s_runner_the_workload_root_is_where_the_claim_is_mounted(mon
     expected = set_root or K8S_STORAGE_ROOT
     assert Settings.from_env().storage_root == expected
     defs = build_defs({"smollm2_135m": load_variants()["smollm2_135m"]})
-    result = dg.materialize(list(defs.assets), partition_key="smollm2_135m", resources=defs.resources,
-                            selection=["raw_prompts"])  # fmt: skip
+    result = dg.materialize(
+        list(defs.assets), partition_key="smollm2_135m", resources=defs.resources, selection=["raw_prompts"]
+    )
     assert result.success
     (call,) = calls
     assert call["extras"]["root"] == expected and call["extras"]["step"] == "raw_prompts"
@@ -219,8 +254,11 @@ def reported_check_names() -> dict[str, set[str]]:
 
     variant = load_variants()["smollm2_135m"]
     summary = {"best_validation": {"acceptance_length": 2.0}, "final_train": {"acceptance_length": 2.0}}
-    gates = {g["name"] for previous in (None, {"acceptance_length": 1.0})
-             for g in workload.drafter_gates(variant, summary, previous)}  # fmt: skip
+    gates = {
+        g["name"]
+        for previous in (None, {"acceptance_length": 1.0})
+        for g in workload.drafter_gates(variant, summary, previous)
+    }
     tree = ast.parse(Path(workload.__file__).read_text())
     reported: dict[str, set[str]] = {}
     for function in tree.body:

@@ -83,9 +83,16 @@ def assert_matches_reference(drafter, weights, aux, ids, **flags):
     with torch.no_grad():
         ours = drafter(ids[None], drafter.project_aux(aux[None]), position_ids=torch.arange(ids.numel())[None])
     logits, hidden = reference_draft_logits(
-        weights, aux, weights["embed_tokens.weight"][ids], heads=HEADS, kv_heads=KV, head_dim=HD, eps=1e-5,
-        theta=10000.0, **flags,
-    )  # fmt: skip
+        weights,
+        aux,
+        weights["embed_tokens.weight"][ids],
+        heads=HEADS,
+        kv_heads=KV,
+        head_dim=HD,
+        eps=1e-5,
+        theta=10000.0,
+        **flags,
+    )
     torch.testing.assert_close(ours.logits[0], logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.hidden_states[0], hidden, atol=1e-5, rtol=1e-5)
     return ours.logits[0], logits

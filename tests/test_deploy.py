@@ -32,62 +32,157 @@ MODELS = {
 # the chart's values.yaml: a dict lists allowed children, None accepts any value (a Kubernetes
 # object or a free-form map), and a one-element list describes the items of a list.
 ANY = None
-K8S = {key: ANY for key in ("resources", "nodeSelector", "tolerations", "affinity", "volumes", "volumeMounts",
-                            "podSecurityContext", "securityContext", "annotations", "labels")}  # fmt: skip
+K8S = {
+    key: ANY
+    for key in (
+        "resources",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "volumes",
+        "volumeMounts",
+        "podSecurityContext",
+        "securityContext",
+        "annotations",
+        "labels",
+    )
+}
 IMAGE = {"repository": ANY, "tag": ANY, "pullPolicy": ANY}
 NAMED = [{"name": ANY}]
 HELM_KEYS: dict[str, Any] = {
-    "global": {"serviceAccountName": ANY, "postgresqlSecretName": ANY, "dagsterHome": ANY,
-               "celeryConfigSecretName": ANY, "dagsterInstanceConfigMap": ANY},
+    "global": {
+        "serviceAccountName": ANY,
+        "postgresqlSecretName": ANY,
+        "dagsterHome": ANY,
+        "celeryConfigSecretName": ANY,
+        "dagsterInstanceConfigMap": ANY,
+    },
     "serviceAccount": {"create": ANY, "name": ANY, "annotations": ANY},
     "rbacEnabled": ANY,
     "imagePullSecrets": ANY,
-    "dagsterWebserver": {"replicaCount": ANY, "image": IMAGE, "pathPrefix": ANY, "enableReadOnly": ANY,
-                         "service": {"type": ANY, "port": ANY, "annotations": ANY}, "env": ANY,
-                         "envConfigMaps": NAMED, "envSecrets": NAMED, "logLevel": ANY, **K8S},
+    "dagsterWebserver": {
+        "replicaCount": ANY,
+        "image": IMAGE,
+        "pathPrefix": ANY,
+        "enableReadOnly": ANY,
+        "service": {"type": ANY, "port": ANY, "annotations": ANY},
+        "env": ANY,
+        "envConfigMaps": NAMED,
+        "envSecrets": NAMED,
+        "logLevel": ANY,
+        **K8S,
+    },
     "dagster-user-deployments": {
-        "enabled": ANY, "enableSubchart": ANY, "imagePullSecrets": ANY,
-        "deployments": [{"name": ANY, "image": IMAGE, "dagsterApiGrpcArgs": ANY, "codeServerArgs": ANY,
-                         "port": ANY, "includeConfigInLaunchedRuns": {"enabled": ANY},
-                         "env": [{"name": ANY, "value": ANY}], "envConfigMaps": NAMED, "envSecrets": NAMED,
-                         "readinessProbe": ANY, "livenessProbe": ANY, "startupProbe": ANY, **K8S}],
+        "enabled": ANY,
+        "enableSubchart": ANY,
+        "imagePullSecrets": ANY,
+        "deployments": [
+            {
+                "name": ANY,
+                "image": IMAGE,
+                "dagsterApiGrpcArgs": ANY,
+                "codeServerArgs": ANY,
+                "port": ANY,
+                "includeConfigInLaunchedRuns": {"enabled": ANY},
+                "env": [{"name": ANY, "value": ANY}],
+                "envConfigMaps": NAMED,
+                "envSecrets": NAMED,
+                "readinessProbe": ANY,
+                "livenessProbe": ANY,
+                "startupProbe": ANY,
+                **K8S,
+            }
+        ],
     },
     "runLauncher": {
         "type": ANY,
-        "config": {"k8sRunLauncher": {
-            "image": ANY, "imagePullPolicy": ANY, "jobNamespace": ANY, "loadInclusterConfig": ANY,
-            "kubeconfigFile": ANY, "envConfigMaps": NAMED, "envSecrets": NAMED, "envVars": ANY,
-            "volumes": ANY, "volumeMounts": ANY, "labels": ANY, "resources": ANY, "schedulerName": ANY,
-            "failPodOnRunFailure": ANY, "securityContext": ANY,
-            "runK8sConfig": {"containerConfig": ANY, "podTemplateSpecMetadata": ANY, "podSpecConfig": ANY,
-                             "jobSpecConfig": ANY, "jobMetadata": ANY}}},
+        "config": {
+            "k8sRunLauncher": {
+                "image": ANY,
+                "imagePullPolicy": ANY,
+                "jobNamespace": ANY,
+                "loadInclusterConfig": ANY,
+                "kubeconfigFile": ANY,
+                "envConfigMaps": NAMED,
+                "envSecrets": NAMED,
+                "envVars": ANY,
+                "volumes": ANY,
+                "volumeMounts": ANY,
+                "labels": ANY,
+                "resources": ANY,
+                "schedulerName": ANY,
+                "failPodOnRunFailure": ANY,
+                "securityContext": ANY,
+                "runK8sConfig": {
+                    "containerConfig": ANY,
+                    "podTemplateSpecMetadata": ANY,
+                    "podSpecConfig": ANY,
+                    "jobSpecConfig": ANY,
+                    "jobMetadata": ANY,
+                },
+            }
+        },
     },
-    "postgresql": {"enabled": ANY, "image": ANY, "postgresqlHost": ANY, "postgresqlUsername": ANY,
-                   "postgresqlPassword": ANY, "postgresqlDatabase": ANY, "postgresqlParams": ANY,
-                   "postgresqlScheme": ANY, "service": {"port": ANY}},
+    "postgresql": {
+        "enabled": ANY,
+        "image": ANY,
+        "postgresqlHost": ANY,
+        "postgresqlUsername": ANY,
+        "postgresqlPassword": ANY,
+        "postgresqlDatabase": ANY,
+        "postgresqlParams": ANY,
+        "postgresqlScheme": ANY,
+        "service": {"port": ANY},
+    },
     "generatePostgresqlPasswordSecret": ANY,
     "computeLogManager": {
         "type": ANY,
-        "config": {"s3ComputeLogManager": {k: ANY for k in ("bucket", "localDir", "prefix", "useSsl", "verify",
-                                                              "verifyCertPath", "endpointUrl", "skipEmptyFiles",
-                                                              "uploadInterval", "uploadExtraArgs")},
-                   "gcsComputeLogManager": {k: ANY for k in ("bucket", "localDir", "prefix", "jsonCredentialsEnvvar",
-                                                               "uploadInterval")},
-                   "azureBlobComputeLogManager": ANY},
+        "config": {
+            "s3ComputeLogManager": {
+                k: ANY
+                for k in (
+                    "bucket",
+                    "localDir",
+                    "prefix",
+                    "useSsl",
+                    "verify",
+                    "verifyCertPath",
+                    "endpointUrl",
+                    "skipEmptyFiles",
+                    "uploadInterval",
+                    "uploadExtraArgs",
+                )
+            },
+            "gcsComputeLogManager": {
+                k: ANY for k in ("bucket", "localDir", "prefix", "jsonCredentialsEnvvar", "uploadInterval")
+            },
+            "azureBlobComputeLogManager": ANY,
+        },
     },
     "dagsterDaemon": {
         "enabled": ANY,
         "runCoordinator": {"enabled": ANY, "type": ANY, "config": ANY},
-        "runMonitoring": {"enabled": ANY, "startTimeoutSeconds": ANY, "cancelTimeoutSeconds": ANY,
-                          "maxRuntimeSeconds": ANY, "pollIntervalSeconds": ANY, "maxResumeRunAttempts": ANY,
-                          "freeSlotsAfterRunEndSeconds": ANY},
+        "runMonitoring": {
+            "enabled": ANY,
+            "startTimeoutSeconds": ANY,
+            "cancelTimeoutSeconds": ANY,
+            "maxRuntimeSeconds": ANY,
+            "pollIntervalSeconds": ANY,
+            "maxResumeRunAttempts": ANY,
+            "freeSlotsAfterRunEndSeconds": ANY,
+        },
         "runRetries": {"enabled": ANY, "maxRetries": ANY},
-        "env": ANY, "envSecrets": NAMED, **K8S,
+        "env": ANY,
+        "envSecrets": NAMED,
+        **K8S,
     },
-    "concurrency": {"enabled": ANY, "pools": {"defaultLimit": ANY, "granularity": ANY, "opGranularityRunBuffer": ANY},
-                    "runs": {"maxConcurrentRuns": ANY, "tagConcurrencyLimits": ANY}},
+    "concurrency": {
+        "enabled": ANY,
+        "pools": {"defaultLimit": ANY, "granularity": ANY, "opGranularityRunBuffer": ANY},
+        "runs": {"maxConcurrentRuns": ANY, "tagConcurrencyLimits": ANY},
+    },
     "telemetry": {"enabled": ANY},
-}  # fmt: skip
+}
 
 
 def unknown_keys(values: Any, allowed: Any, path: str = "") -> list[str]:
@@ -228,8 +323,11 @@ def test_step_pod_specs_for_gpu_variants_match_the_manifests():
 def test_the_images_constraints_are_the_versions_the_tests_run_with():
     import importlib.metadata
 
-    pins = [line.split("==") for line in (DEPLOY / "docker" / "constraints.txt").read_text().splitlines()
-            if line and not line.startswith("#")]  # fmt: skip
+    pins = [
+        line.split("==")
+        for line in (DEPLOY / "docker" / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     assert len(pins) >= 10
     assert {name: importlib.metadata.version(name) for name, _ in pins} == dict(pins)
 

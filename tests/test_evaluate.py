@@ -46,8 +46,9 @@ def test_oracle_accepts_everything_and_a_wrong_proposer_nothing(peaked_verifier,
     assert totals["verifier_steps"] == 3 * 6 and totals["generated_tokens"] == 3 * new_tokens
     assert totals["lossless"] == {"identical": 3, "near_tie": 0, "diverged": 0, "ok": True}
 
-    wrong = evaluate(verifier, prompts, WrongProposer(verifier.vocab_size), K, new_tokens, stop_at_eos=False,
-                     progress=False).totals()  # fmt: skip
+    wrong = evaluate(
+        verifier, prompts, WrongProposer(verifier.vocab_size), K, new_tokens, stop_at_eos=False, progress=False
+    ).totals()
     assert wrong["acceptance_length"] == 1.0 and wrong["accepted_tokens"] == 0
     assert wrong["verifier_steps"] == 3 * (new_tokens - 1) and wrong["draft_tokens"] == K * wrong["drafts"]
     assert wrong["lossless"]["identical"] == 3
@@ -57,13 +58,35 @@ def test_lossless_for_a_trained_and_a_random_drafter_whose_acceptance_differs(
     peaked_verifier, trained_drafter, prompts_file, tmp_path
 ):
     random_drafter = tmp_path / "random"
-    assert main(["init", "--verifier", str(peaked_verifier), "--output", str(random_drafter), "--draft-vocab-size",
-                 "128", "--aux-layer-ids", "1,4,6", "--dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "init",
+                "--verifier",
+                str(peaked_verifier),
+                "--output",
+                str(random_drafter),
+                "--draft-vocab-size",
+                "128",
+                "--aux-layer-ids",
+                "1,4,6",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     reports = {}
     for name, speculator in (("trained", trained_drafter), ("random", random_drafter)):
-        reports[name] = run_evaluation(str(peaked_verifier), str(prompts_file), speculator=str(speculator),
-                                       num_speculative_tokens=K, max_new_tokens=40, dtype="float32",
-                                       output=tmp_path / f"{name}.json")  # fmt: skip
+        reports[name] = run_evaluation(
+            str(peaked_verifier),
+            str(prompts_file),
+            speculator=str(speculator),
+            num_speculative_tokens=K,
+            max_new_tokens=40,
+            dtype="float32",
+            output=tmp_path / f"{name}.json",
+        )
         # fp32: every prompt exactly as plain greedy decoding.
         assert reports[name].totals()["lossless"]["identical"] == 8, reports[name].render()
     trained, random = reports["trained"].totals(), reports["random"].totals()
@@ -78,8 +101,14 @@ def test_lossless_for_a_trained_and_a_random_drafter_whose_acceptance_differs(
 
 
 def test_bf16_divergences_are_only_near_ties(peaked_verifier, trained_drafter, prompts_file):
-    report = run_evaluation(str(peaked_verifier), str(prompts_file), speculator=str(trained_drafter),
-                            num_speculative_tokens=K, max_new_tokens=40, dtype="bfloat16")  # fmt: skip
+    report = run_evaluation(
+        str(peaked_verifier),
+        str(prompts_file),
+        speculator=str(trained_drafter),
+        num_speculative_tokens=K,
+        max_new_tokens=40,
+        dtype="bfloat16",
+    )
     for result in report.results:
         assert result.comparison.status in ("identical", "near_tie"), report.render()
         if result.comparison.status == "near_tie":
@@ -91,8 +120,14 @@ def test_a_reference_library_checkpoint_evaluates(tiny_verifier_dir, tmp_path):
     from tests.test_convert import research_tensors, write_reference_library_checkpoint
 
     source = write_reference_library_checkpoint(tmp_path / "reference", research_tensors(seed=2))
-    report = run_evaluation(str(tiny_verifier_dir("llama")), "demo:eval", speculator=str(source), max_prompts=2,
-                            max_new_tokens=12, dtype="float32")  # fmt: skip
+    report = run_evaluation(
+        str(tiny_verifier_dir("llama")),
+        "demo:eval",
+        speculator=str(source),
+        max_prompts=2,
+        max_new_tokens=12,
+        dtype="float32",
+    )
     assert report.settings["num_speculative_tokens"] == 5  # the checkpoint's own K
     assert report.totals()["lossless"]["identical"] == 2 and report.totals()["drafts"] > 0
 
@@ -119,8 +154,12 @@ def test_divergences_are_classified_by_the_top_two_margin():
     assert compare_outputs(baseline, generation([5, 9], [*same, (9, 12.0, 3, 11.9)]), torch.bfloat16).status == (
         "diverged"
     )
-    assert compare_outputs(baseline, generation([5, 8], [*same, (8, 12.0, 7, 11.9)]), torch.float32,
-                           tie_tolerance=0.5).status == "near_tie"  # fmt: skip
+    assert (
+        compare_outputs(
+            baseline, generation([5, 8], [*same, (8, 12.0, 7, 11.9)]), torch.float32, tie_tolerance=0.5
+        ).status
+        == "near_tie"
+    )
     # Stopping early with the same tokens so far is a divergence too.
     assert compare_outputs(baseline, generation([5], same), torch.float32).status == "diverged"
 
@@ -129,15 +168,17 @@ def test_a_real_divergence_is_an_error_naming_prompt_and_position():
     baseline = generation([5, 7], [(5, 10.0, 6, 9.0), (7, 12.0, 8, 11.0)])
     speculative = generation([5, 9], [(5, 10.0, 6, 9.0), (9, 12.0, 7, 11.0)])
     report = EvaluationReport(settings={"num_speculative_tokens": K, "max_new_tokens": 2, "proposer": "eagle3"})
-    report.results.append(PromptResult("p-17", 4, 2, 1, 1, 0, 1.0, 1.0, [0] * K,
-                                       compare_outputs(baseline, speculative, torch.float32)))  # fmt: skip
+    report.results.append(
+        PromptResult("p-17", 4, 2, 1, 1, 0, 1.0, 1.0, [0] * K, compare_outputs(baseline, speculative, torch.float32))
+    )
     assert not report.totals()["lossless"]["ok"]
     with pytest.raises(LosslessError, match="prompt p-17 at generated token 1"):
         report.raise_for_divergence()
 
 
-def test_evaluate_cli_and_its_errors(peaked_verifier, tiny_verifier_dir, trained_drafter, prompts_file, tmp_path,
-                                     capsys):  # fmt: skip
+def test_evaluate_cli_and_its_errors(
+    peaked_verifier, tiny_verifier_dir, trained_drafter, prompts_file, tmp_path, capsys
+):
     out = tmp_path / "report.json"
     args = ["--prompts", str(prompts_file), "--max-prompts", "2", "--max-new-tokens", "16", "--output", str(out)]
     assert main(["evaluate", "--verifier", str(peaked_verifier), "--speculator", str(trained_drafter), *args]) == 0
@@ -148,8 +189,7 @@ def test_evaluate_cli_and_its_errors(peaked_verifier, tiny_verifier_dir, trained
     from speculators.tiny_models import make_tiny_verifier
 
     other = make_tiny_verifier("llama", tmp_path / "other", vocab_size=1024)
-    assert main(["evaluate", "--verifier", str(other), "--speculator", str(trained_drafter), "--max-prompts",
-                 "1"]) == 2  # fmt: skip
+    assert main(["evaluate", "--verifier", str(other), "--speculator", str(trained_drafter), "--max-prompts", "1"]) == 2
     assert "does not fit verifier" in capsys.readouterr().err
     verifier = load_verifier(peaked_verifier, dtype="float32")
     with pytest.raises(SpeculatorsError, match="needs a speculator checkpoint"):

@@ -124,7 +124,11 @@ def test_the_config_holds_the_published_facts(name):
     assert sources()[name] == hub_id
     assert cfg["model_type"] == family
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], num_experts(cfg)) == (
-        layers, hidden, vocab, experts)  # fmt: skip
+        layers,
+        hidden,
+        vocab,
+        experts,
+    )
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
     if family == "gpt_oss":
         assert cfg["quantization_config"]["quant_method"] == "mxfp4"
@@ -163,7 +167,8 @@ def test_vllm_steps_hold_the_verifier_with_room_for_kv_cache(name):
         per_gpu = weights_gib / tp
         assert per_gpu <= WEIGHT_SHARE * profile.gpu_memory_gib, (
             f"{name} {step}: {per_gpu:.1f} GiB of weights per GPU at TP {tp} is over "
-            f"{WEIGHT_SHARE:.0%} of {profile.gpu_memory_gib} GiB")  # fmt: skip
+            f"{WEIGHT_SHARE:.0%} of {profile.gpu_memory_gib} GiB"
+        )
         # host memory: every replica stages its copy of the weights through the pod
         assert quantity_gib(profile.memory) >= weights_gib * profile.data_parallel_size, (name, step)
     capture, benchmark = v.profile("verifier_hidden_states"), v.profile("benchmark_report")
@@ -196,8 +201,11 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     v = variant(name)
     runner = PipelineRunner(mode="k8s")
     capture, training, bench = (v.profile(s) for s in ("verifier_hidden_states", "trained_drafter", "benchmark_report"))
-    for step, profile in (("verifier_hidden_states", capture), ("trained_drafter", training),
-                          ("benchmark_report", bench)):  # fmt: skip
+    for step, profile in (
+        ("verifier_hidden_states", capture),
+        ("trained_drafter", training),
+        ("benchmark_report", bench),
+    ):
         limits = runner.pod_spec(v, step, "/data")["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == str(profile.gpus) and limits["memory"] == profile.memory
 

@@ -222,8 +222,9 @@ def test_validation_sources_are_tagged_come_first_and_win_over_equal_training_ro
     training = tmp_path / "train.jsonl"
     shared = "Why does ice float on water?"  # also in natural:validation
     training.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [shared, "one", "two", "three"]))
-    conversations, report = prepare_conversations([str(training)], require_assistant=False, max_samples=2,
-                                                  validation_sources=["natural:validation"])  # fmt: skip
+    conversations, report = prepare_conversations(
+        [str(training)], require_assistant=False, max_samples=2, validation_sources=["natural:validation"]
+    )
     validation = [c for c in conversations if c.id.startswith(VALIDATION_PREFIX)]
     assert len(validation) == report.validation == 42 and conversations[:42] == validation
     # The shared prompt stays a validation sample only; max_samples counts the training rows.

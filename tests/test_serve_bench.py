@@ -44,8 +44,12 @@ vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
 
 def test_spec_decode_counters_parse_and_difference():
     after = parse_spec_decode_counters(EXPOSITION)
-    assert after == {"drafts": 20.0, "draft_tokens": 60.0, "accepted_tokens": 25.0,
-                     "accepted_per_position": [14.0, 8.0, 3.0]}  # fmt: skip
+    assert after == {
+        "drafts": 20.0,
+        "draft_tokens": 60.0,
+        "accepted_tokens": 25.0,
+        "accepted_per_position": [14.0, 8.0, 3.0],
+    }
     before = {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 5.0, "accepted_per_position": [4.0, 1.0]}
     delta = acceptance_from_counters(before, after)
     assert delta["drafts"] == 10 and delta["accepted_per_position"] == [10, 7, 3]
@@ -72,10 +76,17 @@ def test_serve_errors_are_one_clear_sentence(tiny_verifier_dir, monkeypatch):
 def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
     outputs = []
     for prompt in prompts:
-        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}  # fmt: skip
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=300) as response:
             outputs.append(json.loads(response.read())["choices"][0]["token_ids"])
     return outputs
@@ -114,11 +125,15 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     prompts, baseline = served_baseline
     token_prompts = [ids for _, ids in prompts]
     common = dict(verifier=str(peaked_verifier), **SERVER)
-    speculative_settings = ServerSettings(**common, speculator=str(trained_drafter), num_speculative_tokens=K,
-                                          log_path=tmp_path / "speculator.log")  # fmt: skip
+    speculative_settings = ServerSettings(
+        **common, speculator=str(trained_drafter), num_speculative_tokens=K, log_path=tmp_path / "speculator.log"
+    )
     with VllmServer(speculative_settings) as server:
-        assert server.speculative == {"method": "eagle3", "model": str(trained_drafter.resolve()),
-                                      "num_speculative_tokens": K}  # fmt: skip
+        assert server.speculative == {
+            "method": "eagle3",
+            "model": str(trained_drafter.resolve()),
+            "num_speculative_tokens": K,
+        }
         before = server.metrics()
         speculative = completions(server.url, server.model_name, token_prompts)
         served = acceptance_from_counters(before, server.metrics())
@@ -147,9 +162,23 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     from speculators.cli import main
     from speculators.train import TrainConfig, train
 
-    train(TrainConfig(store=str(store), verifier=str(peaked_verifier), output=str(tmp_path / "run"), epochs=20,
-                      lr=1e-2, validation_share=0.0, token_budget=512, precision="fp32", num_draft_layers=2,
-                      log_every=50, eval_every=1000, checkpoint_every=1000, progress=False))  # fmt: skip
+    train(
+        TrainConfig(
+            store=str(store),
+            verifier=str(peaked_verifier),
+            output=str(tmp_path / "run"),
+            epochs=20,
+            lr=1e-2,
+            validation_share=0.0,
+            token_budget=512,
+            precision="fp32",
+            num_draft_layers=2,
+            log_every=50,
+            eval_every=1000,
+            checkpoint_every=1000,
+            progress=False,
+        )
+    )
     assert "names its verifier by the local path" in capsys.readouterr().out  # the tiny verifier has no hub id
     drafter = tmp_path / "run" / "drafter"
     with safe_open(str(drafter / "model.safetensors"), framework="pt") as handle:
@@ -160,8 +189,21 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
 
     hub_id = "speculators-tests/peaked-llama"
     named = tmp_path / "named"
-    assert main(["convert", str(drafter), "--verifier", str(peaked_verifier), "--verifier-name", hub_id,
-                 "--output", str(named)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "convert",
+                str(drafter),
+                "--verifier",
+                str(peaked_verifier),
+                "--verifier-name",
+                hub_id,
+                "--output",
+                str(named),
+            ]
+        )
+        == 0
+    )
     assert read_checkpoint(named).config.speculators_config.verifier.name_or_path == hub_id
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -186,9 +228,26 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def start_cli_server(model_dir: Path, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "speculators.cli", "serve", "--verifier", str(model_dir), "--port", "0",
-               "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--kv-cache-gib", "1",
-               "--log-file", str(log_path), "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "speculators.cli",
+        "serve",
+        "--verifier",
+        str(model_dir),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--kv-cache-gib",
+        "1",
+        "--log-file",
+        str(log_path),
+        "--quiet",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 420
     for line in process.stdout:
@@ -229,8 +288,15 @@ def test_a_model_that_does_not_load_is_reported_with_the_log_tail(tiny_verifier_
     broken = tmp_path / "broken-verifier"
     shutil.copytree(tiny_verifier_dir("llama"), broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    settings = ServerSettings(verifier=str(broken), port=0, dtype="float32", max_model_len=256, enforce_eager=True,
-                              kv_cache_gib=1, log_path=tmp_path / "broken.log")  # fmt: skip
+    settings = ServerSettings(
+        verifier=str(broken),
+        port=0,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        kv_cache_gib=1,
+        log_path=tmp_path / "broken.log",
+    )
     server = VllmServer(settings)
     with pytest.raises(
         SpeculatorsError, match=r"exited with code \d+ before it was ready; the end of its log"
@@ -302,12 +368,29 @@ def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_
     profiles = settings.profiles()
     assert [profile_name(p) for p in profiles] == ["synchronous", "concurrent-2", "synchronous-natural"]
     assert guidellm_profile(profiles[1]) == {"kind": "concurrent", "streams": 2}
-    command = guidellm_command("http://h", "m", "tok", tmp_path / "d.jsonl", guidellm_profile(profiles[2]), 4,
-                               tmp_path / "a.json", tmp_path / "a.html", max_tokens=300)  # fmt: skip
+    command = guidellm_command(
+        "http://h",
+        "m",
+        "tok",
+        tmp_path / "d.jsonl",
+        guidellm_profile(profiles[2]),
+        4,
+        tmp_path / "a.json",
+        tmp_path / "a.html",
+        max_tokens=300,
+    )
     backend = json.loads(command[command.index("--backend") + 1])
     assert backend["extras"]["body"] == {"temperature": 0, "max_tokens": 300}
-    fixed = guidellm_command("http://h", "m", "tok", tmp_path / "d.jsonl", guidellm_profile(profiles[0]), 4,
-                             tmp_path / "a.json", tmp_path / "a.html")  # fmt: skip
+    fixed = guidellm_command(
+        "http://h",
+        "m",
+        "tok",
+        tmp_path / "d.jsonl",
+        guidellm_profile(profiles[0]),
+        4,
+        tmp_path / "a.json",
+        tmp_path / "a.html",
+    )
     assert json.loads(fixed[fixed.index("--backend") + 1])["extras"]["body"] == {"temperature": 0}
     assert json.loads(fixed[fixed.index("--profile") + 1]) == {"kind": "synchronous"}
     off = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[], natural_max_tokens=0)

@@ -26,9 +26,19 @@ AUX = PEAKED_AUX
 
 
 def config_for(store, verifier, output, **overrides) -> TrainConfig:
-    options = dict(store=str(store), verifier=str(verifier), output=str(output), token_budget=128, lr=2e-3,
-                   precision="fp32", log_every=2, eval_every=4, checkpoint_every=4, progress=False,
-                   validation_share=0.15)  # fmt: skip
+    options = dict(
+        store=str(store),
+        verifier=str(verifier),
+        output=str(output),
+        token_budget=128,
+        lr=2e-3,
+        precision="fp32",
+        log_every=2,
+        eval_every=4,
+        checkpoint_every=4,
+        progress=False,
+        validation_share=0.15,
+    )
     options.update(overrides)
     return TrainConfig(**options)
 
@@ -85,9 +95,21 @@ def test_expected_acceptance_length():
 
 def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_verifier, tmp_path):
     verifier = peaked_verifier
-    summary = train(config_for(store, verifier, tmp_path / "run", epochs=80, lr=1e-2, warmup=0.05,
-                               validation_share=0.0, token_budget=512, eval_every=1000, checkpoint_every=1000,
-                               log_every=5))  # fmt: skip
+    summary = train(
+        config_for(
+            store,
+            verifier,
+            tmp_path / "run",
+            epochs=80,
+            lr=1e-2,
+            warmup=0.05,
+            validation_share=0.0,
+            token_budget=512,
+            eval_every=1000,
+            checkpoint_every=1000,
+            log_every=5,
+        )
+    )
     assert summary["final_train"]["full_acc"][0] > 0.9
     assert validate_checkpoint(tmp_path / "run" / "drafter", verifier=str(verifier)).ok
     config = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
@@ -171,13 +193,46 @@ def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, s
     verifier = peaked_verifier
     train(config_for(store, verifier, tmp_path / "single", max_steps=6, grad_accumulation=2))
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train",
-               "--store", str(store), "--verifier", str(verifier), "--output", str(tmp_path / sharding),
-               "--token-budget", "128", "--lr", "2e-3", "--precision", "fp32", "--max-steps", "6",
-               "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4", "--validation-share", "0.15",
-               "--no-progress", *(["--fsdp"] if sharding == "fsdp" else [])]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "speculators.cli",
+        "train",
+        "--store",
+        str(store),
+        "--verifier",
+        str(verifier),
+        "--output",
+        str(tmp_path / sharding),
+        "--token-budget",
+        "128",
+        "--lr",
+        "2e-3",
+        "--precision",
+        "fp32",
+        "--max-steps",
+        "6",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--validation-share",
+        "0.15",
+        "--no-progress",
+        *(["--fsdp"] if sharding == "fsdp" else []),
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     single = json.loads((tmp_path / "single" / "summary.json").read_text())
     multi = json.loads((tmp_path / sharding / "summary.json").read_text())
@@ -192,8 +247,11 @@ def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, s
 def test_warm_start_continues_from_an_earlier_drafter(store, peaked_verifier, tmp_path):
     verifier = peaked_verifier
     train(config_for(store, verifier, tmp_path / "first", max_steps=8))
-    warm = train(config_for(store, verifier, tmp_path / "second", max_steps=1, lr=1e-9,
-                            warm_start=str(tmp_path / "first" / "drafter")))  # fmt: skip
+    warm = train(
+        config_for(
+            store, verifier, tmp_path / "second", max_steps=1, lr=1e-9, warm_start=str(tmp_path / "first" / "drafter")
+        )
+    )
     cold = train(config_for(store, verifier, tmp_path / "cold", max_steps=1, lr=1e-9))
     assert sum(warm["final_train"]["loss"]) < sum(cold["final_train"]["loss"])
 
@@ -254,8 +312,9 @@ def test_fused_kl_matches_autograd_in_value_and_gradient():
 
 
 @pytest.mark.parametrize("drafter_kind", ["trained", "untrained"])
-def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(store, peaked_verifier, trained_drafter,
-                                                                             drafter_kind, tmp_path):  # fmt: skip
+def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
+    store, peaked_verifier, trained_drafter, drafter_kind, tmp_path
+):
     """Validation replays decoding on teacher-forced chains: on the verifier's own greedy answers (the
     store's regenerated samples) it counts the same rounds and per-position acceptances as
     `speculators evaluate` decoding those prompts with the same drafter, all in fp32."""
@@ -268,8 +327,9 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(sto
     from speculators.vocab import load_draft_vocab
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    drafter = Eagle3Drafter.from_pretrained(trained_drafter, verifier_embeddings=verifier.embedding_weight,
-                                            dtype="float32").eval()  # fmt: skip
+    drafter = Eagle3Drafter.from_pretrained(
+        trained_drafter, verifier_embeddings=verifier.embedding_weight, dtype="float32"
+    ).eval()
     if drafter_kind == "untrained":  # mostly rejections: rounds start everywhere
         drafter.reset_parameters(seed=3)
         with torch.no_grad():
@@ -283,11 +343,15 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(sto
     head = (head_source.final_norm, head_source.lm_head_weight[selected].float())
     cpu = torch.device("cpu")
     in_vocab = greedy_in_draft_vocab(packs, head_source, selected, cpu, 0, 1)
-    assert 0 < sum(int(f.sum()) for f in in_vocab.values()) < sum(int(p.loss_mask.sum()) for p in map(
-        packs.load_pack, packs.pack_plan(0)))  # some greedy tokens lie outside the 128-token draft vocab  # fmt: skip
+    assert (
+        0
+        < sum(int(f.sum()) for f in in_vocab.values())
+        < sum(int(p.loss_mask.sum()) for p in map(packs.load_pack, packs.pack_plan(0)))
+    )  # some greedy tokens lie outside the 128-token draft vocab
     config = config_for(store, peaked_verifier, tmp_path, ttt_steps=k)
-    metrics = run_validation(wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1,
-                             in_vocab, k)  # fmt: skip
+    metrics = run_validation(
+        wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1, in_vocab, k
+    )
 
     # Decoding: the same prompts (the stored tokens before each answer), with a budget one token past
     # the longest stored answer (an answer cut at the budget ends in the template's end-of-turn token).

@@ -36,9 +36,29 @@ def aux_ids(family: str) -> list[int]:
 
 
 def vllm_datagen(verifier, samples_path, store, *extra: str, aux: list[int] = AUX) -> None:
-    command = [sys.executable, "-m", "speculators.cli", "datagen", "--data", str(samples_path), "--verifier",
-               str(verifier), "--output", str(store), "--backend", "vllm", "--dtype", "float32", "--storage",
-               "float32", "--batch-size", "3", "--aux-layer-ids", ",".join(map(str, aux)), *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "speculators.cli",
+        "datagen",
+        "--data",
+        str(samples_path),
+        "--verifier",
+        str(verifier),
+        "--output",
+        str(store),
+        "--backend",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--storage",
+        "float32",
+        "--batch-size",
+        "3",
+        "--aux-layer-ids",
+        ",".join(map(str, aux)),
+        *extra,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
@@ -82,8 +102,9 @@ def prepared(tiny_verifier_dir, tmp_path_factory):
             verifier = load_verifier(tiny_verifier_dir(family), dtype="float32")
             samples = make_samples(verifier.tokenizer, 7)  # 40-90 tokens: past gpt_oss's 16-token window
             write_jsonl_atomic(directory / "samples.jsonl", samples)
-            run_datagen(samples, verifier, directory / "hf", aux_layer_ids=aux_ids(family), storage="float32",
-                        progress=False)  # fmt: skip
+            run_datagen(
+                samples, verifier, directory / "hf", aux_layer_ids=aux_ids(family), storage="float32", progress=False
+            )
             built[family] = (tiny_verifier_dir(family), directory / "samples.jsonl", directory / "hf")
         return built[family]
 
