@@ -17,7 +17,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -160,11 +160,11 @@ def answer_generator(settings: PrepareSettings, output: Path) -> tuple[Any, Gene
     ends = turn_end_ids(tokenizer)
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):
-        generate = vllm_generate_fn(
+        engine = vllm_generate_fn(
             location, s.max_new_tokens, s.temperature, s.seed, s.dtype, ends, max_model_len=max_model_len,
             tensor_parallel_size=s.tensor_parallel_size,
         )  # fmt: skip
-        return tokenizer, generate, nullcontext()
+        return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
     if s.server_url:
         generate = server_generate_fn(s.server_url, s.max_new_tokens, s.temperature, s.seed, ends,
                                       model=s.server_model, concurrency=s.batch_size,

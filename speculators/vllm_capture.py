@@ -119,7 +119,6 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
     exit (later servers keep logging to their own files)."""
     import json
     import logging
-    import sys
 
     if "VLLM_LOGGING_CONFIG_PATH" in os.environ or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         yield None
@@ -136,26 +135,28 @@ def vllm_log_file(path: str | Path) -> Iterator[Path | None]:
     }
     config_path = path.with_name(path.name + ".config.json")
     config_path.write_text(json.dumps(config))
+    # Here the handler goes on now: vLLM logs a few lines while importing, before it reads the config
+    # (they would reach the terminal through logging's last-resort handler).
     logger = logging.getLogger("vllm")
-    saved = list(logger.handlers) if "vllm" in sys.modules else None
-    if saved is not None:
-        handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter(formatter["format"]))
-        for old in saved:
-            logger.removeHandler(old)
-        logger.addHandler(handler)
+    saved, propagate = list(logger.handlers), logger.propagate
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(formatter["format"]))
+    for old in saved:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.propagate = False
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
     try:
         with stderr_to(path):
             yield path
     finally:
         os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
-        if saved is not None:
-            for current in list(logger.handlers):
-                logger.removeHandler(current)
-                current.close()
-            for old in saved:
-                logger.addHandler(old)
+        for current in list(logger.handlers):
+            logger.removeHandler(current)
+            current.close()
+        for old in saved:
+            logger.addHandler(old)
+        logger.propagate = propagate
 
 
 @contextmanager
@@ -202,6 +203,14 @@ def vllm_log(path: Path, active: bool) -> Iterator[None]:
         yield
 
 
+def shutdown_engine(llm: Any) -> None:
+    """Stop an offline engine's processes now rather than at interpreter exit (where its threads
+    abort and vLLM force-kills the processes, printing to the terminal)."""
+    engine = getattr(llm.llm_engine, "engine_core", None)
+    if engine is not None and hasattr(engine, "shutdown"):
+        engine.shutdown()
+
+
 class VllmCapture:
     """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`)."""
 
@@ -234,9 +243,7 @@ class VllmCapture:
         import gc
 
         self.llm.apply_model(remove_capture_hooks)
-        engine = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine is not None and hasattr(engine, "shutdown"):
-            engine.shutdown()
+        shutdown_engine(self.llm)
         del self.llm
         gc.collect()
 
