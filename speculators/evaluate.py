@@ -14,11 +14,15 @@ diverged, which is a bug.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    from speculators.models.eagle3 import DraftKVCache
 
 DEFAULT_TIE_ULPS = 4
 
@@ -32,7 +36,10 @@ class LosslessError(SpeculatorsError):
 
 class Proposer(Protocol):
     name: str
-    aux_layer_ids: list[int] | tuple[int, ...]
+
+    @property
+    def aux_layer_ids(self) -> Sequence[int]:
+        """The verifier layers whose states `propose` reads (none for the oracles)."""
 
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it)."""
@@ -50,7 +57,7 @@ class DrafterProposer:
     def __init__(self, drafter: Any):
         self.drafter = drafter
         self.aux_layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
-        self.cache = None
+        self.cache: DraftKVCache | None = None
 
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         from speculators.models.eagle3 import DraftKVCache
@@ -60,6 +67,7 @@ class DrafterProposer:
     def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
         import torch
 
+        assert self.cache is not None, "start() comes before propose()"
         next_ids = torch.tensor([tokens[-new_aux.shape[1] :]])
         dtype = self.drafter.fc.weight.dtype
         drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens)
@@ -116,7 +124,7 @@ def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
     return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
 
 
-def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dict[int, Any], layer_ids: list[int]):
+def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dict[int, Any], layer_ids: Sequence[int]):
     """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
     import torch
 
@@ -442,8 +450,10 @@ def run_evaluation(verifier_source: str, prompts_source: str, speculator: str | 
 
     verifier = load_verifier(verifier_source, dtype=dtype)
     proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
-    if num_speculative_tokens is None:
-        num_speculative_tokens = proposer.drafter.config.speculative_tokens if proposer_kind == "eagle3" else 3
+    if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
+        num_speculative_tokens = 3
+        if isinstance(proposer, DrafterProposer):
+            num_speculative_tokens = proposer.drafter.config.speculative_tokens
     prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts))
     print(
         f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "

