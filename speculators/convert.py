@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from speculators.config import (
     Eagle3Config,
     ProposalMethod,
@@ -177,9 +179,10 @@ def convert_checkpoint(
     values["dtype"] = dtype or (float_dtypes.pop() if len(float_dtypes) == 1 else "bfloat16")
     try:
         config = Eagle3Config(**values)
-    except Exception as error:  # pydantic ValidationError
-        problems = format_validation_error(error) if hasattr(error, "errors") else [str(error)]
-        raise CheckpointFormatError(problems, str(source)) from None
+    except ValidationError as error:
+        raise CheckpointFormatError(format_validation_error(error), str(source)) from None
+    except Exception as error:  # anything else building the config raises
+        raise CheckpointFormatError([str(error)], str(source)) from None
     problems = check_against_verifier(config, verifier_config, "embed_tokens.weight" in tensors)
     if problems:
         raise SpeculatorsError(f"{source} does not fit verifier {verifier}: {'; '.join(problems)}")

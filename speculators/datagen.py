@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -176,13 +177,14 @@ def run_datagen(
                 computed_tokens += len(sample.input_ids)
             bar.update(sum(len(samples[i].input_ids) for i in batch))
             bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
-    if hasattr(capture, "close"):
-        capture.close()
+    close = getattr(capture, "close", None)  # a vLLM engine's
+    if close is not None:
+        close()
     seconds = time.perf_counter() - started
     if replica is not None:
         return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
-    entries = []
+    entries: list[dict[str, Any]] = []
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
         if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
@@ -313,11 +315,11 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
-    common = {"aux_layer_ids": s.aux_layer_ids, "batch_size": s.batch_size, "storage": s.storage,
-              "data_version": data_version}  # fmt: skip
+    capture_into = partial(run_datagen, aux_layer_ids=s.aux_layer_ids, batch_size=s.batch_size, storage=s.storage,
+                           data_version=data_version)  # fmt: skip
     if s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device)
-        report = run_datagen(samples, verifier, s.output, **common, backend="transformers")
+        report = capture_into(samples, verifier, s.output, backend="transformers")
     else:  # vLLM loads the weights; here only the config and the files' fingerprint
         facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype)
         store = Path(s.output).resolve()
@@ -325,8 +327,9 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
             if s.data_parallel_size > 1:
                 report = run_datagen_replicas(s, samples, facts, data_version)
             else:
-                report = run_datagen(samples, facts, s.output, **common, backend="vllm", replica=replica,
-                                     tensor_parallel_size=s.tensor_parallel_size, progress=replica is None)  # fmt: skip
+                report = capture_into(samples, facts, s.output, backend="vllm", replica=replica,
+                                      tensor_parallel_size=s.tensor_parallel_size,
+                                      progress=replica is None)  # fmt: skip
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report

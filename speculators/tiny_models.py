@@ -198,7 +198,7 @@ def tiny_config(
         Qwen3MoeConfig,
     )
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,

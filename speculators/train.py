@@ -23,10 +23,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import TrainConfig, TrainRecipe
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 __all__ = ["TrainConfig", "TrainRecipe", "train"]
 
@@ -262,7 +265,7 @@ def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[
 
     saved = load_file(str(directory / "drafter" / "model.safetensors"))
     names = {drafter_key(k): k for k in get_model_state_dict(model)}
-    model_state = {names[k]: v for k, v in saved.items()}
+    model_state: dict[str, ValueType] = {names[k]: v for k, v in saved.items()}
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=full)
     state = json.loads((directory / "trainer_state.json").read_text())
@@ -661,7 +664,7 @@ def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) ->
 
 def train(config: TrainConfig) -> dict[str, Any]:
     run = start_run(config)
-    state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
+    state: dict[str, Any] = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
     last = run.output / "checkpoints" / "last"
     if (last / "trainer_state.json").is_file():
         state = load_checkpoint(last, run.model, run.optimizers)

@@ -65,7 +65,9 @@ class PackedStore:
         order = list(range(len(self.entries)))
         if self.seed >= 0:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        packs, current, used = [], [], 0
+        packs: list[list[int]] = []
+        current: list[int] = []
+        used = 0
         for index in order:
             length = min(self.entries[index]["num_tokens"] - 1, self.token_budget)
             if current and used + length > self.token_budget:
