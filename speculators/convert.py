@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -29,6 +29,9 @@ from speculators.config import (
     parse_eagle3_config,
 )
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
 
 RESEARCH_LAYER_KEYS = (
     "hidden_size",
@@ -55,14 +58,14 @@ class ConversionResult:
     notes: list[str] = field(default_factory=list)
 
 
-def read_source_tensors(directory: Path) -> dict[str, Any]:
+def read_source_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: safetensors (single or sharded) or pytorch_model.bin."""
     import torch
     from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
     if files:
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for path in files:
             tensors.update(load_file(str(path)))
         return tensors
@@ -76,7 +79,7 @@ def read_source_tensors(directory: Path) -> dict[str, Any]:
     raise SpeculatorsError(f"no weights (*.safetensors, *.bin, *.pt) in {directory}; pass a checkpoint directory")
 
 
-def detect_layout(raw_config: dict[str, Any], tensors: dict[str, Any]) -> str:
+def detect_layout(raw_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     if "speculators_model_type" in raw_config:
         return "speculators"
     if any(name.startswith(("midlayer.", "model.midlayer.")) for name in tensors):
@@ -206,7 +209,7 @@ def convert_checkpoint(
 
 
 def research_config_values(
-    raw: dict[str, Any], tensors: dict[str, Any], overrides: dict[str, bool | None], speculative_tokens: int
+    raw: dict[str, Any], tensors: dict[str, torch.Tensor], overrides: dict[str, bool | None], speculative_tokens: int
 ) -> dict[str, Any]:
     """Speculators config values from a research EAGLE-3 config (Llama-style, with draft_vocab_size)."""
     names = {research_tensor_name(name) for name in tensors}
