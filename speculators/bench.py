@@ -32,10 +32,13 @@ import time
 import urllib.request
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import BenchSettings
+
+if TYPE_CHECKING:
+    from speculators.verifier import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)
 METRICS = {
@@ -177,7 +180,7 @@ class OutputJudge:
 
         self.source, self.dtype, self.tie_tolerance = verifier, resolve_dtype(dtype, "auto"), tie_tolerance
         self.tie_ulps = tie_ulps
-        self.verifier: Any = None
+        self.verifier: Verifier | None = None
 
     def __call__(self, prompt_ids: list[int], baseline_ids: list[int], speculator_ids: list[int]) -> dict[str, Any]:
         import torch

@@ -12,12 +12,15 @@ import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators import SPECULATORS_FORMAT_VERSION
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 SUPPORTED_ALGORITHMS = ("eagle3",)
 # Other algorithms of the reference library, recognised so the error can say what they are.
@@ -233,7 +236,7 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def check_full_attention(hf_config: Any) -> None:
+def check_full_attention(hf_config: PreTrainedConfig) -> None:
     """Refuse draft layers that vLLM would run with sliding-window attention: it honours `layer_types`
     (which Qwen3's `use_sliding_window` + `max_window_layers` resolve to), but this project's drafter
     attends over the whole context, so training, evaluation and the checks would disagree with the

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
@@ -32,8 +32,13 @@ from speculators.hidden_state_store import (
 from speculators.settings import CaptureSettings
 from speculators.tokenization import TokenizedSample
 
+if TYPE_CHECKING:
+    import torch
+
+    from speculators.verifier import Verifier, VerifierFacts
+
 # token id lists -> states [T, len(capture ids), H] per prompt
-CaptureFn = Callable[[list[list[int]]], list[Any]]
+CaptureFn = Callable[[list[list[int]]], list["torch.Tensor"]]
 WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
@@ -70,13 +75,13 @@ def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[i
     return batches
 
 
-def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
+def transformers_capture_fn(verifier: Verifier, capture_ids: list[int]) -> CaptureFn:
     import torch
 
     device = verifier.model.device
     pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
 
-    def capture(prompts: list[list[int]]) -> list[Any]:
+    def capture(prompts: list[list[int]]) -> list[torch.Tensor]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -89,9 +94,13 @@ def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
     return capture
 
 
-def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int,
+def make_capture_fn(backend: str, verifier: VerifierFacts, capture_ids: list[int], max_length: int,
                     tensor_parallel_size: int = 1, batch_size: int = 4) -> CaptureFn:  # fmt: skip
     if backend == "transformers":
+        from speculators.verifier import Verifier
+
+        if not isinstance(verifier, Verifier):
+            raise SpeculatorsError("the transformers backend captures with a loaded verifier (load_verifier)")
         return transformers_capture_fn(verifier, capture_ids)
     if backend == "vllm":
         from speculators.vllm_capture import VllmCapture
@@ -106,7 +115,7 @@ def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_len
 
 def run_datagen(
     samples: list[TokenizedSample],
-    verifier: Any,
+    verifier: VerifierFacts,
     store_dir: str | Path,
     aux_layer_ids: list[int] | None = None,
     batch_size: int = 4,
@@ -248,7 +257,7 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     return [{variable: separator.join(group)} for group in groups]
 
 
-def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: Any,
+def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts,
                          data_version: str | None = None) -> DatagenReport:  # fmt: skip
     """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest

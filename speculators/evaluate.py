@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from speculators.errors import SpeculatorsError
 
 if TYPE_CHECKING:
-    from speculators.models.eagle3 import DraftKVCache
+    import torch
+    from transformers import PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
+
+    from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
+    from speculators.prompts import Conversation
+    from speculators.verifier import Verifier
 
 DEFAULT_TIE_ULPS = 4
 
@@ -44,9 +50,10 @@ class Proposer(Protocol):
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it)."""
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         """Draft `num_tokens` ids after `tokens`; `new_aux` [1, m, A*H] are the verifier's aux states
-        of the m positions before the last token that this proposer has not seen yet."""
+        of the m positions before the last token that this proposer has not seen yet (None when it
+        reads no aux layers)."""
 
 
 class DrafterProposer:
@@ -54,9 +61,12 @@ class DrafterProposer:
 
     name = "eagle3"
 
-    def __init__(self, drafter: Any):
+    def __init__(self, drafter: Eagle3Drafter):
+        layer_ids = drafter.config.eagle_aux_hidden_state_layer_ids
+        if layer_ids is None:
+            raise SpeculatorsError("the drafter's config names no aux layer ids; set its verifier's default ones")
         self.drafter = drafter
-        self.aux_layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
+        self.aux_layer_ids = list(layer_ids)
         self.cache: DraftKVCache | None = None
 
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
@@ -64,10 +74,11 @@ class DrafterProposer:
 
         self.cache = DraftKVCache(self.drafter.config.num_draft_layers)
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         import torch
 
         assert self.cache is not None, "start() comes before propose()"
+        assert new_aux is not None, "the drafter reads aux layers"
         next_ids = torch.tensor([tokens[-new_aux.shape[1] :]])
         dtype = self.drafter.fc.weight.dtype
         drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens)
@@ -85,7 +96,7 @@ class OracleProposer:
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         self.sequence = list(prompt_ids) + list(reference)
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         drafted = self.sequence[len(tokens) : len(tokens) + num_tokens]
         return drafted + [0] * (num_tokens - len(drafted))
 
@@ -98,7 +109,7 @@ class WrongProposer(OracleProposer):
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         return [(token + 1) % self.vocab_size for token in super().propose(tokens, new_aux, num_tokens)]
 
 
@@ -116,7 +127,7 @@ class Generation:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
+def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
     """(top id, its logit, second id, its logit) per row of [T, V] logits. Both decoders take their
     token from here, so exact ties (common in bf16) break the same way."""
     values, ids = logits.float().topk(2, dim=-1)
@@ -124,7 +135,8 @@ def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
     return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
 
 
-def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dict[int, Any], layer_ids: Sequence[int]):
+def verifier_pass(verifier: Verifier, input_ids: list[int], cache: Cache | None, captured: dict[int, torch.Tensor],
+                  layer_ids: Sequence[int]) -> tuple[torch.Tensor, Cache, torch.Tensor | None]:  # fmt: skip
     """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
     import torch
 
@@ -133,14 +145,15 @@ def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dic
     return out.logits[0], out.past_key_values, aux
 
 
-def greedy_generate(verifier: Any, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+def greedy_generate(verifier: Verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                     extra_tokens: int = 0) -> Generation:  # fmt: skip
     """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
     import torch
 
     started = time.perf_counter()
     generation = Generation(tokens=[], top2=[], seconds=0.0)
-    cache, step_input = None, list(prompt_ids)
+    cache: Cache | None = None
+    step_input = list(prompt_ids)
     with torch.inference_mode():
         while len(generation.tokens) < max_new_tokens + extra_tokens:
             logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [])
@@ -157,7 +170,7 @@ def greedy_generate(verifier: Any, prompt_ids: list[int], max_new_tokens: int, s
     return generation
 
 
-def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
+def speculative_generate(verifier: Verifier, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
                          max_new_tokens: int, stop_ids: set[int], reference: list[int]) -> Generation:  # fmt: skip
     """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
     import torch
@@ -204,7 +217,7 @@ def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Propose
 # ----- lossless check ------------------------------------------------------------------------------
 
 
-def default_tie_tolerance(dtype: Any, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
+def default_tie_tolerance(dtype: torch.dtype, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
     """`ulps` units in the last place of the top logit in the verifier's dtype (bf16 at 20: 0.125)."""
     import math
 
@@ -224,7 +237,7 @@ class Comparison:
     tolerance: float | None = None
 
 
-def compare_outputs(baseline: Generation, speculative: Generation, dtype: Any,
+def compare_outputs(baseline: Generation, speculative: Generation, dtype: torch.dtype,
                     tie_tolerance: float | None = None) -> Comparison:  # fmt: skip
     """Classify speculative output against the baseline's (both cut at the same token budget)."""
     expected = baseline.tokens
@@ -352,7 +365,7 @@ class EvaluationReport:
             )
 
 
-def evaluate(verifier: Any, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
+def evaluate(verifier: Verifier, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
              max_new_tokens: int = 128, stop_at_eos: bool = True, tie_tolerance: float | None = None,
              settings: dict[str, Any] | None = None, progress: bool = True) -> EvaluationReport:  # fmt: skip
     """Baseline greedy decoding and speculative decoding for each (id, prompt ids); compared."""
@@ -404,7 +417,9 @@ def evaluate(verifier: Any, prompts: list[tuple[str, list[int]]], proposer: Prop
     return report
 
 
-def tokenize_prompts(tokenizer: Any, conversations: list[Any]) -> list[tuple[str, list[int]]]:
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation]
+) -> list[tuple[str, list[int]]]:
     from speculators.tokenization import render_ids
 
     if tokenizer.chat_template is None:
@@ -412,7 +427,7 @@ def tokenize_prompts(tokenizer: Any, conversations: list[Any]) -> list[tuple[str
     return [(c.id, render_ids(tokenizer, c.messages, add_generation_prompt=True)) for c in conversations]
 
 
-def load_proposer(kind: str, verifier: Any, speculator: str | None, dtype: str) -> Proposer:
+def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
     """`eagle3` (needs a speculator checkpoint), `oracle` or `always-wrong`."""
     if kind == "oracle":
         return OracleProposer()

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from speculators.errors import SpeculatorsError
@@ -329,7 +330,7 @@ def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
     """The CLI: start, print the URL, follow the log until Ctrl-C (or the server exits), stop."""
     server = VllmServer(settings)
 
-    def interrupt(signum: int, frame: Any) -> None:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     # A supervisor's SIGTERM stops vLLM like Ctrl-C does; SIGINT is set explicitly because a shell
