@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml deploy/docker/constraints.txt
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: venv
 	$(BIN)/ruff format .

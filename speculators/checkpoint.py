@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from speculators.config import Eagle3Config, load_eagle3_config
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 WEIGHTS_FILE = "model.safetensors"
@@ -99,7 +102,7 @@ def check_tensor_layout(config: Eagle3Config, layout: dict[str, tuple[tuple[int,
     return problems
 
 
-def check_vocab_mapping(config: Eagle3Config, d2t: Any, t2d: Any) -> list[str]:
+def check_vocab_mapping(config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
     """d2t offsets must land inside the verifier vocab, ascending, and agree with t2d."""
     import torch
 
@@ -129,7 +132,7 @@ def check_vocab_mapping(config: Eagle3Config, d2t: Any, t2d: Any) -> list[str]:
 class Checkpoint:
     directory: Path
     config: Eagle3Config
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     notes: list[str] = field(default_factory=list)
 
 

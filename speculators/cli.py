@@ -93,11 +93,13 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     info = verifier.describe()
     if args.prompt:
         import torch
+        from transformers import BatchEncoding
 
         messages = [{"role": "user", "content": args.prompt}]
         ids = verifier.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
+        assert isinstance(ids, BatchEncoding)  # (return_dict=True)
         with torch.inference_mode():
             out = verifier.model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         info["generated"] = verifier.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -12,17 +12,21 @@ import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators import SPECULATORS_FORMAT_VERSION
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 SUPPORTED_ALGORITHMS = ("eagle3",)
 # Other algorithms of the reference library, recognised so the error can say what they are.
 KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "dflash", "peagle", "independent")
-DRAFT_LAYER_TYPES = ("llama", "qwen3")
+DraftLayerType = Literal["llama", "qwen3"]
+DRAFT_LAYER_TYPES: tuple[DraftLayerType, ...] = get_args(DraftLayerType)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # Keys that only make sense for the reference library's own classes; never written by us.
@@ -88,7 +92,7 @@ class DraftLayerConfig:
     code reads these fields instead of looking keys up in it. Build it with `from_dict`.
     """
 
-    model_type: Literal["llama", "qwen3"]
+    model_type: DraftLayerType
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -232,7 +236,7 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def check_full_attention(hf_config: Any) -> None:
+def check_full_attention(hf_config: PreTrainedConfig) -> None:
     """Refuse draft layers that vLLM would run with sliding-window attention: it honours `layer_types`
     (which Qwen3's `use_sliding_window` + `max_window_layers` resolve to), but this project's drafter
     attends over the whole context, so training, evaluation and the checks would disagree with the
@@ -351,7 +355,7 @@ class Eagle3Config(BaseModel):
         return self.layer.num_hidden_layers
 
     @property
-    def draft_layer_type(self) -> Literal["llama", "qwen3"]:
+    def draft_layer_type(self) -> DraftLayerType:
         return self.layer.model_type
 
     @property
@@ -421,7 +425,7 @@ def build_eagle3_config(
     rms_norm_eps: float = 1e-6,
     max_position_embeddings: int = 4096,
     rope_parameters: dict[str, Any] | None = None,
-    draft_layer_type: Literal["llama", "qwen3"] = "llama",
+    draft_layer_type: DraftLayerType = "llama",
     num_draft_layers: int = 1,
     hidden_size: int | None = None,
     speculative_tokens: int = 3,
@@ -433,7 +437,7 @@ def build_eagle3_config(
 ) -> Eagle3Config:
     """A new drafter's config; defaults follow the reference library's for new drafters."""
     hidden = hidden_size or verifier_hidden_size
-    layer = {
+    layer: dict[str, Any] = {
         "model_type": draft_layer_type,
         "hidden_size": hidden,
         "intermediate_size": intermediate_size,

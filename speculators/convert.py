@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from speculators.config import (
     Eagle3Config,
@@ -27,6 +29,9 @@ from speculators.config import (
     parse_eagle3_config,
 )
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
 
 RESEARCH_LAYER_KEYS = (
     "hidden_size",
@@ -53,14 +58,14 @@ class ConversionResult:
     notes: list[str] = field(default_factory=list)
 
 
-def read_source_tensors(directory: Path) -> dict[str, Any]:
+def read_source_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: safetensors (single or sharded) or pytorch_model.bin."""
     import torch
     from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
     if files:
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for path in files:
             tensors.update(load_file(str(path)))
         return tensors
@@ -74,7 +79,7 @@ def read_source_tensors(directory: Path) -> dict[str, Any]:
     raise SpeculatorsError(f"no weights (*.safetensors, *.bin, *.pt) in {directory}; pass a checkpoint directory")
 
 
-def detect_layout(raw_config: dict[str, Any], tensors: dict[str, Any]) -> str:
+def detect_layout(raw_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     if "speculators_model_type" in raw_config:
         return "speculators"
     if any(name.startswith(("midlayer.", "model.midlayer.")) for name in tensors):
@@ -177,9 +182,10 @@ def convert_checkpoint(
     values["dtype"] = dtype or (float_dtypes.pop() if len(float_dtypes) == 1 else "bfloat16")
     try:
         config = Eagle3Config(**values)
-    except Exception as error:  # pydantic ValidationError
-        problems = format_validation_error(error) if hasattr(error, "errors") else [str(error)]
-        raise CheckpointFormatError(problems, str(source)) from None
+    except ValidationError as error:
+        raise CheckpointFormatError(format_validation_error(error), str(source)) from None
+    except Exception as error:  # anything else building the config raises
+        raise CheckpointFormatError([str(error)], str(source)) from None
     problems = check_against_verifier(config, verifier_config, "embed_tokens.weight" in tensors)
     if problems:
         raise SpeculatorsError(f"{source} does not fit verifier {verifier}: {'; '.join(problems)}")
@@ -203,7 +209,7 @@ def convert_checkpoint(
 
 
 def research_config_values(
-    raw: dict[str, Any], tensors: dict[str, Any], overrides: dict[str, bool | None], speculative_tokens: int
+    raw: dict[str, Any], tensors: dict[str, torch.Tensor], overrides: dict[str, bool | None], speculative_tokens: int
 ) -> dict[str, Any]:
     """Speculators config values from a research EAGLE-3 config (Llama-style, with draft_vocab_size)."""
     names = {research_tensor_name(name) for name in tensors}

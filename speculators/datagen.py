@@ -15,8 +15,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
@@ -31,8 +32,13 @@ from speculators.hidden_state_store import (
 from speculators.settings import CaptureSettings
 from speculators.tokenization import TokenizedSample
 
+if TYPE_CHECKING:
+    import torch
+
+    from speculators.verifier import Verifier, VerifierFacts
+
 # token id lists -> states [T, len(capture ids), H] per prompt
-CaptureFn = Callable[[list[list[int]]], list[Any]]
+CaptureFn = Callable[[list[list[int]]], list["torch.Tensor"]]
 WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
@@ -69,13 +75,13 @@ def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[i
     return batches
 
 
-def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
+def transformers_capture_fn(verifier: Verifier, capture_ids: list[int]) -> CaptureFn:
     import torch
 
     device = verifier.model.device
     pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
 
-    def capture(prompts: list[list[int]]) -> list[Any]:
+    def capture(prompts: list[list[int]]) -> list[torch.Tensor]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -88,9 +94,13 @@ def transformers_capture_fn(verifier: Any, capture_ids: list[int]) -> CaptureFn:
     return capture
 
 
-def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_length: int,
+def make_capture_fn(backend: str, verifier: VerifierFacts, capture_ids: list[int], max_length: int,
                     tensor_parallel_size: int = 1, batch_size: int = 4) -> CaptureFn:  # fmt: skip
     if backend == "transformers":
+        from speculators.verifier import Verifier
+
+        if not isinstance(verifier, Verifier):
+            raise SpeculatorsError("the transformers backend captures with a loaded verifier (load_verifier)")
         return transformers_capture_fn(verifier, capture_ids)
     if backend == "vllm":
         from speculators.vllm_capture import VllmCapture
@@ -105,7 +115,7 @@ def make_capture_fn(backend: str, verifier: Any, capture_ids: list[int], max_len
 
 def run_datagen(
     samples: list[TokenizedSample],
-    verifier: Any,
+    verifier: VerifierFacts,
     store_dir: str | Path,
     aux_layer_ids: list[int] | None = None,
     batch_size: int = 4,
@@ -176,13 +186,14 @@ def run_datagen(
                 computed_tokens += len(sample.input_ids)
             bar.update(sum(len(samples[i].input_ids) for i in batch))
             bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
-    if hasattr(capture, "close"):
-        capture.close()
+    close = getattr(capture, "close", None)  # a vLLM engine's
+    if close is not None:
+        close()
     seconds = time.perf_counter() - started
     if replica is not None:
         return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
-    entries = []
+    entries: list[dict[str, Any]] = []
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
         if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
@@ -246,7 +257,7 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     return [{variable: separator.join(group)} for group in groups]
 
 
-def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: Any,
+def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts,
                          data_version: str | None = None) -> DatagenReport:  # fmt: skip
     """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
@@ -313,11 +324,11 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
-    common = {"aux_layer_ids": s.aux_layer_ids, "batch_size": s.batch_size, "storage": s.storage,
-              "data_version": data_version}  # fmt: skip
+    capture_into = partial(run_datagen, aux_layer_ids=s.aux_layer_ids, batch_size=s.batch_size, storage=s.storage,
+                           data_version=data_version)  # fmt: skip
     if s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device)
-        report = run_datagen(samples, verifier, s.output, **common, backend="transformers")
+        report = capture_into(samples, verifier, s.output, backend="transformers")
     else:  # vLLM loads the weights; here only the config and the files' fingerprint
         facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype)
         store = Path(s.output).resolve()
@@ -325,8 +336,9 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
             if s.data_parallel_size > 1:
                 report = run_datagen_replicas(s, samples, facts, data_version)
             else:
-                report = run_datagen(samples, facts, s.output, **common, backend="vllm", replica=replica,
-                                     tensor_parallel_size=s.tensor_parallel_size, progress=replica is None)  # fmt: skip
+                report = capture_into(samples, facts, s.output, backend="vllm", replica=replica,
+                                      tensor_parallel_size=s.tensor_parallel_size,
+                                      progress=replica is None)  # fmt: skip
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -14,11 +14,21 @@ diverged, which is a bug.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
+
+    from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
+    from speculators.prompts import Conversation
+    from speculators.verifier import Verifier
 
 DEFAULT_TIE_ULPS = 4
 
@@ -32,14 +42,18 @@ class LosslessError(SpeculatorsError):
 
 class Proposer(Protocol):
     name: str
-    aux_layer_ids: list[int] | tuple[int, ...]
+
+    @property
+    def aux_layer_ids(self) -> Sequence[int]:
+        """The verifier layers whose states `propose` reads (none for the oracles)."""
 
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it)."""
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         """Draft `num_tokens` ids after `tokens`; `new_aux` [1, m, A*H] are the verifier's aux states
-        of the m positions before the last token that this proposer has not seen yet."""
+        of the m positions before the last token that this proposer has not seen yet (None when it
+        reads no aux layers)."""
 
 
 class DrafterProposer:
@@ -47,19 +61,24 @@ class DrafterProposer:
 
     name = "eagle3"
 
-    def __init__(self, drafter: Any):
+    def __init__(self, drafter: Eagle3Drafter):
+        layer_ids = drafter.config.eagle_aux_hidden_state_layer_ids
+        if layer_ids is None:
+            raise SpeculatorsError("the drafter's config names no aux layer ids; set its verifier's default ones")
         self.drafter = drafter
-        self.aux_layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
-        self.cache = None
+        self.aux_layer_ids = list(layer_ids)
+        self.cache: DraftKVCache | None = None
 
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         from speculators.models.eagle3 import DraftKVCache
 
         self.cache = DraftKVCache(self.drafter.config.num_draft_layers)
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         import torch
 
+        assert self.cache is not None, "start() comes before propose()"
+        assert new_aux is not None, "the drafter reads aux layers"
         next_ids = torch.tensor([tokens[-new_aux.shape[1] :]])
         dtype = self.drafter.fc.weight.dtype
         drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens)
@@ -77,7 +96,7 @@ class OracleProposer:
     def start(self, prompt_ids: list[int], reference: list[int]) -> None:
         self.sequence = list(prompt_ids) + list(reference)
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         drafted = self.sequence[len(tokens) : len(tokens) + num_tokens]
         return drafted + [0] * (num_tokens - len(drafted))
 
@@ -90,7 +109,7 @@ class WrongProposer(OracleProposer):
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def propose(self, tokens: list[int], new_aux: Any, num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         return [(token + 1) % self.vocab_size for token in super().propose(tokens, new_aux, num_tokens)]
 
 
@@ -108,7 +127,7 @@ class Generation:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
+def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
     """(top id, its logit, second id, its logit) per row of [T, V] logits. Both decoders take their
     token from here, so exact ties (common in bf16) break the same way."""
     values, ids = logits.float().topk(2, dim=-1)
@@ -116,7 +135,8 @@ def top_two(logits: Any) -> list[tuple[int, float, int, float]]:
     return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
 
 
-def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dict[int, Any], layer_ids: list[int]):
+def verifier_pass(verifier: Verifier, input_ids: list[int], cache: Cache | None, captured: dict[int, torch.Tensor],
+                  layer_ids: Sequence[int]) -> tuple[torch.Tensor, Cache, torch.Tensor | None]:  # fmt: skip
     """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
     import torch
 
@@ -125,14 +145,15 @@ def verifier_pass(verifier: Any, input_ids: list[int], cache: Any, captured: dic
     return out.logits[0], out.past_key_values, aux
 
 
-def greedy_generate(verifier: Any, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+def greedy_generate(verifier: Verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                     extra_tokens: int = 0) -> Generation:  # fmt: skip
     """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
     import torch
 
     started = time.perf_counter()
     generation = Generation(tokens=[], top2=[], seconds=0.0)
-    cache, step_input = None, list(prompt_ids)
+    cache: Cache | None = None
+    step_input = list(prompt_ids)
     with torch.inference_mode():
         while len(generation.tokens) < max_new_tokens + extra_tokens:
             logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [])
@@ -149,7 +170,7 @@ def greedy_generate(verifier: Any, prompt_ids: list[int], max_new_tokens: int, s
     return generation
 
 
-def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
+def speculative_generate(verifier: Verifier, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
                          max_new_tokens: int, stop_ids: set[int], reference: list[int]) -> Generation:  # fmt: skip
     """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
     import torch
@@ -196,7 +217,7 @@ def speculative_generate(verifier: Any, prompt_ids: list[int], proposer: Propose
 # ----- lossless check ------------------------------------------------------------------------------
 
 
-def default_tie_tolerance(dtype: Any, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
+def default_tie_tolerance(dtype: torch.dtype, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
     """`ulps` units in the last place of the top logit in the verifier's dtype (bf16 at 20: 0.125)."""
     import math
 
@@ -216,7 +237,7 @@ class Comparison:
     tolerance: float | None = None
 
 
-def compare_outputs(baseline: Generation, speculative: Generation, dtype: Any,
+def compare_outputs(baseline: Generation, speculative: Generation, dtype: torch.dtype,
                     tie_tolerance: float | None = None) -> Comparison:  # fmt: skip
     """Classify speculative output against the baseline's (both cut at the same token budget)."""
     expected = baseline.tokens
@@ -344,7 +365,7 @@ class EvaluationReport:
             )
 
 
-def evaluate(verifier: Any, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
+def evaluate(verifier: Verifier, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
              max_new_tokens: int = 128, stop_at_eos: bool = True, tie_tolerance: float | None = None,
              settings: dict[str, Any] | None = None, progress: bool = True) -> EvaluationReport:  # fmt: skip
     """Baseline greedy decoding and speculative decoding for each (id, prompt ids); compared."""
@@ -396,7 +417,9 @@ def evaluate(verifier: Any, prompts: list[tuple[str, list[int]]], proposer: Prop
     return report
 
 
-def tokenize_prompts(tokenizer: Any, conversations: list[Any]) -> list[tuple[str, list[int]]]:
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation]
+) -> list[tuple[str, list[int]]]:
     from speculators.tokenization import render_ids
 
     if tokenizer.chat_template is None:
@@ -404,7 +427,7 @@ def tokenize_prompts(tokenizer: Any, conversations: list[Any]) -> list[tuple[str
     return [(c.id, render_ids(tokenizer, c.messages, add_generation_prompt=True)) for c in conversations]
 
 
-def load_proposer(kind: str, verifier: Any, speculator: str | None, dtype: str) -> Proposer:
+def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
     """`eagle3` (needs a speculator checkpoint), `oracle` or `always-wrong`."""
     if kind == "oracle":
         return OracleProposer()
@@ -442,8 +465,10 @@ def run_evaluation(verifier_source: str, prompts_source: str, speculator: str | 
 
     verifier = load_verifier(verifier_source, dtype=dtype)
     proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
-    if num_speculative_tokens is None:
-        num_speculative_tokens = proposer.drafter.config.speculative_tokens if proposer_kind == "eagle3" else 3
+    if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
+        num_speculative_tokens = 3
+        if isinstance(proposer, DrafterProposer):
+            num_speculative_tokens = proposer.drafter.config.speculative_tokens
     prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts))
     print(
         f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "

@@ -17,9 +17,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
 
 STORE_FORMAT = "speculators-hidden-states"
 STORE_VERSION = 1
@@ -41,7 +44,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def quantize_fp8(x: Any) -> tuple[Any, Any]:
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (last dim) absmax scaling to float8_e4m3fn."""
     import torch
 
@@ -50,16 +53,16 @@ def quantize_fp8(x: Any) -> tuple[Any, Any]:
     return (x32 / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
 
-def dequantize_fp8(q: Any, scale: Any) -> Any:
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
 @dataclass
 class StoredSample:
-    input_ids: Any
-    loss_mask: Any
-    aux_hidden_states: Any  # [T, 3, H]
-    target_hidden_states: Any  # [T, H]
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    aux_hidden_states: torch.Tensor  # [T, 3, H]
+    target_hidden_states: torch.Tensor  # [T, H]
 
 
 class HiddenStateStore:
@@ -79,7 +82,14 @@ class HiddenStateStore:
     # ----- writing ------------------------------------------------------------------------------
 
     def write_sample(
-        self, key: str, sample_id: str, input_ids: Any, loss_mask: Any, aux: Any, target: Any, storage: str
+        self,
+        key: str,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux: torch.Tensor,
+        target: torch.Tensor,
+        storage: str,
     ) -> tuple[str, int]:
         """Write one shard atomically; returns (sha256, bytes). Refuses non-finite states."""
         import torch
@@ -131,7 +141,7 @@ class HiddenStateStore:
         except (SpeculatorsError, json.JSONDecodeError, KeyError):
             return {}
 
-    def read_sample(self, entry: dict[str, Any], verify: bool = True, dtype: Any = None) -> StoredSample:
+    def read_sample(self, entry: dict[str, Any], verify: bool = True, dtype: torch.dtype | None = None) -> StoredSample:
         """One sample's tensors (fp8 de-quantized); with `verify`, the checksum must match the manifest."""
         import torch
         from safetensors.torch import load_file
@@ -155,7 +165,7 @@ class HiddenStateStore:
             aux, target = aux.to(dtype), target.to(dtype)
         return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target)
 
-    def read_tokens(self, entry: dict[str, Any]) -> tuple[Any, Any]:
+    def read_tokens(self, entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and loss_mask only, without reading the hidden states."""
         from safetensors import safe_open
 

@@ -19,10 +19,16 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, closing, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import PrepareSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from speculators.prompts import Conversation
+    from speculators.tokenization import TokenizedSample
 
 
 def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
@@ -63,7 +69,7 @@ def offline_vllm_engine(settings: PrepareSettings) -> bool:
 # ----- tokenizing the sources' own answers ---------------------------------------------------------
 
 
-def tokenize_samples(settings: PrepareSettings, conversations: list[Any], output: Path) -> dict[str, Any]:
+def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from speculators.prompts import RowRejected
@@ -83,7 +89,7 @@ def tokenize_samples(settings: PrepareSettings, conversations: list[Any], output
     return write_samples(output, samples, {"rejected": dict(rejected)})
 
 
-def write_samples(output: Path, samples: list[Any], details: dict[str, Any]) -> dict[str, Any]:
+def write_samples(output: Path, samples: list[TokenizedSample], details: dict[str, Any]) -> dict[str, Any]:
     from speculators.atomic_io import write_jsonl_atomic
     from speculators.tokenization import token_statistics
 
@@ -120,7 +126,7 @@ def reuse_earlier_samples(output: Path, key: str) -> None:
         write_text_atomic(partial, samples.read_text())
 
 
-def regenerate_samples(settings: PrepareSettings, conversations: list[Any], output: Path) -> dict[str, Any]:
+def regenerate_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
     from speculators.regenerate import regenerate
 
     tokenizer, generate, server = answer_generator(settings, output)
@@ -136,7 +142,9 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Any], outp
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
-def answer_generator(settings: PrepareSettings, output: Path) -> tuple[Any, Generate, AbstractContextManager[Any]]:
+def answer_generator(
+    settings: PrepareSettings, output: Path
+) -> tuple[PreTrainedTokenizerBase, Generate, AbstractContextManager[Any]]:
     """(tokenizer, prompt ids -> answer ids, the server to run while generating) for the backend."""
     s = settings
     if s.backend != "vllm":

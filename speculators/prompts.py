@@ -297,8 +297,8 @@ def prepare_conversations(
     report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
     conversations: list[Conversation] = []
-    tagged = [(source, True) for source in validation_sources] + [(source, False) for source in sources]
-    for source, for_validation in tagged:
+    splits = [(source, True) for source in validation_sources] + [(source, False) for source in sources]
+    for source, for_validation in splits:
         for location, row in iter_source_rows(source, hf_subset, hf_split, seed):
             if not for_validation and max_samples is not None and len(conversations) - report.validation >= max_samples:
                 break

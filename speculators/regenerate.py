@@ -18,11 +18,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from speculators.errors import SpeculatorsError
 from speculators.prompts import Conversation
 from speculators.tokenization import TokenizedSample, render_ids, render_text, turn_end_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # prompts (token id lists) -> generated id lists
 GenerateFn = Callable[[list[list[int]]], list[list[int]]]
@@ -62,8 +65,10 @@ class ConversationState:
 
 
 def transformers_generate_fn(
-    model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, seed: int
+    model: Any, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, temperature: float, seed: int
 ) -> GenerateFn:
+    """Batched generation with a transformers causal LM (`model`: a PreTrainedModel with GenerationMixin,
+    whose generate() transformers types for neither class alone)."""
     import torch
 
     ends = sorted(turn_end_ids(tokenizer))
@@ -207,7 +212,9 @@ def server_generate_fn(
     return generate
 
 
-def continuation_ids(tokenizer: Any, history: list[dict[str, str]], upto: list[dict[str, str]]) -> list[int] | None:
+def continuation_ids(
+    tokenizer: PreTrainedTokenizerBase, history: list[dict[str, str]], upto: list[dict[str, str]]
+) -> list[int] | None:
     """Ids of the template text after the last generated turn's end token up to the next generation prompt.
 
     None when the template re-renders earlier turns differently once a later turn exists.
@@ -215,7 +222,7 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, str]], upto: list[d
     done = render_text(tokenizer, history, add_generation_prompt=False)
     following = render_text(tokenizer, upto, add_generation_prompt=True)
     content_end = done.rfind(history[-1]["content"]) + len(history[-1]["content"])
-    ends = [tokenizer.convert_ids_to_tokens(i) for i in turn_end_ids(tokenizer)]
+    ends = [cast(str, tokenizer.convert_ids_to_tokens(i)) for i in turn_end_ids(tokenizer)]  # (one id, one token)
     positions = [done.find(token, content_end) for token in ends if done.find(token, content_end) >= 0]
     if not positions:
         return None
@@ -226,7 +233,7 @@ def continuation_ids(tokenizer: Any, history: list[dict[str, str]], upto: list[d
     return list(tokenizer(following[cut:], add_special_tokens=False)["input_ids"])
 
 
-def start_state(tokenizer: Any, conversation: Conversation) -> ConversationState | None:
+def start_state(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> ConversationState | None:
     messages = conversation.messages
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first is None:
@@ -242,7 +249,7 @@ def start_state(tokenizer: Any, conversation: Conversation) -> ConversationState
 def advance(
     state: ConversationState,
     generated: list[int],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     ends: set[int],
     report: RegenerationReport,
     max_length: int,
@@ -261,7 +268,7 @@ def advance(
     if not later_users or len(state.ids) >= max_length:
         state.done = True
         return
-    text = tokenizer.decode(generated[:-1], skip_special_tokens=True).strip()
+    text = cast(str, tokenizer.decode(generated[:-1], skip_special_tokens=True)).strip()  # (one sequence, one text)
     history = [*state.history, {"role": "assistant", "content": text}]
     next_user = later_users[0]
     next_assistant = next(
@@ -296,7 +303,7 @@ def read_partial(path: Path) -> dict[str, TokenizedSample]:
 
 def regenerate(
     conversations: list[Conversation],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     generate: GenerateFn,
     partial_path: Path,
     max_length: int,

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from speculators.errors import SpeculatorsError
@@ -127,16 +128,18 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.build = vllm_build()
         self.port = settings.port
-        if settings.verifier is None and settings.speculator is None:
-            raise SpeculatorsError("pass --verifier, --speculator or both; there is nothing to serve")
-        if settings.verifier is None:  # the checkpoint directory is the model; vLLM swaps in its verifier
+        verifier, speculator = settings.verifier, settings.speculator
+        self.verifier_name: str | None
+        if verifier is not None:
+            self.model_dir = served_model_dir(verifier)
+            self.verifier_name = verifier
+        elif speculator is not None:  # the checkpoint directory is the model; vLLM swaps in its verifier
             from speculators.checkpoint import read_checkpoint
 
-            self.model_dir = str(Path(settings.speculator).resolve())
-            self.verifier_name = read_checkpoint(settings.speculator).config.speculators_config.verifier.name_or_path
+            self.model_dir = str(Path(speculator).resolve())
+            self.verifier_name = read_checkpoint(speculator).config.speculators_config.verifier.name_or_path
         else:
-            self.model_dir = served_model_dir(settings.verifier)
-            self.verifier_name = settings.verifier
+            raise SpeculatorsError("pass --verifier, --speculator or both; there is nothing to serve")
         # The name requests use: vLLM's API server names the model by its --model argument (the
         # checkpoint directory in the one-command deployment) unless --served-model-name says otherwise.
         self.model_name = settings.served_model_name or self.model_dir
@@ -193,8 +196,11 @@ class VllmServer:
     def wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout
         what = f"vLLM ({self.build['distribution']} {self.build['version']}) for {self.verifier_name}"
+        process = self.process
+        if process is None:
+            raise SpeculatorsError(f"{what} is not started; call start() or use the server as a context manager")
         while True:
-            code = self.process.poll()
+            code = process.poll()
             if code is not None:
                 raise SpeculatorsError(
                     f"{what} exited with code {code} before it was ready; the end of its log {self.log_path}:\n"
@@ -324,7 +330,7 @@ def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
     """The CLI: start, print the URL, follow the log until Ctrl-C (or the server exits), stop."""
     server = VllmServer(settings)
 
-    def interrupt(signum: int, frame: Any) -> None:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     # A supervisor's SIGTERM stops vLLM like Ctrl-C does; SIGINT is set explicitly because a shell

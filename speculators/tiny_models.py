@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2")
 
@@ -162,7 +165,7 @@ def training_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(family: str, vocab_size: int = 512) -> Any:
+def build_tokenizer(family: str, vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (fast) with the family's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -187,7 +190,7 @@ def build_tokenizer(family: str, vocab_size: int = 512) -> Any:
 
 def tiny_config(
     family: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64, initializer_range: float = 0.02
-) -> Any:
+) -> PreTrainedConfig:
     """A transformers config for a tiny verifier of `family` (head_dim 32, 2 heads, 1 kv head)."""
     from transformers import (
         GptOssConfig,
@@ -198,7 +201,7 @@ def tiny_config(
         Qwen3MoeConfig,
     )
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from speculators.errors import SpeculatorsError
 from speculators.prompts import RowRejected
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "</s>", "<|endoftext|>", "<end_of_turn>", "<|end_of_text|>",
@@ -36,14 +39,18 @@ class TokenizedSample:
         return json.dumps({"id": self.id, "input_ids": self.input_ids, "loss_mask": self.loss_mask})
 
 
-def turn_end_ids(tokenizer: Any) -> set[int]:
-    ids = {tokenizer.convert_tokens_to_ids(token) for token in END_OF_TURN_TOKENS if token in tokenizer.get_vocab()}
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    # (one token converts to one id; transformers types the call for a token or a list of them)
+    vocab = tokenizer.get_vocab()
+    ids = {cast(int, tokenizer.convert_tokens_to_ids(token)) for token in END_OF_TURN_TOKENS if token in vocab}
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 
 
-def render_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def render_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
     return list(
         tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
@@ -51,8 +58,9 @@ def render_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_pr
     )
 
 
-def render_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return cast(str, text)  # (tokenize=False renders text)
 
 
 def cut_after_turn_end(span: list[int], ends: set[int]) -> int:
@@ -61,7 +69,9 @@ def cut_after_turn_end(span: list[int], ends: set[int]) -> int:
     return positions[-1] + 1 if positions else len(span)
 
 
-def mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]], full: list[int]) -> list[int] | None:
+def mask_by_prefixes(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], full: list[int]
+) -> list[int] | None:
     ends = turn_end_ids(tokenizer)
     mask = [0] * len(full)
     for index, message in enumerate(messages):
@@ -76,7 +86,7 @@ def mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]], full: list[
     return mask
 
 
-def mask_by_offsets(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def mask_by_offsets(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     text = render_text(tokenizer, messages, add_generation_prompt=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
@@ -103,7 +113,7 @@ def mask_by_offsets(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[lis
 
 
 def tokenize_conversation(
-    tokenizer: Any, sample_id: str, messages: list[dict[str, str]], max_length: int
+    tokenizer: PreTrainedTokenizerBase, sample_id: str, messages: list[dict[str, str]], max_length: int
 ) -> TokenizedSample:
     """Token ids and assistant-only loss mask, clipped to `max_length`; RowRejected if nothing is supervised."""
     full = render_ids(tokenizer, messages, add_generation_prompt=False)

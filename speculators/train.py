@@ -20,13 +20,23 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import TrainConfig, TrainRecipe
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import ValueType
+
+    from speculators.config import Eagle3Config
+    from speculators.models.eagle3 import Eagle3Drafter
+    from speculators.training_data import Pack, PackedStore
+    from speculators.verifier import VerifierFacts, VerifierHead
 
 __all__ = ["TrainConfig", "TrainRecipe", "train"]
 
@@ -34,7 +44,7 @@ __all__ = ["TrainConfig", "TrainRecipe", "train"]
 # ----- distributed and precision helpers ---------------------------------------------------------
 
 
-def init_distributed(config: TrainConfig) -> tuple[int, int, Any]:
+def init_distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     """(rank, world size, device); starts the process group under torchrun."""
     import torch
     import torch.distributed as dist
@@ -54,7 +64,7 @@ def init_distributed(config: TrainConfig) -> tuple[int, int, Any]:
     return rank, world, device
 
 
-def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
+def wrap_model(drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: bool) -> nn.Module:
     """The module the loop calls: TTT forward (normed outputs), wrapped for DDP or FSDP2.
 
     Under FSDP2 each decoder layer and the lm_head are their own units (the lm_head is applied
@@ -64,11 +74,12 @@ def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
     import torch
 
     class TTTForward(torch.nn.Module):
-        def __init__(self, drafter: Any):
+        def __init__(self, drafter: Eagle3Drafter):
             super().__init__()
             self.drafter = drafter
 
-        def forward(self, input_ids: Any, aux: Any, steps: int, positions: Any, documents: Any, loss_mask: Any) -> Any:
+        def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, positions: torch.Tensor,
+                    documents: torch.Tensor, loss_mask: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
             return self.drafter.ttt_forward(input_ids, aux, steps, positions, documents, True, loss_mask)
 
     model = TTTForward(drafter)
@@ -82,13 +93,14 @@ def wrap_model(drafter: Any, world: int, device: Any, fsdp: bool) -> Any:
         for layer in drafter.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(drafter.lm_head, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # in place: the same module, now an FSDPModule too
+        return model
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
+def all_reduce_sums(sums: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
     if world == 1:
         return sums
     import torch.distributed as dist
@@ -98,7 +110,7 @@ def all_reduce_sums(sums: dict[str, Any], world: int) -> dict[str, Any]:
     return sums
 
 
-def uses_bf16(config: TrainConfig, device: Any) -> bool:
+def uses_bf16(config: TrainConfig, device: torch.device) -> bool:
     from speculators.precision import native_bf16
 
     if config.precision != "auto":
@@ -106,7 +118,7 @@ def uses_bf16(config: TrainConfig, device: Any) -> bool:
     return device.type in ("cpu", "cuda") and native_bf16(device.type)
 
 
-def autocast_context(config: TrainConfig, device: Any) -> Any:
+def autocast_context(config: TrainConfig, device: torch.device) -> AbstractContextManager[None]:
     import torch
 
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(config, device) else nullcontext()
@@ -120,7 +132,7 @@ def lr_at(step: int, total: int, config: TrainConfig) -> float:
     return config.lr * max(0.0, (total - step) / max(1, total - warmup))
 
 
-def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
+def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
     import torch
 
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -138,8 +150,8 @@ def build_optimizer(model: Any, config: TrainConfig) -> list[Any]:
 # ----- model construction and checks -------------------------------------------------------------
 
 
-def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], vocab: dict[str, Any]) -> Any:
-
+def build_drafter(config: TrainConfig, verifier: VerifierHead, manifest: dict[str, Any],
+                  vocab: dict[str, torch.Tensor]) -> Eagle3Drafter:  # fmt: skip
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.verifier import checkpoint_verifier_name, draft_config_for_verifier
 
@@ -172,7 +184,7 @@ def build_drafter(config: TrainConfig, verifier: Any, manifest: dict[str, Any], 
     return drafter
 
 
-def check_store_fits_verifier(manifest: dict[str, Any], verifier: Any, store: str) -> None:
+def check_store_fits_verifier(manifest: dict[str, Any], verifier: VerifierFacts, store: str) -> None:
     stored = manifest["verifier"]
     if max(manifest["aux_layer_ids"]) > verifier.num_layers:
         raise SpeculatorsError(
@@ -200,7 +212,8 @@ def drafter_key(fqn: str) -> str:
     return fqn.removeprefix("module.").removeprefix("drafter.")
 
 
-def gather_full_state(model: Any, optimizers: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def gather_full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]
+                      ) -> tuple[dict[str, ValueType], list[dict[str, Any]]]:  # fmt: skip
     """Unsharded model and optimizer state on CPU (collective under DDP/FSDP; full on rank 0)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -214,7 +227,7 @@ def gather_full_state(model: Any, optimizers: list[Any]) -> tuple[dict[str, Any]
     return model_state, optimizer_states
 
 
-def drafter_from_state(config: Any, model_state: dict[str, Any]) -> Any:
+def drafter_from_state(config: Eagle3Config, model_state: dict[str, ValueType]) -> Eagle3Drafter:
     """A plain (unsharded) drafter holding `model_state`, for writing checkpoints."""
     from speculators.models.eagle3 import Eagle3Drafter
 
@@ -225,14 +238,16 @@ def drafter_from_state(config: Any, model_state: dict[str, Any]) -> Any:
 
 
 def save_checkpoint(
-    directory: Path, drafter: Any, optimizer_states: list[dict[str, Any]], state: dict[str, Any]
+    directory: Path, drafter: Eagle3Drafter, optimizer_states: list[dict[str, Any]], state: dict[str, Any]
 ) -> None:
     """Drafter (speculators format) + optimizer tensors (safetensors) + trainer state (JSON), atomically."""
     from safetensors.torch import save_file
 
     from speculators.atomic_io import atomic_directory
 
-    tensors, scalars, groups = {}, {}, []
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, float] = {}
+    groups: list[Any] = []  # each optimizer's param groups (JSON)
     for index, optimizer_state in enumerate(optimizer_states):
         for fqn, param_state in optimizer_state["state"].items():
             for key, value in param_state.items():
@@ -249,7 +264,7 @@ def save_checkpoint(
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
 
 
-def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[str, Any]:
+def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """Restore model and optimizer state on every rank (each reads the full checkpoint)."""
     import torch
     from safetensors.torch import load_file
@@ -262,13 +277,13 @@ def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[
 
     saved = load_file(str(directory / "drafter" / "model.safetensors"))
     names = {drafter_key(k): k for k in get_model_state_dict(model)}
-    model_state = {names[k]: v for k, v in saved.items()}
+    model_state: dict[str, ValueType] = {names[k]: v for k, v in saved.items()}
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=full)
     state = json.loads((directory / "trainer_state.json").read_text())
     tensors = load_file(str(directory / "optimizer.safetensors"))
     for index, optimizer in enumerate(optimizers):
-        per_param: dict[str, dict[str, Any]] = {}
+        per_param: dict[str, dict[str, torch.Tensor]] = {}
         for name, value in [*tensors.items(), *((k, torch.tensor(v)) for k, v in state["optimizer_scalars"].items())]:
             owner, fqn, key = name.split("/")
             if int(owner) == index:
@@ -282,14 +297,14 @@ def load_checkpoint(directory: Path, model: Any, optimizers: list[Any]) -> dict[
 # ----- evaluation, logging, plots ----------------------------------------------------------------
 
 
-def validation_share_of(plan: list[Any], rank: int, world: int) -> list[int | None]:
+def validation_share_of(plan: list[list[int]], rank: int, world: int) -> list[int | None]:
     """The validation packs this rank scores, round by round: every rank runs the same number of
     forwards (FSDP2 gathers parameters in each); None marks a repeat of pack 0 that is not counted."""
     return [start + rank if start + rank < len(plan) else None for start in range(0, len(plan), world)]
 
 
-def greedy_in_draft_vocab(packs: Any, verifier: Any, selected_ids: Any, device: Any, rank: int,
-                          world: int) -> dict[int, Any]:  # fmt: skip
+def greedy_in_draft_vocab(packs: PackedStore, verifier: VerifierHead, selected_ids: torch.Tensor,
+                          device: torch.device, rank: int, world: int) -> dict[int, torch.Tensor]:  # fmt: skip
     """Per validation pack this rank scores, bool [1, T]: the verifier's greedy token over its whole
     vocabulary (at each supervised position) is in the draft vocabulary. Decoding rejects the other
     drafts however well the draft distribution matches; computed once, the full lm_head is not kept."""
@@ -301,7 +316,7 @@ def greedy_in_draft_vocab(packs: Any, verifier: Any, selected_ids: Any, device: 
     norm, lm_head = verifier.final_norm.float().to(device), verifier.lm_head_weight.to(device)
     in_draft = torch.zeros(verifier.vocab_size, dtype=torch.bool, device=device)
     in_draft[selected_ids.to(device)] = True
-    result = {}
+    result: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for index in validation_share_of(plan, rank, world):
             if index is None:
@@ -317,8 +332,9 @@ def greedy_in_draft_vocab(packs: Any, verifier: Any, selected_ids: Any, device: 
     return result
 
 
-def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], config: TrainConfig, device: Any,
-                   rank: int, world: int, in_vocab: dict[int, Any], num_tokens: int) -> dict | None:  # fmt: skip
+def run_validation(model: nn.Module, lm_head: nn.Module, packs: PackedStore, head: tuple[nn.Module, torch.Tensor],
+                   config: TrainConfig, device: torch.device, rank: int, world: int, in_vocab: dict[int, torch.Tensor],
+                   num_tokens: int) -> dict[str, Any] | None:  # fmt: skip
     """Validation metrics, with decoding replayed at K = `num_tokens`; every rank scores its share of
     the packs (collective)."""
     import torch
@@ -341,7 +357,7 @@ def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], 
             normed = forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
                              pack.document_ids, pack.loss_mask)  # fmt: skip
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
-            hits: list[Any] = []
+            hits: list[torch.Tensor] = []
             _, step_sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
                                     lm_head=lm_head, hits=hits)  # fmt: skip
             if index is not None:
@@ -351,7 +367,7 @@ def run_validation(model: Any, lm_head: Any, packs: Any, head: tuple[Any, Any], 
     return summarize(all_reduce_sums(sums, world))
 
 
-def with_aux_noise(pack: Any, scale: float, seed: int, draw: int) -> Any:
+def with_aux_noise(pack: Pack, scale: float, seed: int, draw: int) -> Pack:
     """The pack with Gaussian noise on its aux states, `scale` x each state's RMS (per token and layer:
     the layers' scales differ by orders of magnitude). Seeded per draw, so a resumed run adds the same."""
     from dataclasses import replace
@@ -366,7 +382,7 @@ def with_aux_noise(pack: Any, scale: float, seed: int, draw: int) -> Any:
     return replace(pack, aux_hidden_states=noisy.to(pack.aux_hidden_states.dtype))
 
 
-def to_device(pack: Any, device: Any) -> Any:
+def to_device(pack: Pack, device: torch.device) -> Pack:
     from dataclasses import fields, replace
 
     return replace(pack, **{f.name: getattr(pack, f.name).to(device) for f in fields(pack)})
@@ -417,14 +433,14 @@ class Run:
     config: TrainConfig
     rank: int
     world: int
-    device: Any
-    drafter: Any  # the plain drafter: its config, lm_head and parameters
-    model: Any  # the TTT forward the loop calls, wrapped for DDP / FSDP2
-    optimizers: list[Any]
-    head: tuple[Any, Any]  # the verifier's final norm and its lm_head rows of the draft vocab: the targets
-    train_packs: Any
-    val_packs: Any
-    in_vocab: dict[int, Any]  # per validation pack: the verifier's greedy token is in the draft vocab
+    device: torch.device
+    drafter: Eagle3Drafter  # the plain drafter: its config, lm_head and parameters
+    model: nn.Module  # the TTT forward the loop calls, wrapped for DDP / FSDP2
+    optimizers: list[torch.optim.Optimizer]
+    head: tuple[nn.Module, torch.Tensor]  # the verifier's final norm and lm_head rows of the draft vocab: the targets
+    train_packs: PackedStore
+    val_packs: PackedStore
+    in_vocab: dict[int, torch.Tensor]  # per validation pack: the verifier's greedy token is in the draft vocab
     steps_per_epoch: int
     total_steps: int
 
@@ -476,10 +492,10 @@ class LogWindow:
         self.start()
 
     def start(self) -> None:
-        self.sums: dict[str, Any] | None = None
+        self.sums: dict[str, torch.Tensor] | None = None
         self.tokens, self.started, self.paused_seconds = 0, time.perf_counter(), 0.0
 
-    def add(self, sums: dict[str, Any], tokens: int) -> None:
+    def add(self, sums: dict[str, torch.Tensor], tokens: int) -> None:
         self.sums = sums if self.sums is None else {k: self.sums[k] + v for k, v in sums.items()}
         self.tokens += tokens
 
@@ -580,8 +596,8 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
             draw = (step * config.grad_accumulation + micro) * world + run.rank
             pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
         sync = micro == config.grad_accumulation - 1 or world == 1
-        no_sync = nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()
-        with no_sync, autocast_context(config, run.device):
+        no_sync = getattr(model, "no_sync", None)  # DDP's
+        with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
             normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
                            pack.document_ids, pack.loss_mask)  # fmt: skip
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *run.head)
@@ -661,7 +677,7 @@ def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) ->
 
 def train(config: TrainConfig) -> dict[str, Any]:
     run = start_run(config)
-    state = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
+    state: dict[str, Any] = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
     last = run.output / "checkpoints" / "last"
     if (last / "trainer_state.json").is_file():
         state = load_checkpoint(last, run.model, run.optimizers)

@@ -13,20 +13,23 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from speculators.errors import SpeculatorsError
 from speculators.hidden_state_store import HiddenStateStore
 
+if TYPE_CHECKING:
+    import torch
+
 
 @dataclass
 class Pack:
-    input_ids: Any  # [1, T] long
-    aux_hidden_states: Any  # [1, T, 3, H]
-    target_hidden_states: Any  # [1, T, H]
-    loss_mask: Any  # [1, T] bool
-    position_ids: Any  # [1, T] long, restarting at 1 per document
-    document_ids: Any  # [1, T] long
+    input_ids: torch.Tensor  # [1, T] long
+    aux_hidden_states: torch.Tensor  # [1, T, 3, H]
+    target_hidden_states: torch.Tensor  # [1, T, H]
+    loss_mask: torch.Tensor  # [1, T] bool
+    position_ids: torch.Tensor  # [1, T] long, restarting at 1 per document
+    document_ids: torch.Tensor  # [1, T] long
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +50,7 @@ class PackedStore:
     """Packs of a store's training or validation samples, deterministic per (seed, epoch)."""
 
     def __init__(self, store_dir: str | Path, token_budget: int, split: str = "train", validation_share: float = 0.05,
-                 seed: int = 0, dtype: Any = None):  # fmt: skip
+                 seed: int = 0, dtype: torch.dtype | None = None):  # fmt: skip
         self.store = HiddenStateStore(store_dir)
         self.manifest = self.store.manifest()
         self.token_budget = token_budget
@@ -65,7 +68,9 @@ class PackedStore:
         order = list(range(len(self.entries)))
         if self.seed >= 0:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        packs, current, used = [], [], 0
+        packs: list[list[int]] = []
+        current: list[int] = []
+        used = 0
         for index in order:
             length = min(self.entries[index]["num_tokens"] - 1, self.token_budget)
             if current and used + length > self.token_budget:
@@ -80,7 +85,7 @@ class PackedStore:
     def load_pack(self, indices: list[int]) -> Pack:
         import torch
 
-        parts: dict[str, list[Any]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
         room = self.token_budget
         for doc, index in enumerate(indices):
             sample = self.store.read_sample(self.entries[index], verify=False, dtype=self.dtype)

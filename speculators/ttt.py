@@ -16,9 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 
-def verifier_target_logits(target_states: torch.Tensor, final_norm: Any, lm_head_rows: torch.Tensor) -> torch.Tensor:
+def verifier_target_logits(
+    target_states: torch.Tensor, final_norm: nn.Module, lm_head_rows: torch.Tensor
+) -> torch.Tensor:
     """Verifier logits restricted to the draft vocab: lm_head(final_norm(y)) rows, in fp32, for the
     given states (pass only the scored positions' states to compute nothing else)."""
     with torch.no_grad():
@@ -99,7 +102,7 @@ class KLFromLogits(torch.autograd.Function):
         return entropy_term - cross + lse, predicted
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor, None, None, None]:
         logits, target_p, lse, target_rows = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         tiles = TileBuffers(logits, target_p)

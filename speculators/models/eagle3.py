@@ -53,6 +53,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables from the layer config's rope parameters (default, llama3, yarn, ...)."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: DraftLayerConfig):
         super().__init__()
         if config.rope_type == "default":
@@ -121,7 +123,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (set together)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = rotary
@@ -316,6 +318,9 @@ def layer_config_as_saved(layer: dict[str, Any]) -> dict[str, Any]:
 
 
 class Eagle3Drafter(nn.Module):
+    d2t: torch.Tensor  # buffers: [draft vocab] int64 offsets, [verifier vocab] bool selection
+    t2d: torch.Tensor
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
@@ -424,8 +429,11 @@ class Eagle3Drafter(nn.Module):
         attention_mask: bool [B|1, 1, T, past + T], True = attend (default: causal);
         past_key_values: per layer (k, v) of earlier positions, or None.
         """
-        embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        embeds = embeds.to(hidden_states.dtype)
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise SpeculatorsError("a draft step needs input_ids or inputs_embeds")
+            inputs_embeds = self.embed(input_ids)
+        embeds = inputs_embeds.to(hidden_states.dtype)
         batch, length, _ = hidden_states.shape
         past = past_key_values or [None] * len(self.layers)
         past_length = 0 if past[0] is None else past[0][0].shape[2]
@@ -487,6 +495,7 @@ class Eagle3Drafter(nn.Module):
                 step_ids, step_positions = step_ids[:, rows], step_positions[:, rows]
                 if step == 1:
                     hidden = hidden[:, rows]
+            mask: TTTMask | torch.Tensor
             if batch == 1:
                 mask = TTTMask.from_document_ids(document_ids, step, rows if step else None)
             else:
