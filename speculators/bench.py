@@ -70,30 +70,65 @@ def write_prompt_files(settings: BenchSettings, folder: Path) -> dict[str, Any]:
     from speculators.prompts import data_version, load_prompts
 
     conversations = load_prompts(settings.prompts, settings.requests)
-    for name, budget in (("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
-                         ("prompts-natural.jsonl", {})):  # fmt: skip
+    for name, budget in (
+        ("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
+        ("prompts-natural.jsonl", {}),
+    ):
         rows = [json.dumps({"messages": c.messages, **budget}, ensure_ascii=False) for c in conversations]
         # Each prompt twice: GuideLLM (0.8.1) ends a run when its data runs out, even with a request still
         # in flight (seen: 3 of 4 recorded); with rows to spare, max_requests ends it once all are done.
         write_text_atomic(folder / name, "\n".join(rows + rows) + "\n")
-    return {"source": settings.prompts, "count": len(conversations),
-            "data_version": data_version(c.id for c in conversations)}  # fmt: skip
+    return {
+        "source": settings.prompts,
+        "count": len(conversations),
+        "data_version": data_version(c.id for c in conversations),
+    }
 
 
-def guidellm_command(url: str, model: str, tokenizer: str, data: Path, profile: dict[str, Any], requests: int,
-                     json_path: Path, html_path: Path, max_tokens: int | None = None) -> list[str]:  # fmt: skip
+def guidellm_command(
+    url: str,
+    model: str,
+    tokenizer: str,
+    data: Path,
+    profile: dict[str, Any],
+    requests: int,
+    json_path: Path,
+    html_path: Path,
+    max_tokens: int | None = None,
+) -> list[str]:
     """A GuideLLM run; `max_tokens` caps answers that have no per-row budget (natural length)."""
     body: dict[str, Any] = {"temperature": 0}
     if max_tokens:
         body["max_tokens"] = max_tokens
-    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/chat/completions",
-               "extras": {"body": body}}  # fmt: skip
+    backend = {
+        "kind": "openai_http",
+        "target": url,
+        "model": model,
+        "request_format": "/v1/chat/completions",
+        "extras": {"body": body},
+    }
     # GuideLLM hangs after a file's last row unless max_requests stops it; never ask for more rows than exist.
-    return [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
-            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data", f"kind=json_file,path={data}",
-            "--profile", json.dumps(profile), "--constraint", f"kind=max_requests,count={requests}",
-            "--output", f"kind=json,path={json_path}", "--output", f"kind=html,path={html_path}",
-            "--disable-progress"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        json.dumps(backend),
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer}",
+        "--data",
+        f"kind=json_file,path={data}",
+        "--profile",
+        json.dumps(profile),
+        "--constraint",
+        f"kind=max_requests,count={requests}",
+        "--output",
+        f"kind=json,path={json_path}",
+        "--output",
+        f"kind=html,path={html_path}",
+        "--disable-progress",
+    ]
 
 
 def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) -> None:
@@ -110,36 +145,54 @@ def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) 
 
 def post_chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One /v1/chat/completions request; the parsed reply."""
-    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.loads(response.read())
 
 
 def warm_up(url: str, model: str, requests: int = 2) -> None:
     """A few short requests so one-off start-up costs stay out of the measurement."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
     for _ in range(requests):
         post_chat(url, body)
 
 
-def greedy_outputs(url: str, model: str, prompts_file: Path, output_tokens: int,
-                   limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def greedy_outputs(
+    url: str, model: str, prompts_file: Path, output_tokens: int, limit: int | None = None
+) -> list[dict[str, Any]]:
     """Each prompt (the first `limit`) once, alone, at temperature 0, with the exact token ids the server
     produced (prompt and output). The lossless comparison uses these rather than GuideLLM's records,
     which keep text only and are not guaranteed to hold every prompt exactly once."""
     outputs = []
     for line in prompts_file.read_text().splitlines()[:limit]:  # the file holds every prompt twice
         messages = json.loads(line)["messages"]
-        reply = post_chat(url, {"model": model, "messages": messages, "max_tokens": output_tokens, "temperature": 0,
-                                "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        reply = post_chat(
+            url,
+            {
+                "model": model,
+                "messages": messages,
+                "max_tokens": output_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         choice = reply["choices"][0]
         if choice.get("token_ids") is None or reply.get("prompt_token_ids") is None:
-            raise SpeculatorsError(f"the vLLM server at {url} returned no token ids (return_token_ids); "
-                                   f"use a vLLM version that supports it")  # fmt: skip
-        outputs.append({"messages": messages, "prompt_token_ids": reply["prompt_token_ids"],
-                        "token_ids": choice["token_ids"], "text": choice["message"]["content"]})  # fmt: skip
+            raise SpeculatorsError(
+                f"the vLLM server at {url} returned no token ids (return_token_ids); "
+                f"use a vLLM version that supports it"
+            )
+        outputs.append(
+            {
+                "messages": messages,
+                "prompt_token_ids": reply["prompt_token_ids"],
+                "token_ids": choice["token_ids"],
+                "text": choice["message"]["content"],
+            }
+        )
     return outputs
 
 
@@ -204,10 +257,16 @@ class OutputJudge:
         if tolerance is None:
             tolerance = default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
         near_tie = max(below_top) <= tolerance
-        return {"status": "near_tie" if near_tie else "diverged", "position": position,
-                "margin": abs(below_top[0] - below_top[1]), "below_top": below_top, "tolerance": tolerance,
-                "baseline_token": baseline_ids[position], "speculator_token": speculator_ids[position],
-                "verifier_top_two": [top, second]}  # fmt: skip
+        return {
+            "status": "near_tie" if near_tie else "diverged",
+            "position": position,
+            "margin": abs(below_top[0] - below_top[1]),
+            "below_top": below_top,
+            "tolerance": tolerance,
+            "baseline_token": baseline_ids[position],
+            "speculator_token": speculator_ids[position],
+            "verifier_top_two": [top, second],
+        }
 
 
 def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:
@@ -220,8 +279,9 @@ def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[s
     return {"speedup": ratios}
 
 
-def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge
-                    ) -> dict[str, Any]:  # fmt: skip
+def compare_outputs(
+    baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge
+) -> dict[str, Any]:
     """Token ids prompt by prompt: identical, a numerical near-tie (the judge's verdict) or diverged."""
     if [o["messages"] for o in baseline] != [o["messages"] for o in speculator]:
         raise SpeculatorsError("the two servers' greedy outputs are for different prompts; this is a bug")
@@ -233,10 +293,13 @@ def compare_outputs(baseline: list[dict[str, Any]], speculator: list[dict[str, A
         if base["prompt_token_ids"] == spec["prompt_token_ids"]:
             verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"])
         differences.append({"prompt": base["messages"][-1]["content"][:80], **verdict})
-    return {"compared": len(baseline), "identical": len(baseline) - len(differences),
-            "near_tie": sum(d["status"] == "near_tie" for d in differences),
-            "diverged": sum(d["status"] == "diverged" for d in differences),
-            "differences": differences}  # fmt: skip
+    return {
+        "compared": len(baseline),
+        "identical": len(baseline) - len(differences),
+        "near_tie": sum(d["status"] == "near_tie" for d in differences),
+        "diverged": sum(d["status"] == "diverged" for d in differences),
+        "differences": differences,
+    }
 
 
 # ----- the run -------------------------------------------------------------------------------------
@@ -284,12 +347,19 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
     role_dir = folder / role
     role_dir.mkdir(parents=True, exist_ok=True)
     server_settings = ServerSettings(
-        verifier=settings.verifier, speculator=settings.speculator if role == "speculator" else None,
-        num_speculative_tokens=settings.num_speculative_tokens, port=0, dtype=settings.dtype,
-        max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager, kv_cache_gib=settings.kv_cache_gib,
-        tensor_parallel_size=settings.tensor_parallel_size, log_path=role_dir / "vllm.log",
-        startup_timeout=settings.startup_timeout, extra_args=settings.vllm_args,
-    )  # fmt: skip
+        verifier=settings.verifier,
+        speculator=settings.speculator if role == "speculator" else None,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        port=0,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager,
+        kv_cache_gib=settings.kv_cache_gib,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        log_path=role_dir / "vllm.log",
+        startup_timeout=settings.startup_timeout,
+        extra_args=settings.vllm_args,
+    )
     results: dict[str, Any] = {"profiles": {}}
     started = time.perf_counter()
     print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
@@ -301,22 +371,37 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
             name = profile_name(profile)
             paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
             natural = profile["natural"]
-            length = (f"answers of natural length (at most {settings.natural_max_tokens} tokens)" if natural
-                      else f"{settings.output_tokens} output tokens each")  # fmt: skip
-            print(f"[{role}] {name}: GuideLLM sends {settings.requests} requests, {length} (log {paths['log']})",
-                  flush=True)  # fmt: skip
+            length = (
+                f"answers of natural length (at most {settings.natural_max_tokens} tokens)"
+                if natural
+                else f"{settings.output_tokens} output tokens each"
+            )
+            print(
+                f"[{role}] {name}: GuideLLM sends {settings.requests} requests, {length} (log {paths['log']})",
+                flush=True,
+            )
             before = server.metrics()
             run_started = time.perf_counter()
             data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
-            command = guidellm_command(server.url, server.model_name, server.model_dir, data, guidellm_profile(profile),
-                                       settings.requests, paths["json"], paths["html"],
-                                       settings.natural_max_tokens if natural else None)  # fmt: skip
+            command = guidellm_command(
+                server.url,
+                server.model_name,
+                server.model_dir,
+                data,
+                guidellm_profile(profile),
+                settings.requests,
+                paths["json"],
+                paths["html"],
+                settings.natural_max_tokens if natural else None,
+            )
             run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
             summary = read_guidellm_report(paths["json"])
             summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
             if summary["requests"].get("errored"):
-                raise SpeculatorsError(f"{summary['requests']['errored']} GuideLLM requests failed against the "
-                                       f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}")  # fmt: skip
+                raise SpeculatorsError(
+                    f"{summary['requests']['errored']} GuideLLM requests failed against the "
+                    f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}"
+                )
             results["profiles"][name] = summary
             acceptance = summary["spec_decode"]["acceptance_length"]
             print(
@@ -329,12 +414,17 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
             )
         started_outputs = time.perf_counter()
         compared = min(settings.lossless_prompts or settings.requests, settings.requests)
-        results["outputs"] = greedy_outputs(server.url, server.model_name, folder / "prompts.jsonl",
-                                            settings.output_tokens, compared)  # fmt: skip
-        write_text_atomic(role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n"
-                                                              for o in results["outputs"]))  # fmt: skip
-        print(f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
-              f"({time.perf_counter() - started_outputs:.0f} s)", flush=True)  # fmt: skip
+        results["outputs"] = greedy_outputs(
+            server.url, server.model_name, folder / "prompts.jsonl", settings.output_tokens, compared
+        )
+        write_text_atomic(
+            role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in results["outputs"])
+        )
+        print(
+            f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
+            f"({time.perf_counter() - started_outputs:.0f} s)",
+            flush=True,
+        )
     return results
 
 
@@ -387,16 +477,19 @@ def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     fixed = {name: p for name, p in profiles.items() if not name.endswith("-natural")}
     natural = {name: p for name, p in profiles.items() if name.endswith("-natural")}
     headline = overall_acceptance(natural or fixed)
-    return {"acceptance": {**headline, "length": "natural" if natural else "fixed"},
-            "acceptance_fixed_length": overall_acceptance(fixed)}  # fmt: skip
+    return {
+        "acceptance": {**headline, "length": "natural" if natural else "fixed"},
+        "acceptance_fixed_length": overall_acceptance(fixed),
+    }
 
 
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     """Counters summed over the given profiles of the speculator server."""
     drafts = sum(p["spec_decode"]["drafts"] for p in profiles.values())
     accepted = sum(p["spec_decode"]["accepted_tokens"] for p in profiles.values())
-    per_position = [sum(c) for c in zip(*(p["spec_decode"]["accepted_per_position"] for p in profiles.values()),
-                                         strict=True)]  # fmt: skip
+    per_position = [
+        sum(c) for c in zip(*(p["spec_decode"]["accepted_per_position"] for p in profiles.values()), strict=True)
+    ]
     return {
         "drafts": drafts,
         "accepted_tokens": accepted,
@@ -411,8 +504,12 @@ def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
 def render_markdown(report: dict[str, Any]) -> str:
     s, acceptance = report["settings"], report["acceptance"]
     rates = " / ".join(f"{r:.3f}" for r in acceptance["acceptance_per_position"])
-    natural = (f"; profile synchronous-natural: each answer stops at its end of turn (at most "
-               f"{s['natural_max_tokens']} tokens)" if s.get("natural_max_tokens") else "")  # fmt: skip
+    natural = (
+        f"; profile synchronous-natural: each answer stops at its end of turn (at most "
+        f"{s['natural_max_tokens']} tokens)"
+        if s.get("natural_max_tokens")
+        else ""
+    )
     lines = [
         "# Speculative decoding benchmark",
         "",
@@ -427,8 +524,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     fixed = report.get("acceptance_fixed_length")
     if fixed and acceptance.get("length") == "natural":
-        lines.append(f"Fixed-length profiles (ignore_eos, text past the end of turn included): acceptance length "
-                     f"{fixed['acceptance_length'] or 0:.3f} over {fixed['drafts']} drafts.")  # fmt: skip
+        lines.append(
+            f"Fixed-length profiles (ignore_eos, text past the end of turn included): acceptance length "
+            f"{fixed['acceptance_length'] or 0:.3f} over {fixed['drafts']} drafts."
+        )
     lines += [
         "",
         "| profile | metric | baseline | speculator | speed-up |",
@@ -447,19 +546,30 @@ def render_markdown(report: dict[str, Any]) -> str:
         if None not in tokens:
             lines.append(f"| {name} | output tokens per answer (mean) | {tokens[0]:.1f} | {tokens[1]:.1f} | |")
     outputs = report["outputs"]
-    lines += ["", f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "
-              f"{outputs['compared']} identical, {outputs['near_tie']} parted at a numerical near-tie of the verifier, "
-              f"{outputs['diverged']} diverged."]  # fmt: skip
+    lines += [
+        "",
+        f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "
+        f"{outputs['compared']} identical, {outputs['near_tie']} parted at a numerical near-tie of the verifier, "
+        f"{outputs['diverged']} diverged.",
+    ]
     if outputs["differences"]:
-        lines += ["", "| prompt | verdict | position | below top (baseline, speculator) | tolerance |",
-                  "|---|---|---:|---|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "| prompt | verdict | position | below top (baseline, speculator) | tolerance |",
+            "|---|---|---:|---|---:|",
+        ]
         for d in outputs["differences"]:
             below = ", ".join(f"{b:.4g}" for b in d.get("below_top", []))
             tolerance = f"{d['tolerance']:.4g}" if "tolerance" in d else ""
             lines.append(f"| {d['prompt']} | {d['status']} | {d.get('position', '')} | {below} | {tolerance} |")
     hw = report["hardware"]
-    lines += ["", f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
-              + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "") + ".", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
+        + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "")
+        + ".",
+        "",
+    ]
     return "\n".join(lines)
 
 

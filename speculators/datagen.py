@@ -94,8 +94,14 @@ def transformers_capture_fn(verifier: Verifier, capture_ids: list[int]) -> Captu
     return capture
 
 
-def make_capture_fn(backend: str, verifier: VerifierFacts, capture_ids: list[int], max_length: int,
-                    tensor_parallel_size: int = 1, batch_size: int = 4) -> CaptureFn:  # fmt: skip
+def make_capture_fn(
+    backend: str,
+    verifier: VerifierFacts,
+    capture_ids: list[int],
+    max_length: int,
+    tensor_parallel_size: int = 1,
+    batch_size: int = 4,
+) -> CaptureFn:
     if backend == "transformers":
         from speculators.verifier import Verifier
 
@@ -107,9 +113,14 @@ def make_capture_fn(backend: str, verifier: VerifierFacts, capture_ids: list[int
 
         # A batch (at most a window: plan_batches) in one engine step where the activations allow; a
         # longer one is prefilled in chunks, in submission order, which the capture checks.
-        return VllmCapture(verifier.name_or_path, capture_ids, verifier.dtype, max_model_len=max_length + 1,
-                           max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
-                           tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        return VllmCapture(
+            verifier.name_or_path,
+            capture_ids,
+            verifier.dtype,
+            max_model_len=max_length + 1,
+            max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
+            tensor_parallel_size=tensor_parallel_size,
+        )
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
 
@@ -171,17 +182,28 @@ def run_datagen(
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
                 continue
             if capture is None:
-                capture = make_capture_fn(backend, verifier, capture_ids, max(len(s.input_ids) for s in samples),
-                                          tensor_parallel_size, batch_size)  # fmt: skip
+                capture = make_capture_fn(
+                    backend,
+                    verifier,
+                    capture_ids,
+                    max(len(s.input_ids) for s in samples),
+                    tensor_parallel_size,
+                    batch_size,
+                )
             states = capture([samples[i].input_ids for i in batch])
             for row, i in enumerate(batch):
                 if i not in missing:
                     continue
                 sample = samples[i]
                 written[keys[i]] = store.write_sample(
-                    keys[i], sample.id, torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask),
-                    states[row][:, :3], states[row][:, 3], storage,
-                )  # fmt: skip
+                    keys[i],
+                    sample.id,
+                    torch.tensor(sample.input_ids),
+                    torch.tensor(sample.loss_mask),
+                    states[row][:, :3],
+                    states[row][:, 3],
+                    storage,
+                )
                 computed += 1
                 computed_tokens += len(sample.input_ids)
             bar.update(sum(len(samples[i].input_ids) for i in batch))
@@ -206,31 +228,47 @@ def run_datagen(
             checksum, size = previous[key]["checksum"], previous[key]["bytes"]
         else:
             checksum, size = file_sha256(path), path.stat().st_size
-        entries.append({
-            "id": sample.id, "key": key, "shard": str(path.relative_to(store.root)),
-            "num_tokens": len(sample.input_ids), "supervised_tokens": sample.supervised_tokens,
-            "checksum": checksum, "bytes": size,
-        })  # fmt: skip
+        entries.append(
+            {
+                "id": sample.id,
+                "key": key,
+                "shard": str(path.relative_to(store.root)),
+                "num_tokens": len(sample.input_ids),
+                "supervised_tokens": sample.supervised_tokens,
+                "checksum": checksum,
+                "bytes": size,
+            }
+        )
     total_bytes = sum(e["bytes"] for e in entries)
     report = DatagenReport(
         len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
     )
-    store.write_manifest({
-        "format": STORE_FORMAT,
-        "version": STORE_VERSION,
-        "verifier": {
-            "fingerprint": fingerprint, "name_or_path": verifier.name_or_path, "model_type": verifier.model_type,
-            "num_layers": verifier.num_layers, "hidden_size": verifier.hidden_size, "vocab_size": verifier.vocab_size,
-            "dtype": verifier.dtype,
-        },
-        "aux_layer_ids": aux_ids,
-        "target_layer_id": verifier.num_layers,
-        "storage": storage,
-        "data_version": data_version,
-        "totals": {"samples": len(samples), "tokens": total_tokens,
-                   "supervised_tokens": sum(e["supervised_tokens"] for e in entries), "bytes": total_bytes},
-        "samples": entries,
-    })  # fmt: skip
+    store.write_manifest(
+        {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "verifier": {
+                "fingerprint": fingerprint,
+                "name_or_path": verifier.name_or_path,
+                "model_type": verifier.model_type,
+                "num_layers": verifier.num_layers,
+                "hidden_size": verifier.hidden_size,
+                "vocab_size": verifier.vocab_size,
+                "dtype": verifier.dtype,
+            },
+            "aux_layer_ids": aux_ids,
+            "target_layer_id": verifier.num_layers,
+            "storage": storage,
+            "data_version": data_version,
+            "totals": {
+                "samples": len(samples),
+                "tokens": total_tokens,
+                "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
+                "bytes": total_bytes,
+            },
+            "samples": entries,
+        }
+    )
     return report
 
 
@@ -257,8 +295,9 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     return [{variable: separator.join(group)} for group in groups]
 
 
-def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts,
-                         data_version: str | None = None) -> DatagenReport:  # fmt: skip
+def run_datagen_replicas(
+    settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts, data_version: str | None = None
+) -> DatagenReport:
     """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
     pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
@@ -280,16 +319,35 @@ def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSampl
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
     processes = []
-    one_replica = settings.model_copy(update={"backend": "vllm", "aux_layer_ids": aux_ids, "data_parallel_size": 1,
-                                              "dtype": verifier.dtype, "output": str(store_dir)})  # fmt: skip
+    one_replica = settings.model_copy(
+        update={
+            "backend": "vllm",
+            "aux_layer_ids": aux_ids,
+            "data_parallel_size": 1,
+            "dtype": verifier.dtype,
+            "output": str(store_dir),
+        }
+    )
     for index, env in enumerate(replica_devices(replicas, tensor_parallel_size) if missing else []):
-        command = [sys.executable, "-m", "speculators.cli", "datagen", *to_argv(one_replica),
-                   "--replica", f"{index}/{replicas}"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "speculators.cli",
+            "datagen",
+            *to_argv(one_replica),
+            "--replica",
+            f"{index}/{replicas}",
+        ]
         log = store_dir / f"replica-{index}.log"
         print(f"replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
         with open(log, "w") as handle:
-            processes.append((index, log, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                                           env={**os.environ, **env})))  # fmt: skip
+            processes.append(
+                (
+                    index,
+                    log,
+                    subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env}),
+                )
+            )
     with tqdm(total=missing_before, desc=f"capturing with {replicas} replicas", unit="sample") as bar:
         while any(process.poll() is None for _, _, process in processes):
             time.sleep(2)
@@ -301,8 +359,17 @@ def run_datagen_replicas(settings: CaptureSettings, samples: list[TokenizedSampl
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
         raise SpeculatorsError(f"datagen replica {index} failed ({tail[0]}); see {log}, then run again to resume")
     seconds = time.perf_counter() - started
-    report = run_datagen(samples, verifier, store_dir, aux_layer_ids=aux_ids, batch_size=batch_size, storage=storage,
-                         backend="vllm", data_version=data_version, progress=False)  # fmt: skip
+    report = run_datagen(
+        samples,
+        verifier,
+        store_dir,
+        aux_layer_ids=aux_ids,
+        batch_size=batch_size,
+        storage=storage,
+        backend="vllm",
+        data_version=data_version,
+        progress=False,
+    )
     report.computed, report.reused, report.seconds = missing_before, len(samples) - missing_before, seconds
     report.computed_tokens = missing_tokens
     return report
@@ -324,8 +391,13 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
-    capture_into = partial(run_datagen, aux_layer_ids=s.aux_layer_ids, batch_size=s.batch_size, storage=s.storage,
-                           data_version=data_version)  # fmt: skip
+    capture_into = partial(
+        run_datagen,
+        aux_layer_ids=s.aux_layer_ids,
+        batch_size=s.batch_size,
+        storage=s.storage,
+        data_version=data_version,
+    )
     if s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device)
         report = capture_into(samples, verifier, s.output, backend="transformers")
@@ -336,9 +408,15 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
             if s.data_parallel_size > 1:
                 report = run_datagen_replicas(s, samples, facts, data_version)
             else:
-                report = capture_into(samples, facts, s.output, backend="vllm", replica=replica,
-                                      tensor_parallel_size=s.tensor_parallel_size,
-                                      progress=replica is None)  # fmt: skip
+                report = capture_into(
+                    samples,
+                    facts,
+                    s.output,
+                    backend="vllm",
+                    replica=replica,
+                    tensor_parallel_size=s.tensor_parallel_size,
+                    progress=replica is None,
+                )
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -124,7 +124,7 @@ TOPICS = [
     "the flu", "first aid", "CPR", "sunscreen", "skin care", "dental hygiene", "eye strain", "hearing loss",
     "mental health", "anxiety", "mindfulness", "breathing exercises", "walking", "ageing", "blood pressure",
     "cholesterol", "diabetes", "heart health", "gut bacteria", "intermittent fasting", "hydration",
-]  # fmt: skip
+]
 
 # People, places and things the templates are filled with.
 NAMES = [
@@ -132,19 +132,19 @@ NAMES = [
     "Noah", "Olga", "Priya", "Quentin", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Ximena", "Yusuf", "Zoe",
     "Marco", "Leila", "Tom", "Aisha", "Jonas", "Mei", "Carlos", "Ingrid", "Kofi", "Nadia", "Oscar", "Sofia",
     "Ravi", "Hannah", "Pablo", "Elif", "Dmitri", "Amara", "Felix", "Lucia", "Ahmed", "Nora", "Kenji", "Beatriz",
-]  # fmt: skip
+]
 SURNAMES = [
     "Garcia", "Okafor", "Lindqvist", "Tanaka", "Novak", "Schmidt", "Rossi", "Kowalski", "Haddad", "Murphy",
     "Chen", "Dubois", "Silva", "Patel", "Moreau", "Jensen", "Nguyen", "Fischer", "Costa", "Mensah", "Ivanova",
     "Yilmaz", "Kim", "Alvarez", "Byrne", "Sato", "Hansen", "Mwangi", "Rahman", "Walsh",
-]  # fmt: skip
+]
 CITIES = [
     "Lisbon", "Toronto", "Osaka", "Nairobi", "Melbourne", "Denver", "Glasgow", "Lyon", "Krakow", "Austin", "Seoul",
     "Mexico City", "Berlin", "Chicago", "Dublin", "Cape Town", "Vancouver", "Bangalore", "Barcelona", "Manchester",
     "Singapore", "Portland", "Helsinki", "Buenos Aires", "Atlanta", "Istanbul", "Prague", "Auckland", "Montreal",
     "Amsterdam", "Rome", "Boston", "Phoenix", "Edinburgh", "Copenhagen", "Hanoi", "Lima", "Vienna", "Seattle",
     "Athens", "Marseille", "Leeds", "Porto", "Valencia", "Munich", "Kyoto", "Taipei", "Bogota", "Accra", "Perth",
-]  # fmt: skip
+]
 JOBS = [
     "nurse", "software developer", "primary school teacher", "electrician", "accountant", "graphic designer",
     "chef", "truck driver", "pharmacist", "barista", "civil engineer", "paramedic", "lawyer", "dental hygienist",
@@ -152,55 +152,55 @@ JOBS = [
     "web designer", "bus driver", "social worker", "lab technician", "hotel receptionist", "police officer",
     "architect", "freelance translator", "bookkeeper", "veterinary nurse", "plumber", "call centre agent",
     "university lecturer", "UX researcher", "project manager", "hairdresser", "security guard", "pilot",
-]  # fmt: skip
+]
 RELATIVES = [
     "mom", "dad", "sister", "brother", "grandmother", "grandfather", "aunt", "uncle", "cousin", "best friend",
     "partner", "wife", "husband", "son", "daughter", "roommate", "neighbour", "boss", "coworker", "girlfriend",
     "boyfriend", "niece", "nephew", "stepdad", "mother-in-law", "childhood friend",
-]  # fmt: skip
+]
 HOBBIES = [
     "painting", "rock climbing", "baking", "chess", "birdwatching", "running", "photography", "knitting",
     "gardening", "board games", "cycling", "playing the guitar", "pottery", "swimming", "woodworking", "yoga",
     "hiking", "drawing comics", "learning Japanese", "salsa dancing", "fishing", "coding", "reading sci-fi",
     "video games", "skateboarding", "singing in a choir", "camping", "cooking curries", "origami", "tennis",
-]  # fmt: skip
+]
 SKILLS = [
     "Spanish", "the piano", "touch typing", "public speaking", "Excel", "basic car repair", "sketching",
     "photography", "Python", "sewing", "juggling", "sign language", "chess openings", "bread baking", "swimming",
     "video editing", "knitting", "meditation", "drawing portraits", "woodworking", "statistics", "web design",
     "the ukulele", "first aid", "calligraphy", "Italian cooking", "budgeting", "SQL", "rock climbing", "Portuguese",
-]  # fmt: skip
+]
 FOODS = [
     "lasagne", "pancakes", "lentil soup", "chicken curry", "banana bread", "fried rice", "guacamole", "hummus",
     "risotto", "falafel", "chili con carne", "apple pie", "mac and cheese", "stir-fried noodles", "shakshuka",
     "tomato sauce", "granola", "brownies", "pad thai", "beef stew", "vegetable lasagne", "fish tacos", "pesto",
     "carrot cake", "miso soup", "roast chicken", "potato salad", "omelette", "dumplings", "paella",
-]  # fmt: skip
+]
 INGREDIENTS = [
     "chickpeas", "a tin of tomatoes", "leftover rice", "two potatoes", "a bag of spinach", "some feta",
     "half a cabbage", "frozen peas", "three carrots", "a block of tofu", "some chicken thighs", "a can of tuna",
     "pasta", "a few mushrooms", "an aubergine", "some lentils", "a courgette", "a bunch of coriander", "bread",
     "sweet potatoes", "a tub of yoghurt", "a red pepper", "some cheddar", "a can of coconut milk", "noodles",
-]  # fmt: skip
+]
 HUMAN_LANGUAGES = [
     "Spanish", "French", "German", "Italian", "Portuguese", "Dutch", "Japanese", "Chinese", "Korean", "Polish",
     "Swedish", "Turkish", "Greek", "Russian", "Hindi", "Arabic", "Vietnamese", "Indonesian", "Czech", "Danish",
     "Norwegian", "Finnish", "Swahili", "Hebrew", "Thai", "Ukrainian",
-]  # fmt: skip
+]
 AUDIENCES = [
     "a ten-year-old", "my grandmother", "a complete beginner", "a high school student", "someone who hates maths",
     "a new employee", "a busy manager", "a curious kid", "a first-year university student", "a friend over coffee",
     "someone learning English", "a room of engineers", "a retired farmer", "a teenager", "an artist",
-]  # fmt: skip
+]
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = [
     "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
     "December",
-]  # fmt: skip
+]
 TONES = [
     "funny", "melancholic", "hopeful", "dramatic", "whimsical", "formal", "sarcastic", "heartfelt", "spooky",
     "calm", "upbeat", "nostalgic", "mysterious", "playful", "serious",
-]  # fmt: skip
+]
 CHARACTERS = [
     "a retired lighthouse keeper", "a nervous dragon", "a teenage inventor", "a grumpy baker", "a lost robot vacuum",
     "a time-travelling librarian", "two rival gardeners", "an astronaut on her last mission", "a talking umbrella",
@@ -210,7 +210,7 @@ CHARACTERS = [
     "a detective with a fear of heights", "twin sisters who never agree", "a dog who wants to be a firefighter",
     "a bus driver on his final shift", "a houseplant with big dreams", "a small-town mayor", "a retired spy",
     "a penguin who hates the cold", "a nervous first-time teacher", "an old fisherman",
-]  # fmt: skip
+]
 SETTINGS = [
     "a snowy mountain village", "a space station orbiting Jupiter", "a busy night market", "a flooded city",
     "a laundromat at midnight", "a desert oasis", "a school on the last day of term", "an underwater hotel",
@@ -218,7 +218,7 @@ SETTINGS = [
     "a crowded airport on Christmas Eve", "an abandoned amusement park", "a food truck festival", "a hospital ward",
     "a library that never closes", "a farm at harvest time", "a ferry crossing a foggy lake", "a rooftop garden",
     "a village at the edge of a forest", "a research base in Antarctica", "a jazz club in the 1950s",
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def date_text(rng: random.Random) -> str:
         f"{MONTHS[month]} {day}", f"{day} {MONTHS[month]} {year}", f"{MONTHS[month]} {day}, {year}",
         f"{year}-{month + 1:02d}-{day:02d}", f"{day}/{month + 1}/{year}", f"the {ordinal(day)} of {MONTHS[month]}",
         f"next {rng.choice(WEEKDAYS)}", f"{rng.choice(WEEKDAYS)} the {ordinal(day)}",
-    ]  # fmt: skip
+    ]
     return rng.choice(forms)
 
 
@@ -346,23 +346,23 @@ CONSTRAINTS = [
     "End with one practical tip.", "Give me the short version first, then the details.", "Two paragraphs max.",
     "Write it for a complete beginner.", "Use a friendly tone.", "Please don't use bullet points.",
     "I only need the main points.", "Include a quick example from everyday life.", "Answer like a teacher would.",
-]  # fmt: skip
+]
 GENERAL_CONTEXTS = [
     "I've been curious about this for a while.", "English is my second language, so simple words please.",
     "I'm {age} and never learned this properly.", "I have about five minutes to read the answer.",
     "I'm a complete beginner.", "I'm on my phone, so a short answer helps.", "Asking for a friend, honestly.",
-]  # fmt: skip
+]
 # Reasons to learn about a subject, for explanations.
 LEARNING_CONTEXTS = [
     *GENERAL_CONTEXTS, "I'm a {job} and this keeps coming up at work.", "This is for a school project.",
     "I'm preparing a short talk for my team.", "My {family_member} asked me and I didn't know.",
     "I'm studying for an exam next {weekday}.", "I'm writing a blog post.", "I'm helping my {child} with homework.",
     "We argued about this at dinner last night.",
-]  # fmt: skip
+]
 OPENERS = [
     "Hi! ", "Hello, ", "Hey, ", "Quick question: ", "Hi there. ", "Good morning! ", "Can you help me? ",
     "Hey there, quick one. ", "Hello! I need some help. ", "Random question: ", "Okay, so ", "Hi, ",
-]  # fmt: skip
+]
 CLOSERS = ["Thanks!", "Thank you.", "Thanks in advance.", "Much appreciated!", "Thanks a lot.", "Cheers."]
 CASUAL_ENDINGS = ["", "", "", " pls", " lol", "??", " thx", " haha", " :)"]
 
@@ -430,7 +430,7 @@ def framed(rng: random.Random, instruction: str, text: str) -> str:
         f"{text}\n\n{instruction}{end}",
         f'"{text}"\n\n{decapitalised(instruction)}{end}',
         f'{instruction}:\n"""\n{text}\n"""',
-    ]  # fmt: skip
+    ]
     return rng.choices(layouts, weights=[4, 3, 1, 2, 1, 1])[0]
 
 
@@ -463,7 +463,7 @@ EXPLAIN_TEMPLATES = [
     "Write a short explainer on {topic} for a school newsletter.", "What would a good first lesson on {topic} cover?",
     "Can you give me an analogy that explains {topic}?", "In plain English, what's the idea behind {topic}?",
 "ELI5: {topic}", "So what's the big deal about {topic}?",
-]  # fmt: skip
+]
 
 HOW_TO_GOALS = [
     "fix a leaky tap", "get rid of fruit flies in the kitchen", "make cold brew coffee at home",
@@ -490,7 +490,7 @@ HOW_TO_GOALS = [
     "teach a child to ride a bike", "make a cheap bookshelf", "grow tomatoes from seed", "clean white sneakers",
     "cook a steak in a pan", "boil an egg so the yolk is soft", "make an emergency kit", "fix a zipper",
     "get better at drawing faces", "prepare for a salary negotiation", "plan a road trip", "make better coffee at home",
-]  # fmt: skip
+]
 HOW_TO_TEMPLATES = [
     "How do I {goal}?", "What's the best way to {goal}?", "how can i {goal}", "how to {goal}",
     "Give me step-by-step instructions to {goal}.", "I've never tried to {goal} before. Where do I start?",
@@ -500,7 +500,7 @@ HOW_TO_TEMPLATES = [
     "Walk me through how to {goal}.", "Explain how to {goal}, step by step.", "I want to {goal}. What's the plan?",
     "What's the fastest way to {goal}?", "I keep failing to {goal}. What am I doing wrong?",
     "Write a short guide on how to {goal}.", "List the steps to {goal}.", "Help me {goal}.",
-]  # fmt: skip
+]
 
 
 def how_to(rng: random.Random) -> str:
@@ -544,7 +544,7 @@ ADVICE_TEMPLATES = [
     "Our team of {n} {job}s has a new manager who cancels every one-on-one. Should we raise it with someone?",
     "I'm a student in {city} with {small_budget} a week for food. What cheap meals can I make?",
     "I'm {age} and I want to start saving for retirement with {small_budget} a month. Is it even worth it?",
-]  # fmt: skip
+]
 FILLERS.update({
     "saving_goal": choice_of(["a house deposit", "a wedding", "a new car", "a year of travel", "retirement",
                               "an emergency fund", "my kids' education", "a sabbatical", "a new laptop"]),
@@ -587,7 +587,7 @@ FILLERS.update({
     "life_area": choice_of(["my career", "how I raise my kids", "my diet", "my spending", "my wedding plans"]),
     "pet_kind": choice_of(["dog", "puppy", "cat", "pair of rabbits", "rescue greyhound", "kitten"]),
     "race": choice_of(["a half marathon", "a 10k", "a marathon", "a 5k", "a trail race"]),
-})  # fmt: skip
+})
 
 PET_PROBLEMS = {
     "dog": ["barks at every noise at night", "pulls on the lead during walks", "chews the furniture when I'm out",
@@ -599,7 +599,7 @@ PET_PROBLEMS = {
     "rabbit": ["chews the cables", "thumps at night", "won't let me pick him up", "ignores his hay"],
     "parrot": ["screams every morning", "pulls out her feathers", "bites when I offer my hand",
                "copies the phone ringtone all day"],
-}  # fmt: skip
+}
 PET_NAMES = ["Biscuit", "Luna", "Max", "Pepper", "Milo", "Coco", "Bruno", "Nala", "Ziggy", "Olive", "Rocky", "Mochi"]
 
 
@@ -639,7 +639,7 @@ CHAT_TEMPLATES = [
     "honestly what do you think about {topic}", "I'm learning {skill}. Quiz me with one easy question.",
     "Let's play twenty questions. I'm thinking of an animal.", "hi can u help me with something",
     "It's my first day as a {job} tomorrow!", "What should I name my new {plant}?", "Tell me a fun fact about {city}.",
-]  # fmt: skip
+]
 FILLERS.update({
     "achievement": choice_of(["passed my driving test", "ran my first 5k", "got the job", "finished my thesis",
                               "baked my first loaf of bread", "got engaged", "paid off my student loan",
@@ -668,7 +668,7 @@ FILLERS.update({
                         "rehearse conversations in my head", "sleep with socks on", "name my houseplants"]),
     "finished_thing": choice_of(["a 1000-piece jigsaw", "a long fantasy series", "my first knitted scarf",
                                  "a TV show I loved", "a language course", "a big work project"]),
-})  # fmt: skip
+})
 
 
 def chat(rng: random.Random) -> str:
@@ -679,7 +679,7 @@ def chat(rng: random.Random) -> str:
 # --- coding: tasks across languages, concept questions, SQL, shell and debugging ---------------------------------
 
 CODE_LANGUAGES = ["Python", "Python", "Python", "JavaScript", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C",
-                  "C++", "C#", "Ruby", "Kotlin"]  # fmt: skip
+                  "C++", "C#", "Ruby", "Kotlin"]
 CODE_SPECS = [
     ("count_vowels", "count the vowels in a string"),
     ("average", "return the average of a list of numbers, or nothing for an empty list"),
@@ -744,11 +744,11 @@ CODE_SPECS = [
     ("moving_average", "compute a moving average over a window of {n} values"),
     ("is_valid_ipv4", "check whether a string is a valid IPv4 address"),
     ("price_with_vat", "add {percent}% VAT to a price and round it to two decimals"),
-]  # fmt: skip
+]
 FILLERS.update({
     "k": number(2, 5), "hours": number(1, 9), "minutes": number(1, 59), "low": number(0, 10),
     "high": number(50, 200),
-})  # fmt: skip
+})
 CODE_TEMPLATES = [
     "Write a {lang} function `{name}` to {spec}.", "Write a function in {lang} that can {spec}.",
     "how do i {spec} in {lang}", "Can you write {lang} code to {spec}? Call the function {name}.",
@@ -758,13 +758,13 @@ CODE_TEMPLATES = [
     "Please write {name} in {lang}. It needs to {spec}. {code_extra}",
     "I'm practising {lang} for interviews. Could you write a solution that will {spec}, and explain it?",
     "What's an efficient way to {spec}? I'm using {lang}.", "write {lang} to {spec}",
-]  # fmt: skip
+]
 CODE_EXTRAS = [
     "Add a docstring.", "Include two or three test cases.", "Don't use any external libraries.",
     "Explain the time complexity.", "Handle empty input gracefully.", "Add comments explaining each step.",
     "Keep it under 15 lines.", "Make it readable rather than clever.", "Add type annotations.",
     "Show how to call it.", "Make it work for large inputs too.", "I'm a beginner, so keep it simple.",
-]  # fmt: skip
+]
 
 
 def identifier(name: str, language: str) -> str:
@@ -782,7 +782,7 @@ def code_task(rng: random.Random) -> str:
     name, spec = rng.choice(CODE_SPECS)
     template = rng.choice(CODE_TEMPLATES)
     prompt = fill(rng, template, lang=language, name=identifier(name, language), spec=fill(rng, spec),
-                  code_extra=rng.choice(CODE_EXTRAS))  # fmt: skip
+                  code_extra=rng.choice(CODE_EXTRAS))
     return casual(rng, prompt) if rng.random() < 0.06 else prompt
 
 
@@ -819,7 +819,7 @@ CODE_QUESTIONS = [
     "What's the difference between `map`, `filter` and `reduce`?", "What is functional programming, in short?",
     "What is the difference between a shallow copy and a deep copy?", "What are environment variables for?",
     "What does `async` actually change about a function?", "What is CORS and why does my browser complain about it?",
-]  # fmt: skip
+]
 
 
 def code_question(rng: random.Random) -> str:
@@ -829,7 +829,7 @@ def code_question(rng: random.Random) -> str:
 CODE_QUESTION_ASKS = [
     "Give a short example.", "Keep it brief.", "Explain it like I'm new to programming.", "Show code if it helps.",
     "Use bullet points.", "Answer in one paragraph.", "When would I use each?", "What are the common pitfalls?",
-]  # fmt: skip
+]
 
 
 SQL_TABLES = {
@@ -863,16 +863,16 @@ SQL_TABLES = {
         "compute the average time it takes to close a ticket", "count the open tickets per day for the last {n} days",
         "find customers with more than {n} tickets",
     ],
-}  # fmt: skip
+}
 FILLERS.update({
     "department": choice_of(["Sales", "Engineering", "Finance", "Marketing", "Support", "Legal"]),
     "subject": choice_of(["maths", "biology", "history", "French", "physics", "art"]),
-})  # fmt: skip
+})
 SQL_TEMPLATES = [
     "Write a SQL query to {question}. The table is {schema}.", "I have a table {schema}. How do I {question}?",
     "sql question: {schema}, need to {question}", "Given {schema}, write a query that will {question}.",
     "What's the SQL to {question}? My schema: {schema}.", "Using PostgreSQL and {schema}, {question}.",
-]  # fmt: skip
+]
 
 
 def sql_task(rng: random.Random) -> str:
@@ -892,13 +892,13 @@ SHELL_TASKS = [
     "find all TODO comments in a project", "sort a CSV file by its third column",
     "create {n} folders named week1 to week{n}", "print the lines that two files have in common",
     "run a command and email me if it fails", "show which git branches are already merged",
-]  # fmt: skip
+]
 FILLERS["port"] = choice_of(["3000", "5432", "8080", "8000", "5000", "9090"])
 SHELL_TEMPLATES = [
     "Write a bash script to {task}.", "How do I {task} from the command line?", "bash one-liner to {task}?",
     "What's the Linux command to {task}?", "I'm on macOS. How can I {task} in the terminal?",
     "Write a shell script that will {task}. Explain each line.",
-]  # fmt: skip
+]
 
 
 def shell_task(rng: random.Random) -> str:
@@ -916,7 +916,7 @@ VARIABLES = ["items", "scores", "prices", "names", "values", "orders", "temps", 
 def python_mutable_default(rng: random.Random) -> tuple[str, str, str]:
     things = rng.choice(VARIABLES)
     code = "\n".join([f"def add_item(item, {things}=[]):", f"    {things}.append(item)", f"    return {things}", "",
-                      "print(add_item(1))", "print(add_item(2))"])  # fmt: skip
+                      "print(add_item(1))", "print(add_item(2))"])
     return "Python", code, "prints [1, 2] on the second call instead of [2]"
 
 
@@ -929,7 +929,7 @@ def python_off_by_one(rng: random.Random) -> tuple[str, str, str]:
 def python_remove_while_iterating(rng: random.Random) -> tuple[str, str, str]:
     things, limit = rng.choice(VARIABLES), rng.randint(5, 50)
     code = "\n".join([f"{things} = [3, 8, {limit}, {limit + 1}, 2]", f"for x in {things}:", f"    if x > {limit - 1}:",
-                      f"        {things}.remove(x)", f"print({things})"])  # fmt: skip
+                      f"        {things}.remove(x)", f"print({things})"])
     return "Python", code, f"still contains a number bigger than {limit - 1}"
 
 
@@ -942,7 +942,7 @@ def python_str_plus_int(rng: random.Random) -> tuple[str, str, str]:
 def python_early_return(rng: random.Random) -> tuple[str, str, str]:
     things, limit = rng.choice(VARIABLES), rng.randint(10, 100)
     code = "\n".join([f"def any_over({things}):", f"    for x in {things}:", f"        if x > {limit}:",
-                      "            return True", "        else:", "            return False"])  # fmt: skip
+                      "            return True", "        else:", "            return False"])
     return "Python", code, "only ever looks at the first element"
 
 
@@ -962,7 +962,7 @@ def javascript_string_sum(rng: random.Random) -> tuple[str, str, str]:
 def javascript_missing_await(rng: random.Random) -> tuple[str, str, str]:
     resource = rng.choice(["users", "orders", "posts", "products", "weather"])
     code = "\n".join(["async function load() {", f'  const response = fetch("/api/{resource}");',
-                      "  const data = response.json();", "  console.log(data.length);", "}"])  # fmt: skip
+                      "  const data = response.json();", "  console.log(data.length);", "}"])
     return "JavaScript", code, "throws TypeError: response.json is not a function"
 
 
@@ -1031,9 +1031,9 @@ BUGS = [
     python_early_return, javascript_closure_loop, javascript_string_sum, javascript_missing_await,
     sql_missing_group_by, sql_where_aggregate, c_integer_division, c_assignment_in_if, c_buffer_overflow,
     java_string_equality, go_range_copy, go_nil_map, rust_use_after_move, bash_test_spaces,
-]  # fmt: skip
+]
 FENCE_TAGS = {"Python": "python", "JavaScript": "js", "SQL": "sql", "C": "c", "Java": "java", "Go": "go",
-              "Rust": "rust", "bash": "bash"}  # fmt: skip
+              "Rust": "rust", "bash": "bash"}
 
 
 def debugging(rng: random.Random) -> str:
@@ -1070,7 +1070,7 @@ def with_ask(rng: random.Random, question: str, asks: list[str] | None = None) -
 MATH_ASKS = [
     "Show your work.", "Explain step by step.", "Just the answer, please.", "Can you show how you got it?",
     "Please double-check the result.", "Walk me through it.", "Round to two decimals.", "Keep it brief.",
-]  # fmt: skip
+]
 
 
 def discount(rng: random.Random) -> str:
@@ -1081,7 +1081,7 @@ def discount(rng: random.Random) -> str:
         f"the {item} i want is ${price} with {off} percent off, how much do i actually pay",
         f"How much do I save on a ${price} {item} if it's {off}% off?",
         f"A {item} is on sale for ${price}, which is {off}% less than the original price. What was the original?",
-    ])  # fmt: skip
+    ])
 
 
 def restaurant_bill(rng: random.Random) -> str:
@@ -1091,7 +1091,7 @@ def restaurant_bill(rng: random.Random) -> str:
         f"Dinner was ${bill} before a {tax}% tax. If we tip {tip}% on the pre-tax amount, what's the total?",
         f"We are {people} people and the bill is ${bill} plus a {tip}% tip. How much does each of us pay?",
         f"What's a {tip}% tip on ${bill}.{rng.randint(10, 95)}?",
-    ])  # fmt: skip
+    ])
 
 
 def unit_price(rng: random.Random) -> str:
@@ -1116,7 +1116,7 @@ def time_maths(rng: random.Random) -> str:
         " When do I put it in?",
         f"How many seconds are in {rng.randint(2, 30)} days?",
         f"What's {hours * 60 + minutes} minutes in hours and minutes?",
-    ])  # fmt: skip
+    ])
 
 
 def speed_distance(rng: random.Random) -> str:
@@ -1131,7 +1131,7 @@ def speed_distance(rng: random.Random) -> str:
         f"My car uses {rng.randint(4, 11)} litres per 100 km. How much fuel do I need for {distance} km, and what"
         f" does it cost at ${rng.randint(120, 220) / 100:.2f} a litre?",
         f"If I run {rng.randint(3, 21)} km in {minutes} minutes, what's my pace per kilometre?",
-    ])  # fmt: skip
+    ])
 
 
 def percentages(rng: random.Random) -> str:
@@ -1146,7 +1146,7 @@ def percentages(rng: random.Random) -> str:
         f"A shirt's price went up {change}% and then down {change}%. Is it back to the original price?",
         f"My savings of ${old} earn {rng.choice([2, 3, 4, 5])}% interest a year. How much after"
         f" {rng.randint(2, 10)} years if it compounds yearly?",
-    ])  # fmt: skip
+    ])
 
 
 def conversions(rng: random.Random) -> str:
@@ -1159,7 +1159,7 @@ def conversions(rng: random.Random) -> str:
         f"How many square feet is a {rng.randint(20, 150)} square metre flat?",
         f"how many tablespoons in {rng.choice(['a quarter', 'half', 'a third of a', 'two'])} cup",
         f"What's {rng.randint(1, 10)} gallons in litres?", f"How many megabytes are {rng.randint(2, 64)} gigabytes?",
-    ])  # fmt: skip
+    ])
 
 
 def plain_arithmetic(rng: random.Random) -> str:
@@ -1176,7 +1176,7 @@ def plain_arithmetic(rng: random.Random) -> str:
         f"Find the prime factors of {rng.randint(30, 600)}.", f"What is {a} + {b} + {c} + {rng.randint(1, 500)}?",
         f"Round {a / c:.5f} to two decimal places.", f"What's {rng.randint(2, 9)}! (factorial)?",
         f"What's the lowest common multiple of {rng.randint(2, 15)} and {rng.randint(4, 20)}?",
-    ])  # fmt: skip
+    ])
 
 
 def everyday_word_problem(rng: random.Random) -> str:
@@ -1201,11 +1201,11 @@ def everyday_word_problem(rng: random.Random) -> str:
         " How many panels should I buy?",
         f"My electricity costs {rng.randint(12, 45)} cents per kWh. How much does a {rng.choice([60, 800, 1500, 2000])}"
         f" W heater cost to run for {rng.randint(2, 9)} hours?",
-    ])  # fmt: skip
+    ])
 
 
 MATH_PROBLEMS = [discount, restaurant_bill, unit_price, time_maths, speed_distance, percentages, conversions,
-                 plain_arithmetic, everyday_word_problem]  # fmt: skip
+                 plain_arithmetic, everyday_word_problem]
 
 
 def maths(rng: random.Random) -> str:
@@ -1215,7 +1215,7 @@ def maths(rng: random.Random) -> str:
 def ordering_puzzle(rng: random.Random) -> str:
     people = rng.sample(NAMES, rng.randint(3, 4))
     quality, opposite = rng.choice([("taller", "shortest"), ("older", "youngest"), ("faster", "slowest"),
-                                    ("richer", "poorest"), ("heavier", "lightest")])  # fmt: skip
+                                    ("richer", "poorest"), ("heavier", "lightest")])
     facts = " ".join(f"{a} is {quality} than {b}." for a, b in itertools.pairwise(people))
     return f"{facts} Who is the {opposite}?"
 
@@ -1234,7 +1234,7 @@ def sequence_puzzle(rng: random.Random) -> str:
         terms = [start + i * (i + 1) // 2 * step for i in range(5)]
     listed = ", ".join(map(str, terms))
     return rng.choice([f"What comes next: {listed}, ...?", f"Find the pattern: {listed}. What's the next number?",
-                       f"next number in {listed} ?"])  # fmt: skip
+                       f"next number in {listed} ?"])
 
 
 def logic_puzzle(rng: random.Random) -> str:
@@ -1244,7 +1244,7 @@ def logic_puzzle(rng: random.Random) -> str:
     b_age = rng.randint(5, 40)
     total = 2 * b_age + gap + 2 * later
     group, club = rng.choice([("engineers", "the chess club"), ("teachers", "the running club"),
-                              ("nurses", "the choir"), ("students", "the book club")])  # fmt: skip
+                              ("nurses", "the choir"), ("students", "the book club")])
     red, blue, people = rng.randint(3, 12), rng.randint(3, 12), rng.randint(4, 30)
     jug_a, jug_b = rng.choice([(3, 5), (4, 7), (5, 8), (3, 7), (4, 9)])
     target = rng.choice([t for t in range(1, jug_b) if t not in (jug_a,)])
@@ -1269,7 +1269,7 @@ def logic_puzzle(rng: random.Random) -> str:
         " night. How many days to reach the top?",
         f"If {a} finishes a race ahead of {b} but behind {c}, and {b} beats {d}, who came second?",
         f"I'm thinking of a number. Double it and add {gap}, and you get {2 * b_age + gap}. What's my number?",
-    ])  # fmt: skip
+    ])
 
 
 RIDDLES = [
@@ -1278,9 +1278,9 @@ RIDDLES = [
     "Give me a lateral thinking puzzle, with the solution hidden at the end.",
     "Make up a riddle whose answer is {riddle_answer}.",
     "Invent a short murder mystery puzzle I can solve in five minutes.",
-]  # fmt: skip
+]
 FILLERS["riddle_answer"] = choice_of(["a shadow", "an echo", "a candle", "a map", "a key", "time", "a cloud",
-                                      "a clock", "footsteps", "a sponge", "a mirror", "the letter E"])  # fmt: skip
+                                      "a clock", "footsteps", "a sponge", "a mirror", "the letter E"])
 
 
 def puzzles(rng: random.Random) -> str:
@@ -1290,7 +1290,7 @@ def puzzles(rng: random.Random) -> str:
 
 
 PUZZLE_ASKS = ["Explain your reasoning.", "Just give me a hint first.", "Show how you worked it out.",
-               "Don't just give the answer, explain it.", "Is there a trick to this?"]  # fmt: skip
+               "Don't just give the answer, explain it.", "Is there a trick to this?"]
 
 
 # --- creative writing ---------------------------------------------------------------------------------------------
@@ -1323,7 +1323,7 @@ CREATIVE_TEMPLATES = [
     "Write a eulogy for {everyday_object} that finally broke after {years} years.",
     "Write a {tone} haiku sequence about {month}.", "Write a children's rhyme that helps kids remember {topic}.",
     "Write a scene in {setting}, told only through dialogue.",
-]  # fmt: skip
+]
 FILLERS.update({
     "genre": choice_of(["mystery", "science fiction", "fantasy", "romance", "thriller", "historical",
                         "horror", "comedy", "adventure", "literary"]),
@@ -1369,7 +1369,7 @@ FILLERS.update({
                              "The lights went out at exactly midnight.", "She had one hour to find the key."]),
     "party": choice_of(["a barbecue in our garden", "a baby shower", "a games night", "a surprise party",
                         "a picnic in the park", "a Halloween party", "a farewell drinks evening"]),
-})  # fmt: skip
+})
 
 
 # --- editing: fix, rewrite, shorten and turn notes into prose -------------------------------------------------------
@@ -1389,11 +1389,11 @@ ERRONEOUS_SENTENCES = [
     "He dont has no time for {hobby} since he start his new job.",
     "Less people comes to the {place} since the prices goes up.",
     "Between you and I, the {thing} is not working good since {month}.",
-]  # fmt: skip
+]
 FILLERS.update({
     "place": choice_of(["museum", "library", "gym", "bakery", "pool", "cinema", "post office", "market", "park"]),
     "thing": choice_of(["chair", "printer", "laptop", "cable", "ticket", "plant", "book", "lamp", "bike", "parcel"]),
-})  # fmt: skip
+})
 # Texts to edit, by what is asked of them.
 EDIT_TEXTS = {
     "formal": [
@@ -1440,9 +1440,9 @@ EDIT_TEXTS = {
         "There are a number of different reasons why it might be a good idea for you to consider the possibility of"
         " starting to save a small amount of money every single month, starting as early as you possibly can.",
     ],
-}  # fmt: skip
+}
 FILLERS["event"] = choice_of(["team lunch", "book club", "workshop", "quiz night", "training session", "standup",
-                              "rehearsal", "planning meeting", "parents' evening", "football practice"])  # fmt: skip
+                              "rehearsal", "planning meeting", "parents' evening", "football practice"])
 NOTE_FRAGMENTS = [
     "{name} back from leave {date}", "budget for {thing}s down {percent}%", "client call moved to {weekday}",
     "new intern starts {date}", "printer on 2nd floor still broken", "deadline pushed to end of {month}",
@@ -1450,7 +1450,7 @@ NOTE_FRAGMENTS = [
     "parking closed all week", "ask {name} about the contract", "{event} at {time}", "order more {thing}s",
     "website down for an hour on {weekday}", "prices up {percent}% from {month}", "{name} leading the {event}",
     "report due {date}", "kitchen rota starts {weekday}",
-]  # fmt: skip
+]
 EDIT_INSTRUCTIONS = {
     "grammar": ["Fix the grammar", "Correct the mistakes in this sentence", "Can you fix the spelling and grammar",
                 "proofread this", "Please correct this sentence and explain what was wrong",
@@ -1465,7 +1465,7 @@ EDIT_INSTRUCTIONS = {
     "notes": ["Turn these notes into a paragraph", "Write up these notes as a short update email",
               "Can you turn my notes into proper sentences", "Rewrite these meeting notes as a summary for the team",
               "Make a short bulleted list out of these notes"],
-}  # fmt: skip
+}
 
 
 def editing(rng: random.Random) -> str:
@@ -1556,7 +1556,7 @@ PASSAGES = [
       "We finally moved to {city}, into a small flat near the river."],
      ["The kids are fine and {name} is learning {skill}.", "I've taken up {hobby}, which is harder than it looks."],
      ["Are you free for a call next {weekday}?", "Let me know if you're ever in town."]],
-]  # fmt: skip
+]
 FILLERS.update({
     "project_cost": lambda rng: f"${rng.randint(2, 60) / 2:g} million",
     "facility": choice_of(["public library", "swimming pool", "cycling bridge", "community centre", "skate park"]),
@@ -1569,13 +1569,13 @@ FILLERS.update({
     "pet_colour": choice_of(["black", "grey", "ginger", "white", "brown and white", "tabby"]),
     "place_near": choice_of(["the park", "the station", "Elm Street", "the school", "the canal", "the market"]),
     "phone_digits": number(1000, 9999),
-})  # fmt: skip
+})
 SUMMARY_INSTRUCTIONS = [
     "Summarise this in one sentence", "Summarise the following text in two sentences", "Summarize this for me",
     "Give me the key points of this as bullet points", "tl;dr this", "What's the main point of this text",
     "Summarise this for someone who has ten seconds", "Write a one-line headline for this",
     "Summarise this and list any dates or numbers it mentions", "Sum this up in plain words",
-]  # fmt: skip
+]
 
 
 def summarising(rng: random.Random) -> str:
@@ -1592,7 +1592,7 @@ TRANSLATION_SENTENCES = [
     "Thank you for your help yesterday.", "I'd like to book a room for {n} nights.", "Where can I buy a ticket?",
     "My name is {name} and I work as a {job}.", "See you next {weekday}!", "Do you take credit cards?",
     "I'm looking for a pharmacy that is open now.", "The {thing} in my room doesn't work.",
-]  # fmt: skip
+]
 FILLERS.update({
     "menu_item": choice_of(["a glass of water", "the soup of the day", "a coffee with milk", "the bill",
                             "two croissants", "the vegetarian menu"]),
@@ -1600,13 +1600,13 @@ FILLERS.update({
     "hour": choice_of(["eight", "nine", "ten", "half past seven", "noon"]),
     "allergen": choice_of(["peanuts", "shellfish", "gluten", "milk", "eggs"]),
     "lost_item": choice_of(["passport", "wallet", "phone", "keys", "luggage"]),
-})  # fmt: skip
+})
 TRANSLATION_TEMPLATES = [
     'Translate into {language}: "{sentence}"', 'How do you say "{sentence}" in {language}?',
     "what's '{sentence}' in {language}", 'Translate "{sentence}" to {language} and explain the grammar briefly.',
     "Can you translate this into {language} for me? {sentence}", 'I need this in {language}: "{sentence}"',
     'How would a native {language} speaker say "{sentence}"?', "Translate to {language}, informal: {sentence}",
-]  # fmt: skip
+]
 
 
 def translation(rng: random.Random) -> str:
@@ -1627,7 +1627,7 @@ LIST_TEMPLATES = [
     "What {n} books or resources would you suggest for learning about {topic}?", "Rank {n} {list_subject}.",
     "Suggest a {n}-day itinerary for {city}.", "Give me a weekly workout plan for a beginner with {n} free hours.",
     "List some questions I should ask at {question_setting}.", "What are the best {good_things}? Give me a top {n}.",
-]  # fmt: skip
+]
 FILLERS.update({
     "list_subject": choice_of([
         "vegetables that are rich in iron", "countries in South America", "famous bridges", "ways to save energy at"
@@ -1660,7 +1660,7 @@ FILLERS.update({
                                  "launching a small website", "a baby's first trip abroad", "spring cleaning"]),
     "question_setting": choice_of(["a job interview", "a parent-teacher meeting", "a flat viewing",
                                    "my first appointment with a financial adviser", "a wedding venue visit"]),
-})  # fmt: skip
+})
 
 # Things people choose between (any comparison template fits) and ideas they contrast (only the neutral ones).
 CHOICE_PAIRS = [
@@ -1681,7 +1681,7 @@ CHOICE_PAIRS = [
     ("a puppy", "an older rescue dog"), ("cloth nappies", "disposable ones"), ("a heat pump", "a gas boiler"),
     ("PostgreSQL", "MySQL"), ("VS Code", "PyCharm"), ("AWS", "a cheap VPS"), ("a tent", "a hammock for camping"),
     ("Duolingo", "an evening class"), ("audiobooks", "podcasts"), ("a smartwatch", "a fitness band"),
-]  # fmt: skip
+]
 CONCEPT_PAIRS = [
     ("viruses", "bacteria"), ("mitosis", "meiosis"), ("a comet", "an asteroid"), ("sushi", "sashimi"),
     ("Stoicism", "Epicureanism"), ("the Renaissance", "the Enlightenment"), ("baking soda", "baking powder"),
@@ -1694,30 +1694,30 @@ CONCEPT_PAIRS = [
     ("a lake", "a pond"), ("a psychologist", "a psychiatrist"), ("a will", "a trust"), ("gross pay", "net pay"),
     ("the House of Commons", "the House of Lords"), ("a rabbit", "a hare"), ("an ocean", "a sea"),
     ("a cold", "the flu"), ("a kernel", "a shell"), ("Baroque", "Classical music"), ("a haiku", "a tanka"),
-]  # fmt: skip
+]
 COMPARISON_TEMPLATES = [
     "Compare {a} and {b}.", "Compare {a} and {b}. How are they similar and how are they different?",
     "What's the difference between {a} and {b}?", "Compare {a} with {b} in a short paragraph.",
     "Explain the main differences between {a} and {b} to {audience}.", "what's the difference between {a} and {b}",
     "Compare {a} and {b} in a table.", "{a} vs {b}: what's the difference?",
-]  # fmt: skip
+]
 CONCEPT_TEMPLATES = [
     "How do you tell {a} and {b} apart?", "Is {a} the same thing as {b}?",
     "People mix up {a} and {b}. What's the actual difference?",
-]  # fmt: skip
+]
 CHOICE_TEMPLATES = [
     "{a} or {b}: which is better for {purpose}?", "{a} vs {b}, pros and cons?", "Should I choose {a} or {b}?"
     " {comparison_context}", "Make a table comparing {a} and {b} on cost, convenience and quality.",
     "is {a} better than {b}", "Which would you pick, {a} or {b}, and why?", "Help me decide between {a} and {b}."
     " {comparison_context}", "I can't decide: {a} or {b}?",
-]  # fmt: skip
+]
 FILLERS.update({
     "purpose": choice_of(["a beginner", "a tight budget", "a small family", "someone who travels a lot",
                           "a student", "the environment", "long-term use", "my health", "a small business"]),
     "comparison_context": choice_of(["I'm {age} and on a budget.", "I live in {city}.", "I'm a {job}.",
                                      "I care most about cost.", "Time matters more to me than money.",
                                      "It's for my {relative}.", "I have {n} kids."]),
-})  # fmt: skip
+})
 
 
 def comparison(rng: random.Random) -> str:
@@ -1739,20 +1739,20 @@ ROLES = [
     "a famous chef judging my cooking", "my future self, twenty years from now", "a customer returning a {thing}",
     "an alien visiting Earth for the first time", "a ship's captain in a storm", "a kind kindergarten teacher",
     "a landlord showing me a flat in {city}", "a startup founder pitching to investors", "a very sarcastic cat",
-]  # fmt: skip
+]
 ROLE_TASKS = [
     "Tell me about your day.", "Give me advice about {topic}.", "Explain {topic} in character.",
     "Stay in character and help me practise my {language}.", "Introduce yourself in three sentences.",
     "Convince me to try {hobby}.", "Describe the view from where you are.", "Answer my questions about {topic}.",
     "Teach me one useful thing.", "Complain about your job for a bit.", "Welcome me and ask what I need.",
-]  # fmt: skip
+]
 ROLEPLAY_TEMPLATES = [
     "Pretend you are {role}. {role_task}", "You are {role}. {role_task}", "Act as {role}. {role_task}",
     "Let's role-play: you're {role} and I'm {my_role}. Start the conversation.", "Roleplay as {role}. {role_task}",
     "From now on, answer like {role}. {role_task}",
     "I want to practise {practice}. Play the other person and go first.",
     "Can you be {role} for a minute? {role_task}", "Interview me for a {job} job. Ask one question at a time.",
-]  # fmt: skip
+]
 FILLERS.update({
     "my_role": choice_of(["a tourist", "a customer", "your apprentice", "a journalist", "a new neighbour",
                           "a lost traveller", "a student", "a time traveller from the year 1800"]),
@@ -1760,12 +1760,12 @@ FILLERS.update({
                            " landlord about noise", "ordering food in {language}", "small talk at a party",
                            "a salary negotiation", "saying no to a pushy salesperson",
                            "a first phone call to a client"]),
-})  # fmt: skip
+})
 
 
 def roleplay(rng: random.Random) -> str:
     prompt = fill(rng, rng.choice(ROLEPLAY_TEMPLATES), role=fill(rng, rng.choice(ROLES)),
-                  role_task=fill(rng, rng.choice(ROLE_TASKS)))  # fmt: skip
+                  role_task=fill(rng, rng.choice(ROLE_TASKS)))
     return shaped(rng, prompt, constraints=[], contexts=[])
 
 
@@ -1822,7 +1822,7 @@ EXTRACTIONS = [
                    "Fill in a table with name, age, city and job from this sentence"]),
     (support_text, ["Classify this customer message as billing, technical or other", "Label the intent of this message",
                     "Which team should handle this message: billing, tech support or sales"]),
-]  # fmt: skip
+]
 
 
 def extraction(rng: random.Random) -> str:
@@ -1838,7 +1838,7 @@ def extraction(rng: random.Random) -> str:
 
 
 REVIEW_ENDINGS = ["Would probably come back.", "Not sure I'd recommend it.", "Overall, happy.", "Never again.",
-                  "Mixed feelings.", "Five stars for the view at least."]  # fmt: skip
+                  "Mixed feelings.", "Five stars for the view at least."]
 CATEGORY_SORTS = [
     (["apple", "carrot", "banana", "broccoli", "mango", "spinach", "pear", "onion", "grape", "leek"],
      "Sort these into fruits and vegetables"),
@@ -1854,19 +1854,19 @@ CATEGORY_SORTS = [
      "Which of these planets are rocky and which are gas or ice giants"),
     (["glass bottle", "pizza box", "banana peel", "plastic bag", "newspaper", "battery", "tin can", "coffee grounds"],
      "Which bin does each of these go in: recycling, compost or general waste"),
-]  # fmt: skip
+]
 SUPPORT_MESSAGES = [
     "I was charged twice for my subscription this month.", "The app crashes every time I open the camera.",
     "Do you offer discounts for schools?", "I can't reset my password, the email never arrives.",
     "How do I change the address on my invoice?", "Your website is showing a blank page on Firefox.",
     "Can I upgrade to the family plan halfway through the month?", "The export button doesn't do anything.",
-]  # fmt: skip
+]
 FACT_OR_OPINION = [
     "Water boils at 100 degrees Celsius at sea level.", "Summer is the best season.", "Paris is the capital of France.",
     "Cats make better pets than dogs.", "The Pacific is the largest ocean.", "Jazz is boring.",
     "Humans have 206 bones as adults.", "Breakfast is the most important meal.", "Mount Everest is in the Himalayas.",
     "Remote work is more productive.", "Spiders have eight legs.", "Modern art is overrated.",
-]  # fmt: skip
+]
 
 FACTUAL_QUESTIONS = [
     "How do bees make honey?", "Why do cats purr?", "How do airplanes stay in the air?", "What is a black hole?",
@@ -1889,14 +1889,14 @@ FACTUAL_QUESTIONS = [
     "How do electric cars charge?", "What is the tallest building in the world?", "How do submarines dive?",
     "Why do we have fingerprints?", "Who discovered penicillin?", "What is a light-year?", "How do plants drink water?",
     "How does Wi-Fi work?", "Why do cats land on their feet?", "What causes hiccups?", "How are diamonds formed?",
-]  # fmt: skip
+]
 YES_NO_TEMPLATES = [
     "Can {animal} {ability}?", "Is it true that {claim}?", "Do {animal} sleep?", "Is {food} healthy?",
     "Is it safe to {safety_action}?", "Was {person} alive at the same time as {person2}?", "Is {city} a capital city?",
     "Can you see {sky_thing} without a telescope?", "Do {animal} feel pain?",
     "Can {number_claim} be divided evenly by anything except 1 and itself?", "does {food} freeze well",
     "is {city} bigger than {city2}",
-]  # fmt: skip
+]
 FILLERS.update({
     "animal": choice_of(["penguins", "octopuses", "horses", "owls", "crocodiles", "snails", "goldfish", "cows",
                          "sharks", "parrots", "elephants", "spiders", "bats", "squirrels", "frogs", "pigs"]),
@@ -1916,7 +1916,7 @@ FILLERS.update({
     "sky_thing": choice_of(["Saturn's rings", "the Andromeda galaxy", "Jupiter's moons", "the ISS", "Mars",
                             "the Milky Way", "a comet"]),
     "number_claim": number(50, 999),
-})  # fmt: skip
+})
 
 
 def factual(rng: random.Random) -> str:
@@ -1961,7 +1961,7 @@ TASKS = [
     *SHELL_TEMPLATES, *RIDDLES, *CREATIVE_TEMPLATES, *(i for kind in EDIT_INSTRUCTIONS.values() for i in kind),
     *SUMMARY_INSTRUCTIONS, *TRANSLATION_TEMPLATES, *LIST_TEMPLATES, *COMPARISON_TEMPLATES, *CHOICE_TEMPLATES,
     *CONCEPT_TEMPLATES, *ROLEPLAY_TEMPLATES, *YES_NO_TEMPLATES,
-]  # fmt: skip
+]
 
 
 def split_of(prompt: str) -> str:
@@ -1993,7 +1993,7 @@ def hand_written_prompts() -> frozenset[str]:
     from speculators.prompts import BUILTIN_SOURCES  # (prompts imports this module lazily: no cycle)
 
     rows = [json.loads(line) for path in BUILTIN_SOURCES.values()
-            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]  # fmt: skip
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return frozenset(normalised(row["prompt"]) for row in rows)
 
 

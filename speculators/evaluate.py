@@ -135,8 +135,13 @@ def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
     return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
 
 
-def verifier_pass(verifier: Verifier, input_ids: list[int], cache: Cache | None, captured: dict[int, torch.Tensor],
-                  layer_ids: Sequence[int]) -> tuple[torch.Tensor, Cache, torch.Tensor | None]:  # fmt: skip
+def verifier_pass(
+    verifier: Verifier,
+    input_ids: list[int],
+    cache: Cache | None,
+    captured: dict[int, torch.Tensor],
+    layer_ids: Sequence[int],
+) -> tuple[torch.Tensor, Cache, torch.Tensor | None]:
     """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
     import torch
 
@@ -145,8 +150,9 @@ def verifier_pass(verifier: Verifier, input_ids: list[int], cache: Cache | None,
     return out.logits[0], out.past_key_values, aux
 
 
-def greedy_generate(verifier: Verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                    extra_tokens: int = 0) -> Generation:  # fmt: skip
+def greedy_generate(
+    verifier: Verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], extra_tokens: int = 0
+) -> Generation:
     """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
     import torch
 
@@ -170,8 +176,15 @@ def greedy_generate(verifier: Verifier, prompt_ids: list[int], max_new_tokens: i
     return generation
 
 
-def speculative_generate(verifier: Verifier, prompt_ids: list[int], proposer: Proposer, num_tokens: int,
-                         max_new_tokens: int, stop_ids: set[int], reference: list[int]) -> Generation:  # fmt: skip
+def speculative_generate(
+    verifier: Verifier,
+    prompt_ids: list[int],
+    proposer: Proposer,
+    num_tokens: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    reference: list[int],
+) -> Generation:
     """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
     import torch
 
@@ -237,8 +250,9 @@ class Comparison:
     tolerance: float | None = None
 
 
-def compare_outputs(baseline: Generation, speculative: Generation, dtype: torch.dtype,
-                    tie_tolerance: float | None = None) -> Comparison:  # fmt: skip
+def compare_outputs(
+    baseline: Generation, speculative: Generation, dtype: torch.dtype, tie_tolerance: float | None = None
+) -> Comparison:
     """Classify speculative output against the baseline's (both cut at the same token budget)."""
     expected = baseline.tokens
     if speculative.tokens == expected:
@@ -365,9 +379,17 @@ class EvaluationReport:
             )
 
 
-def evaluate(verifier: Verifier, prompts: list[tuple[str, list[int]]], proposer: Proposer, num_speculative_tokens: int,
-             max_new_tokens: int = 128, stop_at_eos: bool = True, tie_tolerance: float | None = None,
-             settings: dict[str, Any] | None = None, progress: bool = True) -> EvaluationReport:  # fmt: skip
+def evaluate(
+    verifier: Verifier,
+    prompts: list[tuple[str, list[int]]],
+    proposer: Proposer,
+    num_speculative_tokens: int,
+    max_new_tokens: int = 128,
+    stop_at_eos: bool = True,
+    tie_tolerance: float | None = None,
+    settings: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> EvaluationReport:
     """Baseline greedy decoding and speculative decoding for each (id, prompt ids); compared."""
     from speculators.tokenization import turn_end_ids
 
@@ -391,8 +413,9 @@ def evaluate(verifier: Verifier, prompts: list[tuple[str, list[int]]], proposer:
     for index, (prompt_id, prompt_ids) in enumerate(prompts):
         # K extra reference tokens let an oracle draft past the budget; they are not timed.
         baseline = greedy_generate(verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens)
-        speculative = speculative_generate(verifier, prompt_ids, proposer, num_speculative_tokens, max_new_tokens,
-                                           stop_ids, reference=baseline.tokens)  # fmt: skip
+        speculative = speculative_generate(
+            verifier, prompt_ids, proposer, num_speculative_tokens, max_new_tokens, stop_ids, reference=baseline.tokens
+        )
         baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
         result = PromptResult(
             id=prompt_id,
@@ -453,11 +476,19 @@ def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: 
     return DrafterProposer(drafter.eval())
 
 
-def run_evaluation(verifier_source: str, prompts_source: str, speculator: str | None = None,
-                   proposer_kind: str = "eagle3", num_speculative_tokens: int | None = None,
-                   max_prompts: int | None = 32, max_new_tokens: int = 128, dtype: str = "float32",
-                   stop_at_eos: bool = True, tie_tolerance: float | None = None,
-                   output: str | Path | None = None) -> EvaluationReport:  # fmt: skip
+def run_evaluation(
+    verifier_source: str,
+    prompts_source: str,
+    speculator: str | None = None,
+    proposer_kind: str = "eagle3",
+    num_speculative_tokens: int | None = None,
+    max_prompts: int | None = 32,
+    max_new_tokens: int = 128,
+    dtype: str = "float32",
+    stop_at_eos: bool = True,
+    tie_tolerance: float | None = None,
+    output: str | Path | None = None,
+) -> EvaluationReport:
     """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point."""
     from speculators.atomic_io import write_text_atomic
     from speculators.prompts import load_prompts
@@ -475,9 +506,16 @@ def run_evaluation(verifier_source: str, prompts_source: str, speculator: str | 
         f"{max_new_tokens} new tokens each, verifier in {dtype}",
         flush=True,
     )
-    report = evaluate(verifier, prompts, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos,
-                      tie_tolerance, settings={"verifier": verifier_source, "speculator": speculator,
-                                               "prompts": prompts_source})  # fmt: skip
+    report = evaluate(
+        verifier,
+        prompts,
+        proposer,
+        num_speculative_tokens,
+        max_new_tokens,
+        stop_at_eos,
+        tie_tolerance,
+        settings={"verifier": verifier_source, "speculator": speculator, "prompts": prompts_source},
+    )
     if output is not None:
         import json
 

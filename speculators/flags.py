@@ -52,8 +52,9 @@ def comma_list(kind: Any, name: str) -> Any:
         try:
             return [kind(part) for part in text.split(",") if part.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of {kind.__name__} for "
-                                             f"--{name}, e.g. 2,4") from None  # fmt: skip
+            raise argparse.ArgumentTypeError(
+                f"'{text}' is not a comma-separated list of {kind.__name__} for --{name}, e.g. 2,4"
+            ) from None
 
     return parse
 

@@ -53,5 +53,9 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
 
 @cache
 def warn_slow_bf16() -> None:
-    print("warning: this CPU has no native bf16 (no AVX-512 BF16 or AMX); bfloat16 compute runs tens of times "
-          "slower than float32 here; pass --dtype auto or float32", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        "warning: this CPU has no native bf16 (no AVX-512 BF16 or AMX); bfloat16 compute runs tens of times "
+        "slower than float32 here; pass --dtype auto or float32",
+        file=sys.stderr,
+        flush=True,
+    )

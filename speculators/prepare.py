@@ -39,9 +39,14 @@ def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
     s, output = settings, Path(settings.output)
     require_assistant = not s.regenerate if s.require_assistant is None else s.require_assistant
     conversations, report = prepare_conversations(
-        s.sources, require_assistant=require_assistant, max_samples=s.max_samples, hf_subset=s.hf_subset,
-        hf_split=s.hf_split, seed=s.seed, validation_sources=s.validation_sources,
-    )  # fmt: skip
+        s.sources,
+        require_assistant=require_assistant,
+        max_samples=s.max_samples,
+        hf_subset=s.hf_subset,
+        hf_split=s.hf_split,
+        seed=s.seed,
+        validation_sources=s.validation_sources,
+    )
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict[str, Any] = {"prompts": report.to_dict()}
     print(report.summary())
@@ -115,8 +120,11 @@ def regeneration_key(settings: PrepareSettings) -> str:
 def reuse_earlier_samples(output: Path, key: str) -> None:
     """Seed the resume file with the answers of an earlier run with the same settings, so a rerun
     regenerates only new conversations (removed ones are simply not written)."""
-    report, samples, partial = (output / "prepare_report.json", output / "samples.jsonl",
-                                output / "samples.partial.jsonl")  # fmt: skip
+    report, samples, partial = (
+        output / "prepare_report.json",
+        output / "samples.jsonl",
+        output / "samples.partial.jsonl",
+    )
     if partial.exists() or not (report.is_file() and samples.is_file()):
         return
     earlier = json.loads(report.read_text()).get("tokenization", {}).get("regeneration_key")
@@ -133,8 +141,14 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
     key = regeneration_key(settings)
     reuse_earlier_samples(output, key)
     with server:
-        samples, report = regenerate(conversations, tokenizer, generate, output / "samples.partial.jsonl",
-                                     settings.max_length, batch_size=settings.batch_size)  # fmt: skip
+        samples, report = regenerate(
+            conversations,
+            tokenizer,
+            generate,
+            output / "samples.partial.jsonl",
+            settings.max_length,
+            batch_size=settings.batch_size,
+        )
     details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
     return write_samples(output, samples, details)
 
@@ -169,30 +183,58 @@ def answer_generator(
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):
         engine = vllm_generate_fn(
-            location, s.max_new_tokens, s.temperature, s.seed, s.dtype, ends, max_model_len=max_model_len,
+            location,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            s.dtype,
+            ends,
+            max_model_len=max_model_len,
             tensor_parallel_size=s.tensor_parallel_size,
-        )  # fmt: skip
+        )
         return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
     if s.server_url:
-        generate = server_generate_fn(s.server_url, s.max_new_tokens, s.temperature, s.seed, ends,
-                                      model=s.server_model, concurrency=s.batch_size,
-                                      api_key=os.environ.get("VLLM_API_KEY"))  # fmt: skip
+        generate = server_generate_fn(
+            s.server_url,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            ends,
+            model=s.server_model,
+            concurrency=s.batch_size,
+            api_key=os.environ.get("VLLM_API_KEY"),
+        )
         return tokenizer, generate, nullcontext()
 
     # Data-parallel replicas: vLLM's server runs one engine per replica behind one API (the offline
     # engine cannot for dense models); requests go to it concurrently.
     from speculators.serve import ServerSettings, VllmServer
 
-    server = VllmServer(ServerSettings(
-        verifier=str(s.verifier), port=0, dtype=s.dtype, seed=s.seed, enforce_eager=True, max_model_len=max_model_len,
-        tensor_parallel_size=s.tensor_parallel_size, log_path=output / "regeneration-vllm.log",
-        extra_args=["--data-parallel-size", str(s.data_parallel_size)],
-    ))  # fmt: skip
+    server = VllmServer(
+        ServerSettings(
+            verifier=str(s.verifier),
+            port=0,
+            dtype=s.dtype,
+            seed=s.seed,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+            log_path=output / "regeneration-vllm.log",
+            extra_args=["--data-parallel-size", str(s.data_parallel_size)],
+        )
+    )
 
     def generate_on_server(prompts: list[list[int]]) -> list[list[int]]:  # the URL is known once it runs
-        generate = server_generate_fn(server.url, s.max_new_tokens, s.temperature, s.seed, ends,
-                                      model=server.model_name, concurrency=s.batch_size,
-                                      api_key=os.environ.get("VLLM_API_KEY"))  # fmt: skip
+        generate = server_generate_fn(
+            server.url,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            ends,
+            model=server.model_name,
+            concurrency=s.batch_size,
+            api_key=os.environ.get("VLLM_API_KEY"),
+        )
         return generate(prompts)
 
     return tokenizer, generate_on_server, server

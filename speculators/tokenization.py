@@ -21,8 +21,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "</s>", "<|endoftext|>", "<end_of_turn>", "<|end_of_text|>",
-)  # fmt: skip
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<|return|>",
+    "</s>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+)
 
 
 @dataclass

@@ -78,8 +78,15 @@ def wrap_model(drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: b
             super().__init__()
             self.drafter = drafter
 
-        def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, positions: torch.Tensor,
-                    documents: torch.Tensor, loss_mask: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            aux: torch.Tensor,
+            steps: int,
+            positions: torch.Tensor,
+            documents: torch.Tensor,
+            loss_mask: torch.Tensor,
+        ) -> list[torch.Tensor]:
             return self.drafter.ttt_forward(input_ids, aux, steps, positions, documents, True, loss_mask)
 
     model = TTTForward(drafter)
@@ -143,15 +150,19 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
             torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay),
             torch.optim.AdamW(others, lr=config.lr, weight_decay=0.0),
         ]
-    return [torch.optim.AdamW([p for _, p in trainable], lr=config.lr, weight_decay=config.weight_decay,
-                              betas=(0.9, 0.95), fused=True)]  # fmt: skip
+    return [
+        torch.optim.AdamW(
+            [p for _, p in trainable], lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True
+        )
+    ]
 
 
 # ----- model construction and checks -------------------------------------------------------------
 
 
-def build_drafter(config: TrainConfig, verifier: VerifierHead, manifest: dict[str, Any],
-                  vocab: dict[str, torch.Tensor]) -> Eagle3Drafter:  # fmt: skip
+def build_drafter(
+    config: TrainConfig, verifier: VerifierHead, manifest: dict[str, Any], vocab: dict[str, torch.Tensor]
+) -> Eagle3Drafter:
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.verifier import checkpoint_verifier_name, draft_config_for_verifier
 
@@ -171,11 +182,14 @@ def build_drafter(config: TrainConfig, verifier: VerifierHead, manifest: dict[st
         drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
     else:
         draft_config = draft_config_for_verifier(
-            verifier.config, checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
+            verifier.config,
+            checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
             draft_vocab_size=selected.numel(),
-            aux_layer_ids=manifest["aux_layer_ids"], draft_layer_type=config.draft_layer_type,
-            num_draft_layers=config.num_draft_layers, speculative_tokens=config.speculative_tokens or config.ttt_steps,
-        )  # fmt: skip
+            aux_layer_ids=manifest["aux_layer_ids"],
+            draft_layer_type=config.draft_layer_type,
+            num_draft_layers=config.num_draft_layers,
+            speculative_tokens=config.speculative_tokens or config.ttt_steps,
+        )
         drafter = Eagle3Drafter(draft_config)
         drafter.reset_parameters(seed=config.seed)
         drafter.init_draft_vocab(selected, verifier.lm_head_weight)
@@ -212,8 +226,9 @@ def drafter_key(fqn: str) -> str:
     return fqn.removeprefix("module.").removeprefix("drafter.")
 
 
-def gather_full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]
-                      ) -> tuple[dict[str, ValueType], list[dict[str, Any]]]:  # fmt: skip
+def gather_full_state(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> tuple[dict[str, ValueType], list[dict[str, Any]]]:
     """Unsharded model and optimizer state on CPU (collective under DDP/FSDP; full on rank 0)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -289,8 +304,9 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.op
             if int(owner) == index:
                 per_param.setdefault(fqn, {})[key] = value
         saved_state = {"state": per_param, "param_groups": state["optimizer_param_groups"][index]}
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=saved_state,
-                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=saved_state, options=StateDictOptions(full_state_dict=True)
+        )
     return state
 
 
@@ -303,8 +319,9 @@ def validation_share_of(plan: list[list[int]], rank: int, world: int) -> list[in
     return [start + rank if start + rank < len(plan) else None for start in range(0, len(plan), world)]
 
 
-def greedy_in_draft_vocab(packs: PackedStore, verifier: VerifierHead, selected_ids: torch.Tensor,
-                          device: torch.device, rank: int, world: int) -> dict[int, torch.Tensor]:  # fmt: skip
+def greedy_in_draft_vocab(
+    packs: PackedStore, verifier: VerifierHead, selected_ids: torch.Tensor, device: torch.device, rank: int, world: int
+) -> dict[int, torch.Tensor]:
     """Per validation pack this rank scores, bool [1, T]: the verifier's greedy token over its whole
     vocabulary (at each supervised position) is in the draft vocabulary. Decoding rejects the other
     drafts however well the draft distribution matches; computed once, the full lm_head is not kept."""
@@ -332,9 +349,18 @@ def greedy_in_draft_vocab(packs: PackedStore, verifier: VerifierHead, selected_i
     return result
 
 
-def run_validation(model: nn.Module, lm_head: nn.Module, packs: PackedStore, head: tuple[nn.Module, torch.Tensor],
-                   config: TrainConfig, device: torch.device, rank: int, world: int, in_vocab: dict[int, torch.Tensor],
-                   num_tokens: int) -> dict[str, Any] | None:  # fmt: skip
+def run_validation(
+    model: nn.Module,
+    lm_head: nn.Module,
+    packs: PackedStore,
+    head: tuple[nn.Module, torch.Tensor],
+    config: TrainConfig,
+    device: torch.device,
+    rank: int,
+    world: int,
+    in_vocab: dict[int, torch.Tensor],
+    num_tokens: int,
+) -> dict[str, Any] | None:
     """Validation metrics, with decoding replayed at K = `num_tokens`; every rank scores its share of
     the packs (collective)."""
     import torch
@@ -346,20 +372,29 @@ def run_validation(model: nn.Module, lm_head: nn.Module, packs: PackedStore, hea
         return None
     # DDP's forward broadcasts buffers (a collective); validation needs none, so use the inner module.
     forward = getattr(model, "module", model)
-    sums = {k: torch.zeros(config.ttt_steps, dtype=torch.float64, device=device)
-            for k in ("kl", "count", "correct", "cond_correct", "cond_count")}  # fmt: skip
+    sums = {
+        k: torch.zeros(config.ttt_steps, dtype=torch.float64, device=device)
+        for k in ("kl", "count", "correct", "cond_correct", "cond_count")
+    }
     sums["replay_rounds"] = torch.zeros(1, dtype=torch.float64, device=device)
     sums["replay_accepted"] = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad(), autocast_context(config, device):
         for index in validation_share_of(plan, rank, world):
             pack = to_device(packs.load_pack(plan[index if index is not None else 0]), device)
-            normed = forward(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                             pack.document_ids, pack.loss_mask)  # fmt: skip
+            normed = forward(
+                pack.input_ids,
+                pack.aux_hidden_states,
+                config.ttt_steps,
+                pack.position_ids,
+                pack.document_ids,
+                pack.loss_mask,
+            )
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
             hits: list[torch.Tensor] = []
-            _, step_sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
-                                    lm_head=lm_head, hits=hits)  # fmt: skip
+            _, step_sums = ttt_loss(
+                normed, targets, pack.loss_mask, pack.document_ids, config.step_decay, lm_head=lm_head, hits=hits
+            )
             if index is not None:
                 step_sums.update(replay_decoding(hits, pack.loss_mask, pack.document_ids, num_tokens, in_vocab[index]))
                 sums = {k: sums[k] + v.to(device) for k, v in step_sums.items()}
@@ -480,8 +515,21 @@ def start_run(config: TrainConfig) -> Run:
             f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
         )
     total_steps = config.max_steps or max(1, int(config.epochs * steps_per_epoch))
-    return Run(config, rank, world, device, drafter, model, build_optimizer(drafter, config), head, train_packs,
-               val_packs, in_vocab, steps_per_epoch, total_steps)  # fmt: skip
+    return Run(
+        config,
+        rank,
+        world,
+        device,
+        drafter,
+        model,
+        build_optimizer(drafter, config),
+        head,
+        train_packs,
+        val_packs,
+        in_vocab,
+        steps_per_epoch,
+        total_steps,
+    )
 
 
 class LogWindow:
@@ -546,16 +594,22 @@ class MetricsLog:
         loss, accuracy, speed = sum(record["loss"]), record["full_acc"], record["tokens_per_second"]
         self.bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy[0]:.3f}", tok_s=f"{speed:.0f}")
         if self.lines:
-            print(f"step {record['step']}/{self.total_steps} (epoch {epoch:.2f}): loss {loss:.3f}, accuracy per TTT "
-                  f"step {' / '.join(f'{a:.3f}' for a in accuracy)}, {speed:.0f} tokens/s", flush=True)  # fmt: skip
+            print(
+                f"step {record['step']}/{self.total_steps} (epoch {epoch:.2f}): loss {loss:.3f}, accuracy per TTT "
+                f"step {' / '.join(f'{a:.3f}' for a in accuracy)}, {speed:.0f} tokens/s",
+                flush=True,
+            )
 
     def validation(self, record: dict[str, Any], k: int) -> None:
         self.write(record)
         if self.lines:
-            print(f"validation at step {record['step']}: accuracy per TTT step "
-                  f"{' / '.join(f'{a:.3f}' for a in record['full_acc'])}, replayed acceptance length "
-                  f"{record['replayed_acceptance_length']:.2f} at K={k} (estimate "
-                  f"{record['acceptance_length']:.2f})", flush=True)  # fmt: skip
+            print(
+                f"validation at step {record['step']}: accuracy per TTT step "
+                f"{' / '.join(f'{a:.3f}' for a in record['full_acc'])}, replayed acceptance length "
+                f"{record['replayed_acceptance_length']:.2f} at K={k} (estimate "
+                f"{record['acceptance_length']:.2f})",
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -598,11 +652,18 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
         sync = micro == config.grad_accumulation - 1 or world == 1
         no_sync = getattr(model, "no_sync", None)  # DDP's
         with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
-            normed = model(pack.input_ids, pack.aux_hidden_states, config.ttt_steps, pack.position_ids,
-                           pack.document_ids, pack.loss_mask)  # fmt: skip
+            normed = model(
+                pack.input_ids,
+                pack.aux_hidden_states,
+                config.ttt_steps,
+                pack.position_ids,
+                pack.document_ids,
+                pack.loss_mask,
+            )
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *run.head)
-            loss, sums = ttt_loss(normed, targets, pack.loss_mask, pack.document_ids, config.step_decay,
-                                  lm_head=run.drafter.lm_head)  # fmt: skip
+            loss, sums = ttt_loss(
+                normed, targets, pack.loss_mask, pack.document_ids, config.step_decay, lm_head=run.drafter.lm_head
+            )
             (loss / config.grad_accumulation).backward()
         window.add(sums, pack.num_tokens)
     torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], config.grad_clip)
@@ -620,8 +681,18 @@ def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, cl
     improved = False
     if evaluate:
         k = run.drafter.config.speculative_tokens
-        metrics = run_validation(run.model, run.drafter.lm_head, run.val_packs, run.head, config, run.device, run.rank,
-                                 run.world, run.in_vocab, k)  # fmt: skip
+        metrics = run_validation(
+            run.model,
+            run.drafter.lm_head,
+            run.val_packs,
+            run.head,
+            config,
+            run.device,
+            run.rank,
+            run.world,
+            run.in_vocab,
+            k,
+        )
         if metrics is not None:
             log.validation({"event": "validation", "step": step, "wall_seconds": clock.seconds(), **metrics}, k)
             best = state["best_validation_loss"]
@@ -696,9 +767,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 metrics, tokens, seconds = window.close(run.world)
                 state["tokens"] += tokens
                 state["train_seconds"] += seconds
-                log.train({"event": "train", "step": state["step"], "wall_seconds": clock.seconds(),
-                           "lr": lr_at(step, run.total_steps, config), "tokens_per_second": tokens / seconds,
-                           **metrics}, epoch=state["step"] / run.steps_per_epoch)  # fmt: skip
+                log.train(
+                    {
+                        "event": "train",
+                        "step": state["step"],
+                        "wall_seconds": clock.seconds(),
+                        "lr": lr_at(step, run.total_steps, config),
+                        "tokens_per_second": tokens / seconds,
+                        **metrics,
+                    },
+                    epoch=state["step"] / run.steps_per_epoch,
+                )
             with window.paused():
                 validate_and_checkpoint(run, state, log, clock)
     except RuntimeError as error:

@@ -49,8 +49,15 @@ def is_validation(sample_id: str, share: float) -> bool:
 class PackedStore:
     """Packs of a store's training or validation samples, deterministic per (seed, epoch)."""
 
-    def __init__(self, store_dir: str | Path, token_budget: int, split: str = "train", validation_share: float = 0.05,
-                 seed: int = 0, dtype: torch.dtype | None = None):  # fmt: skip
+    def __init__(
+        self,
+        store_dir: str | Path,
+        token_budget: int,
+        split: str = "train",
+        validation_share: float = 0.05,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+    ):
         self.store = HiddenStateStore(store_dir)
         self.manifest = self.store.manifest()
         self.token_budget = token_budget

@@ -84,8 +84,13 @@ class KLFromLogits(torch.autograd.Function):
     runs over row tiles; no fp32 [n, D] tensor is kept for backward."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target_p: torch.Tensor, neg_entropy: torch.Tensor,
-                target_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target_p: torch.Tensor,
+        neg_entropy: torch.Tensor,
+        target_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = logits.shape[0]
         lse = torch.empty(n, dtype=target_p.dtype, device=logits.device)
         cross = torch.empty_like(lse)
@@ -221,8 +226,13 @@ def output_targets(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch
     return inside
 
 
-def replay_decoding(hits: list[torch.Tensor], loss_mask: torch.Tensor, document_ids: torch.Tensor,
-                    num_tokens: int, in_vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def replay_decoding(
+    hits: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    document_ids: torch.Tensor,
+    num_tokens: int,
+    in_vocab: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Decoding replayed on teacher-forced chains: count sums {replay_rounds [1], replay_accepted [K]}.
 
     On the verifier's own greedy answers, decoding with K = `num_tokens` drafts goes: the prefill
@@ -259,5 +269,7 @@ def replay_decoding(hits: list[torch.Tensor], loss_mask: torch.Tensor, document_
                     accepted[run] += 1
                     run += 1
                 start += run + 1
-    return {"replay_rounds": torch.tensor([float(rounds)], dtype=torch.float64),
-            "replay_accepted": torch.tensor(accepted, dtype=torch.float64)}  # fmt: skip
+    return {
+        "replay_rounds": torch.tensor([float(rounds)], dtype=torch.float64),
+        "replay_accepted": torch.tensor(accepted, dtype=torch.float64),
+    }

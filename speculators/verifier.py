@@ -198,8 +198,11 @@ def checkpoint_verifier_name(source: str | Path, location: str, explicit: str | 
         recorded = str(json.loads(config_path.read_text(encoding="utf-8")).get("_name_or_path") or "")
     if looks_like_hub_id(recorded):
         return recorded
-    print(f"warning: the checkpoint names its verifier by the local path {location}; `vllm serve <checkpoint>` "
-          f"finds it only there: pass --verifier-name with its hub id (README: Serving)", flush=True)  # fmt: skip
+    print(
+        f"warning: the checkpoint names its verifier by the local path {location}; `vllm serve <checkpoint>` "
+        f"finds it only there: pass --verifier-name with its hub id (README: Serving)",
+        flush=True,
+    )
     return location
 
 

@@ -53,8 +53,9 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     recording = _tensor_parallel_rank() == 0
     original = type(base)._maybe_add_hidden_state
 
-    def maybe_add_hidden_state(aux: list[torch.Tensor], layer_idx: int, hidden: torch.Tensor,
-                               residual: torch.Tensor | None) -> list[torch.Tensor]:  # fmt: skip
+    def maybe_add_hidden_state(
+        aux: list[torch.Tensor], layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> list[torch.Tensor]:
         if recording and layer_idx in wanted:
             value = hidden if residual is None else hidden + residual
             _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
@@ -178,8 +179,14 @@ def stderr_to(path: Path) -> Iterator[None]:
     terminal = sys.stderr
     sys.stderr = open(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
 
-    def warning_to_log(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                       file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+    def warning_to_log(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         log.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     try:
@@ -218,8 +225,15 @@ def shutdown_engine(llm: Any) -> None:
 class VllmCapture:
     """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`)."""
 
-    def __init__(self, model_dir: str, capture_ids: list[int], dtype: str, max_model_len: int,
-                 max_batch_tokens: int = 16384, tensor_parallel_size: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        capture_ids: list[int],
+        dtype: str,
+        max_model_len: int,
+        max_batch_tokens: int = 16384,
+        tensor_parallel_size: int = 1,
+    ):
         try:
             from vllm import LLM
         except ImportError:
@@ -233,11 +247,17 @@ class VllmCapture:
         self.capture_ids = list(capture_ids)
         self.max_batch_tokens = max(max_batch_tokens, max_model_len)
         self.llm = LLM(
-            model=model_dir, dtype=dtype, seed=0, enforce_eager=True, enable_prefix_caching=False,
-            compilation_config={"mode": 0}, max_model_len=max_model_len,
-            max_num_batched_tokens=self.max_batch_tokens, max_num_seqs=256,
+            model=model_dir,
+            dtype=dtype,
+            seed=0,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            compilation_config={"mode": 0},
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_batch_tokens,
+            max_num_seqs=256,
             tensor_parallel_size=tensor_parallel_size,
-        )  # fmt: skip
+        )
         (num_layers,) = set(self.llm.apply_model(partial(install_capture_hooks, self.capture_ids)))
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
@@ -259,8 +279,11 @@ class VllmCapture:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                          SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # fmt: skip
+        self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(max_tokens=1, temperature=0.0),
+            use_tqdm=False,
+        )
         records = next(r for r in self.llm.apply_model(fetch_records) if r is not None)
         # Prefill forwards only (the one sampled token needs none), each a run of the batch's tokens:
         # concatenated they are the batch in submission order, or the states cannot be attributed.
