@@ -1,10 +1,11 @@
 """EAGLE-3 training throughput on this machine for a SmolLM2-135M drafter, by token budget.
 
 Settings as the reference point in the Training issue: 1 draft layer, aux ids [2, 15, 27], draft
-vocab 8,192, 3 TTT steps, bf16 autocast, packed sequences. The store holds demo prompts with
-synthetic answers (throughput depends on token counts, not content); each budget trains for
---steps optimizer steps after one warm-up step. Prints packed tokens/s and the ratio to the
-reference library's patched CPU trainer (800 tokens/s at 2,048 tokens, measured on this machine).
+vocab 8,192, 3 TTT steps, precision auto (bf16 autocast where native, else fp32), packed sequences.
+The store holds demo prompts with synthetic answers (throughput depends on token counts, not
+content); each budget trains for --steps optimizer steps after one warm-up step. Prints packed
+tokens/s and the ratio to the reference library's patched CPU trainer (800 tokens/s at 2,048 tokens,
+measured on this machine).
 
     python benchmarks/train_throughput.py [--samples 120] [--steps 6] [--budgets 512,1024,2048]
 """
@@ -76,7 +77,8 @@ def main() -> None:
             rate = sorted(steady)[len(steady) // 2]
             rows.append((budget, rate, rate / REFERENCE_TOKENS_PER_SECOND, wall))
     print(
-        f"SmolLM2-135M drafter, 1 layer, draft vocab 8192, 3 TTT steps, bf16 autocast; median of {args.steps} "
+        f"SmolLM2-135M drafter, 1 layer, draft vocab 8192, 3 TTT steps, precision auto (bf16 autocast where the "
+        f"CPU computes it, else fp32); median of {args.steps} "
         f"steps after a warm-up step"
     )
     print("| token budget | packed tokens/s | ratio to reference 800 tok/s | wall s (incl. setup) |")
