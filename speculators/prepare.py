@@ -173,7 +173,7 @@ def answer_generator(
 
     from transformers import AutoTokenizer
 
-    from speculators.regenerate import server_generate_fn, vllm_generate_fn
+    from speculators.regenerate import VllmGenerate, server_generate_fn
     from speculators.tokenization import turn_end_ids
     from speculators.verifier import load_verifier_config
 
@@ -182,29 +182,25 @@ def answer_generator(
     ends = turn_end_ids(tokenizer)
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):
-        engine = vllm_generate_fn(
-            location,
-            s.max_new_tokens,
-            s.temperature,
-            s.seed,
-            s.dtype,
-            ends,
-            max_model_len=max_model_len,
-            tensor_parallel_size=s.tensor_parallel_size,
+        engine = VllmGenerate(
+            location, s.max_new_tokens, s.temperature, s.seed, s.dtype, ends, max_model_len, s.tensor_parallel_size
         )
         return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
-    if s.server_url:
-        generate = server_generate_fn(
-            s.server_url,
+
+    def on_server(url: str, model: str | None) -> Generate:
+        return server_generate_fn(
+            url,
             s.max_new_tokens,
             s.temperature,
             s.seed,
             ends,
-            model=s.server_model,
+            model=model,
             concurrency=s.batch_size,
             api_key=os.environ.get("VLLM_API_KEY"),
         )
-        return tokenizer, generate, nullcontext()
+
+    if s.server_url:
+        return tokenizer, on_server(s.server_url, s.server_model), nullcontext()
 
     # Data-parallel replicas: vLLM's server runs one engine per replica behind one API (the offline
     # engine cannot for dense models); requests go to it concurrently.
@@ -225,16 +221,6 @@ def answer_generator(
     )
 
     def generate_on_server(prompts: list[list[int]]) -> list[list[int]]:  # the URL is known once it runs
-        generate = server_generate_fn(
-            server.url,
-            s.max_new_tokens,
-            s.temperature,
-            s.seed,
-            ends,
-            model=server.model_name,
-            concurrency=s.batch_size,
-            api_key=os.environ.get("VLLM_API_KEY"),
-        )
-        return generate(prompts)
+        return on_server(server.url, server.model_name)(prompts)
 
     return tokenizer, generate_on_server, server

@@ -166,19 +166,6 @@ class VllmGenerate:
         del self.llm
 
 
-def vllm_generate_fn(
-    model_dir: str,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    dtype: str,
-    ends: set[int],
-    max_model_len: int,
-    tensor_parallel_size: int = 1,
-) -> VllmGenerate:
-    return VllmGenerate(model_dir, max_new_tokens, temperature, seed, dtype, ends, max_model_len, tensor_parallel_size)
-
-
 def server_generate_fn(
     url: str,
     max_new_tokens: int,
