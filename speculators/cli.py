@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from speculators.errors import SpeculatorsError
-from speculators.flags import add_flags, from_args
+from speculators.flags import add_flags, comma_list, from_args
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
 from speculators.settings import AUTO_DTYPE_HELP, BenchSettings, CaptureSettings, PrepareSettings, TrainConfig
 
@@ -17,11 +17,8 @@ from speculators.settings import AUTO_DTYPE_HELP, BenchSettings, CaptureSettings
 COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
 
 
-def parse_layer_ids(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of layer ids, e.g. 2,15,27") from None
+# convert and init: the flag the settings models' aux_layer_ids fields also get (speculators/flags.py)
+parse_layer_ids = comma_list(int, "layer ids", "2,15,27")
 
 
 def add_norm_flags(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ flags (`add_flags`), the parsed flags make the model back (`from_args`), and a m
 command line that reproduces it (`to_argv`: what the Dagster workload runs and prints).
 
 Per field, `json_schema_extra` may set `flag` (the flag's name when it differs from the field's:
-`sources` -> `--source`), `short` (e.g. `-k`), `repeat` (a list given by repeating the flag, not comma-separated) and
-`metavar`.
+`sources` -> `--source`), `short` (e.g. `-k`), `repeat` (a list given by repeating the flag, not
+comma-separated), `example` (of a comma-separated list, for its error) and `metavar`.
 """
 
 from __future__ import annotations
@@ -32,28 +32,27 @@ def flag_of(name: str, info: FieldInfo) -> str:
     return "--" + str(field_extra(info).get("flag", name)).replace("_", "-")
 
 
-def unwrap(annotation: Any) -> tuple[Any, bool]:
-    """(the type inside `X | None` and `Annotated[X, ...]`, whether None is allowed)."""
-    optional = False
+def unwrap(annotation: Any) -> Any:
+    """The type inside `X | None` and `Annotated[X, ...]`."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(inner) == 1:
-            annotation, optional = inner[0], True
-    if typing.get_origin(annotation) is Annotated:
+            annotation = inner[0]
+    if typing.get_origin(annotation) is Annotated:  # e.g. Annotated[int, Field(ge=1)]: pydantic checks the bound
         annotation = typing.get_args(annotation)[0]
-    return annotation, optional
+    return annotation
 
 
-def comma_list(kind: Any, name: str) -> Any:
-    if typing.get_origin(kind) is Annotated:  # e.g. list[Annotated[int, Field(ge=1)]]: pydantic checks the bound
-        kind = typing.get_args(kind)[0]
+def comma_list(kind: Any, what: str, example: str) -> Any:
+    """An argparse type: `2,15,27` -> [2, 15, 27], a bad list one error naming `what` and an example."""
+    kind = unwrap(kind)
 
     def parse(text: str) -> list[Any]:
         try:
             return [kind(part) for part in text.split(",") if part.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"'{text}' is not a comma-separated list of {kind.__name__} for --{name}, e.g. 2,4"
+                f"'{text}' is not a comma-separated list of {what}, e.g. {example}"
             ) from None
 
     return parse
@@ -82,7 +81,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
         if name in exclude:
             continue
         extra = field_extra(info)
-        kind, _ = unwrap(info.annotation)
+        kind = unwrap(info.annotation)
         options: dict[str, Any] = {"dest": name, "required": info.is_required()}
         if not info.is_required():
             options["default"] = info.get_default(call_default_factory=True)
@@ -99,7 +98,8 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
             if extra.get("repeat"):
                 options["action"], options["type"] = "append", item
             else:
-                options["type"] = comma_list(item, name.replace("_", "-"))
+                # (argparse names the flag in front of the error)
+                options["type"] = comma_list(item, unwrap(item).__name__, extra.get("example", "2,4"))
         else:
             options["type"] = kind
         names = [extra["short"], flag_of(name, info)] if extra.get("short") else [flag_of(name, info)]
@@ -129,14 +129,14 @@ def from_args(model: type[BaseModel], args: argparse.Namespace, **values: Any) -
     return build(model, {**given, **values})
 
 
-def to_argv(settings: BaseModel, exclude: Sequence[str] = ()) -> list[str]:
+def to_argv(settings: BaseModel) -> list[str]:
     """The flags that rebuild `settings` through `add_flags`/`from_args`, required ones first: every
     field given when the model was made, and every other field whose value is not its default."""
     argv: list[str] = []
     for name, info in fields_in_order(type(settings)):
         value = getattr(settings, name)
         default = None if info.is_required() else info.get_default(call_default_factory=True)
-        if name in exclude or (name not in settings.model_fields_set and value == default):
+        if name not in settings.model_fields_set and value == default:
             continue
         if value is None:  # a flag cannot say None: only a field whose default is None may hold it
             if default is None:

@@ -95,7 +95,9 @@ class CaptureSettings(StoreFormat, VerifierCompute, Parallelism):
     data: PathText = Field(description="samples.jsonl written by 'speculators prepare --verifier'")
     verifier: PathText = Field(description="the verifier whose hidden states are captured")
     output: PathText = Field(description="store directory (reused: only new samples are computed)")
-    aux_layer_ids: list[int] | None = Field(None, description="default: the verifier's [2, N//2, N-3]")
+    aux_layer_ids: list[int] | None = Field(
+        None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra={"example": "2,15,27"}
+    )
     batch_size: int = Field(4, gt=0, description="samples per forward")
 
 
