@@ -382,14 +382,7 @@ def run_validation(
     with torch.no_grad(), autocast_context(config, device):
         for index in validation_share_of(plan, rank, world):
             pack = to_device(packs.load_pack(plan[index if index is not None else 0]), device)
-            normed = forward(
-                pack.input_ids,
-                pack.aux_hidden_states,
-                config.ttt_steps,
-                pack.position_ids,
-                pack.document_ids,
-                pack.loss_mask,
-            )
+            normed = forward_pack(forward, pack, config.ttt_steps)
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
             hits: list[torch.Tensor] = []
             _, step_sums = ttt_loss(
@@ -400,6 +393,11 @@ def run_validation(
                 sums = {k: sums[k] + v.to(device) for k, v in step_sums.items()}
     model.train()
     return summarize(all_reduce_sums(sums, world))
+
+
+def forward_pack(model: torch.nn.Module, pack: Pack, steps: int) -> list[torch.Tensor]:
+    """The TTT forward (normed outputs of every step) of one pack, through the wrapped model."""
+    return model(pack.input_ids, pack.aux_hidden_states, steps, pack.position_ids, pack.document_ids, pack.loss_mask)
 
 
 def with_aux_noise(pack: Pack, scale: float, seed: int, draw: int) -> Pack:
@@ -652,14 +650,7 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
         sync = micro == config.grad_accumulation - 1 or world == 1
         no_sync = getattr(model, "no_sync", None)  # DDP's
         with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
-            normed = model(
-                pack.input_ids,
-                pack.aux_hidden_states,
-                config.ttt_steps,
-                pack.position_ids,
-                pack.document_ids,
-                pack.loss_mask,
-            )
+            normed = forward_pack(model, pack, config.ttt_steps)
             targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *run.head)
             loss, sums = ttt_loss(
                 normed, targets, pack.loss_mask, pack.document_ids, config.step_decay, lm_head=run.drafter.lm_head
