@@ -183,6 +183,28 @@ def test_the_vllm_log_file_is_set_for_engine_processes_and_restored(tmp_path, mo
         assert path is None and "VLLM_LOGGING_CONFIG_PATH" not in os.environ
 
 
+def regeneration_command(tmp_path, verifier: str) -> list[str]:
+    """`speculators prepare` regenerating PROMPTS (written as prompt-only rows) in fp32, without the
+    backend and output flags each test adds."""
+    import json
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return [
+        "prepare",
+        "--source",
+        str(tmp_path / "rows.jsonl"),
+        "--verifier",
+        verifier,
+        "--regenerate",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "16",
+        "--max-length",
+        "256",
+    ]
+
+
 def test_engine_processes_stderr_goes_to_the_log_and_this_process_keeps_the_terminal(tmp_path, capfd, monkeypatch):
     """What a child process writes to stderr (vLLM's engine: Python and C++ warnings) lands in the log
     file; this process's progress output and messages stay on the terminal, and fd 2 is restored."""
@@ -219,22 +241,7 @@ def test_vllm_backend_matches_transformers_greedy(replicas, tiny_verifier_dir, t
     from speculators.cli import main
 
     verifier = str(tiny_verifier_dir("llama"))
-    rows = [{"prompt": p} for p in PROMPTS]
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = [
-        "prepare",
-        "--source",
-        str(tmp_path / "rows.jsonl"),
-        "--verifier",
-        verifier,
-        "--regenerate",
-        "--dtype",
-        "float32",
-        "--max-new-tokens",
-        "16",
-        "--max-length",
-        "256",
-    ]
+    common = regeneration_command(tmp_path, verifier)
     result = subprocess.run(
         [
             sys.executable,
@@ -277,21 +284,7 @@ def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_
     from speculators.serve import ServerSettings, VllmServer
 
     verifier = str(tiny_verifier_dir("llama"))
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    common = [
-        "prepare",
-        "--source",
-        str(tmp_path / "rows.jsonl"),
-        "--verifier",
-        verifier,
-        "--regenerate",
-        "--dtype",
-        "float32",
-        "--max-new-tokens",
-        "16",
-        "--max-length",
-        "256",
-    ]
+    common = regeneration_command(tmp_path, verifier)
     settings = ServerSettings(
         verifier=verifier,
         port=0,
