@@ -1,0 +1,228 @@
+"""Images for vision-language verifiers (Qwen3-VL): references, loading, and the model's inputs.
+
+In a normalised conversation an image is a content part
+
+    {"type": "image", "image": "<absolute path or data: URL>", "sha256": "<first 16 hex of its bytes>"}
+
+next to text parts {"type": "text", "text": ...}; Qwen3-VL's chat template renders it as
+`<|vision_start|><|image_pad|><|vision_end|>`. The digest makes conversation ids and hidden-state
+keys follow the image's content, not its path.
+
+The model inputs are built here, not by transformers' `Qwen3VLProcessor`: that class cannot be
+constructed without torchvision (its video processor is checked against a torchvision-only base
+class), and torchvision has no build for the CPU torch 2.13.0 wheel this project installs. The
+image processor's PIL backend needs none, and expanding each image's placeholder to its
+grid_t * grid_h * grid_w / merge_size**2 tokens is the processor's whole text-side job.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+VISION_LANGUAGE_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+DATA_URL_PREFIX = "data:image/"
+
+
+class ImageRejected(Exception):
+    """An image reference that cannot be used; the message is the reason shown in the report."""
+
+
+def image_bytes(reference: str) -> bytes:
+    """The encoded bytes of an image given as an absolute path, a file:// URL or a data: URL."""
+    if reference.startswith(DATA_URL_PREFIX):
+        header, _, payload = reference.partition(",")
+        if not header.endswith(";base64"):
+            raise ImageRejected("image data URL is not base64 (expected data:image/<type>;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            raise ImageRejected("image data URL has invalid base64") from None
+    path = Path(reference.removeprefix("file://"))
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ImageRejected(f"image {path} does not exist") from None
+    except OSError as error:
+        raise ImageRejected(f"image {path} cannot be read ({error.strerror or error})") from None
+
+
+def decode_image(data: bytes, label: str) -> Image.Image:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise ImageRejected(f"image {label} is not a readable image ({str(error).splitlines()[0][:120]})") from None
+
+
+def resolve_reference(raw: Any, base_dir: Path | None) -> str:
+    """An absolute path or a data: URL for a raw reference (a path relative to `base_dir`, a
+    file:// URL, a data: URL); remote URLs are refused, since nothing is downloaded."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ImageRejected("image reference is not a non-empty string")
+    raw = raw.strip()
+    if raw.startswith(DATA_URL_PREFIX):
+        return raw
+    if raw.startswith(("http://", "https://")):
+        raise ImageRejected(f"image {raw[:80]} is a remote URL; download it and give the local path")
+    path = Path(raw.removeprefix("file://")).expanduser()
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    return str(path.resolve())
+
+
+def image_part(raw: Any, base_dir: Path | None = None) -> dict[str, str]:
+    """The normalised content part of one image, checked to decode; ImageRejected with the reason."""
+    reference = resolve_reference(raw, base_dir)
+    data = image_bytes(reference)
+    decode_image(data, reference if not reference.startswith(DATA_URL_PREFIX) else "(data URL)")
+    return {"type": "image", "image": reference, "sha256": hashlib.sha256(data).hexdigest()[:16]}
+
+
+def load_image(part: dict[str, str]) -> Image.Image:
+    """The RGB image of a normalised image part (re-checked: the file may have changed since prepare)."""
+    reference = part["image"]
+    data = image_bytes(reference)
+    if hashlib.sha256(data).hexdigest()[:16] != part.get("sha256"):
+        raise SpeculatorsError(f"image {reference[:80]} changed since the data were prepared; run prepare again")
+    return decode_image(data, reference[:80])
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The image parts of a conversation, in order."""
+    return [
+        part
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    ]
+
+
+def images_digest(images: list[dict[str, str]]) -> str:
+    return ",".join(part["sha256"] for part in images)
+
+
+def is_vision_language(model_type: str) -> bool:
+    return model_type in VISION_LANGUAGE_TYPES
+
+
+# ----- model inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """The verifier's image placeholder ids and its vision tower's spatial merge."""
+
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> VisionTokens:
+        try:
+            return cls(
+                int(config.image_token_id),
+                int(config.vision_start_token_id),
+                int(config.vision_end_token_id),
+                int(config.vision_config.spatial_merge_size),
+            )
+        except AttributeError as error:
+            raise SpeculatorsError(f"the verifier config lacks a vision-language field ({error.name})") from None
+
+
+class ImageInputs:
+    """The image processor (PIL backend) of a vision-language verifier directory, and the inputs its
+    model takes: expanded placeholders, pixel values, grids, token types, and M-RoPE positions."""
+
+    def __init__(self, model_dir: str | Path, config: Any):
+        from transformers import AutoImageProcessor
+
+        self.tokens = VisionTokens.from_config(config)
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        except (OSError, ValueError) as error:
+            raise SpeculatorsError(
+                f"verifier {model_dir} has no usable image processor ({str(error).splitlines()[0][:160]}); "
+                f"it needs the preprocessor_config.json of its Hugging Face repository"
+            ) from None
+
+    def grid(self, image: Image.Image) -> list[int]:
+        """[t, h, w] patch grid of one image as the processor resizes it."""
+        out = self.processor(images=[image], return_tensors="pt")
+        return [int(x) for x in out["image_grid_thw"][0].tolist()]
+
+    def token_count(self, grid_thw: list[int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.tokens.spatial_merge_size**2
+
+    def expand(self, input_ids: list[int], loss_mask: list[int], grids: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Each image placeholder (one token per image, as the chat template renders it) expanded to
+        its image's token count; the expanded positions are never supervised."""
+        pad = self.tokens.image_token_id
+        found = input_ids.count(pad)
+        if found != len(grids):
+            raise SpeculatorsError(
+                f"the rendered conversation has {found} image placeholders for {len(grids)} images; the chat "
+                f"template must render each image part once"
+            )
+        ids: list[int] = []
+        mask: list[int] = []
+        remaining = iter(grids)
+        for token, supervised in zip(input_ids, loss_mask, strict=True):
+            if token == pad:
+                count = self.token_count(next(remaining))
+                ids += [pad] * count
+                mask += [0] * count
+            else:
+                ids.append(token)
+                mask.append(supervised)
+        return ids, mask
+
+    def pixel_inputs(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+        """pixel_values [patches, C*T*P*P] and image_grid_thw [images, 3] of images in order."""
+        out = self.processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """mm_token_type_ids: 1 at image positions, 0 elsewhere (no video inputs here)."""
+        return (input_ids == self.tokens.image_token_id).long()
+
+    def drafter_positions(self, input_ids: list[int], grids: list[list[int]]) -> list[int]:
+        """The temporal row of the verifier's M-RoPE positions, one per token: what vLLM passes to a
+        1-D-RoPE drafter for a multimodal target (text advances one per token; an image's tokens
+        share its start position, and the text after it resumes max(h, w) / merge later)."""
+        pad, merge = self.tokens.image_token_id, self.tokens.spatial_merge_size
+        positions: list[int] = []
+        remaining = iter(grids)
+        current = index = 0
+        while index < len(input_ids):
+            if input_ids[index] != pad:
+                positions.append(current)
+                current += 1
+                index += 1
+                continue
+            t, h, w = next(remaining)
+            count = t * h * w // merge**2
+            positions += [current] * count  # t = 1 for an image: one temporal index
+            current += max(h, w) // merge
+            index += count
+        if len(positions) != len(input_ids):
+            raise SpeculatorsError("an image's placeholder run is shorter than its token count; prepare the data again")
+        return positions
+
