@@ -122,7 +122,12 @@ def convert_checkpoint(
     from speculators.atomic_io import atomic_directory
     from speculators.models.eagle3 import TORCH_DTYPES
     from speculators.validation import check_against_verifier, validate_checkpoint
-    from speculators.verifier import checkpoint_verifier_name, default_aux_layer_ids, load_verifier_config
+    from speculators.verifier import (
+        checkpoint_verifier_name,
+        default_aux_layer_ids,
+        load_verifier_config,
+        text_config_of,
+    )
 
     source = Path(source)
     if not (source / "config.json").is_file():
@@ -153,7 +158,7 @@ def convert_checkpoint(
         values["eagle_aux_hidden_state_layer_ids"] = (
             aux_layer_ids
             or raw_config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-            or default_aux_layer_ids(verifier_config.num_hidden_layers)
+            or default_aux_layer_ids(text_config_of(verifier_config).num_hidden_layers)
         )
         tensors = {research_tensor_name(name): tensor for name, tensor in tensors.items()}
     values["speculators_config"]["verifier"] = {
@@ -161,7 +166,8 @@ def convert_checkpoint(
         "architectures": list(verifier_config.architectures or []),
     }
     if values.get("eagle_aux_hidden_state_layer_ids") is None:
-        values["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(verifier_config.num_hidden_layers)
+        layers = text_config_of(verifier_config).num_hidden_layers
+        values["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(layers)
         notes.append(f"aux layer ids set to the verifier default {values['eagle_aux_hidden_state_layer_ids']}")
 
     from speculators.checkpoint import TRAINING_ONLY_TENSORS

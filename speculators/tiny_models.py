@@ -16,7 +16,8 @@ from speculators.errors import SpeculatorsError
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe")
+VISION_LANGUAGE_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
@@ -41,6 +42,20 @@ HARMONY_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+# Qwen3-VL's: ChatML, with each image part rendered as one placeholder between the vision markers.
+CHATML_VL_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MISTRAL_TEMPLATE = (
     "{{- bos_token }}"
@@ -75,6 +90,23 @@ TOKENIZER_STYLES: dict[str, tuple[str, list[str], str | None, str, str | None]] 
         "<|endoftext|>",
     ),
     "mistral": (MISTRAL_TEMPLATE, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "<unk>"),
+    "chatml_vl": (
+        CHATML_VL_TEMPLATE,
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+        ],
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+    ),
 }
 FAMILY_TOKENIZER_STYLE = {
     "llama": "llama",
@@ -83,6 +115,8 @@ FAMILY_TOKENIZER_STYLE = {
     "qwen2": "chatml",
     "gpt_oss": "harmony",
     "mistral": "mistral",
+    "qwen3_vl": "chatml_vl",
+    "qwen3_vl_moe": "chatml_vl",
 }
 
 _SUBJECTS = [
@@ -224,11 +258,57 @@ def tiny_config(
         return Qwen3Config(**common)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
+    if family in VISION_LANGUAGE_FAMILIES:
+        return tiny_vision_language_config(family, common)
     if family == "gpt_oss":
         # Alternating sliding/full attention and attention sinks, as the real model has.
         common["max_position_embeddings"] = 131072  # what its YaRN rope parameters assume
         return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)
     raise SpeculatorsError(f"unknown tiny verifier family '{family}'; choose one of {', '.join(FAMILIES)}")
+
+
+def tiny_vision_language_config(family: str, text: dict[str, Any]) -> PreTrainedConfig:
+    """Qwen3-VL: the text model as above with M-RoPE (sections sum to head_dim / 2), and a 2-block
+    vision tower (16 px patches merged 2x2, so one token per 32x32 pixels) whose deepstack features
+    go into the first two text layers. Placeholder ids are the tokenizer's special tokens, set later."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    text = dict(text, rope_parameters={**TINY_MROPE, "rope_type": "default", "rope_theta": 5_000_000.0})
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=256,
+        deepstack_visual_indexes=[0, 1],
+        initializer_range=text["initializer_range"],
+    )
+    if family == "qwen3_vl_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=text["hidden_size"])
+        return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+VISION_TOKEN_FIELDS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+TINY_MROPE = {"mrope_section": [6, 5, 5], "mrope_interleaved": True}
+# Qwen3-VL's image processor settings at tiny scale: images between 32x32 and 256x256 pixels.
+TINY_IMAGE_PROCESSOR = dict(
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
 
 
 def make_tiny_verifier(
@@ -247,20 +327,30 @@ def make_tiny_verifier(
     the default 0.02 predict almost uniformly, so a drafter has nothing to learn).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from speculators.atomic_io import atomic_directory
 
     tokenizer = build_tokenizer(family, vocab_size)
     config = tiny_config(family, len(tokenizer), num_layers, hidden_size, initializer_range)
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        part.bos_token_id = tokenizer.bos_token_id
+        part.eos_token_id = tokenizer.eos_token_id
+        part.pad_token_id = tokenizer.pad_token_id
+    vision_language = family in VISION_LANGUAGE_FAMILIES
+    if vision_language:
+        for name, token in VISION_TOKEN_FIELDS.items():
+            setattr(config, name, tokenizer.convert_tokens_to_ids(token))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=getattr(torch, dtype))
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if vision_language:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR).save_pretrained(tmp)
         (tmp / "tiny_verifier.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
     return directory

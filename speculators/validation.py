@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 def check_against_verifier(config: Eagle3Config, verifier_config: PreTrainedConfig, has_embeddings: bool) -> list[str]:
     """Problems between a drafter config and the verifier's transformers config."""
     problems = []
-    from speculators.verifier import default_aux_layer_ids
+    from speculators.verifier import default_aux_layer_ids, text_config_of
 
-    hidden, vocab, layers = verifier_config.hidden_size, verifier_config.vocab_size, verifier_config.num_hidden_layers
+    text = text_config_of(verifier_config)
+    hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
     if config.verifier_hidden_size != hidden:
         problems.append(
             f"the drafter expects verifier hidden size {config.verifier_hidden_size} "

