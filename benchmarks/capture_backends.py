@@ -51,7 +51,7 @@ def main() -> None:
         for backend, capture in engines.items():
             started = time.perf_counter()
             for prompts in batches:
-                capture(prompts)
+                capture(prompts, [[] for _ in prompts])
             rates[backend].append(tokens / (time.perf_counter() - started))
     engines["vllm"].close()
     per_token = {}

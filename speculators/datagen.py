@@ -31,14 +31,16 @@ from speculators.hidden_state_store import (
 )
 from speculators.settings import CaptureSettings
 from speculators.tokenization import TokenizedSample
+from speculators.vision import images_digest
 
 if TYPE_CHECKING:
     import torch
 
     from speculators.verifier import Verifier, VerifierFacts
 
-# token id lists -> states [T, len(capture ids), H] per prompt
-CaptureFn = Callable[[list[list[int]]], list["torch.Tensor"]]
+# token id lists (and each one's image parts, for a vision-language verifier) -> states
+# [T, len(capture ids), H] per prompt
+CaptureFn = Callable[[list[list[int]], list[list[dict[str, str]]]], list["torch.Tensor"]]
 WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
@@ -81,17 +83,38 @@ def transformers_capture_fn(verifier: Verifier, capture_ids: list[int]) -> Captu
     device = verifier.model.device
     pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
 
-    def capture(prompts: list[list[int]]) -> list[torch.Tensor]:
+    def capture(prompts: list[list[int]], images: list[list[dict[str, str]]]) -> list[torch.Tensor]:
+        from speculators.vision import load_image
+
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):  # right padding: real tokens never attend to pads (causal)
             ids[row, : len(prompt)] = torch.tensor(prompt)
             attention[row, : len(prompt)] = 1
-        states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device))
+        vision: dict[str, torch.Tensor] = {}
+        pictures = [load_image(part) for parts in images for part in parts]  # in token order, row by row
+        if pictures:
+            inputs = verifier.image_inputs
+            vision = {k: v.to(device) for k, v in inputs.pixel_inputs(pictures).items()}
+            vision["mm_token_type_ids"] = inputs.token_types(ids).to(device)
+        states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device), **vision)
         return [states[row, : len(prompt)] for row, prompt in enumerate(prompts)]
 
     return capture
+
+
+def drafter_positions(verifier: VerifierFacts, sample: TokenizedSample) -> torch.Tensor | None:
+    """The positions vLLM gives the drafter for a sample with images (None: 0..T-1)."""
+    import torch
+
+    from speculators.vision import load_image
+
+    if not sample.images:
+        return None
+    inputs = verifier.image_inputs
+    grids = [inputs.grid(load_image(part)) for part in sample.images]
+    return torch.tensor(inputs.drafter_positions(sample.input_ids, grids))
 
 
 def make_capture_fn(
@@ -120,6 +143,7 @@ def make_capture_fn(
             max_model_len=max_length + 1,
             max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
             tensor_parallel_size=tensor_parallel_size,
+            image_token_id=verifier.image_inputs.tokens.image_token_id if verifier.is_vision_language else None,
         )
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
@@ -166,7 +190,12 @@ def run_datagen(
     store = HiddenStateStore(store_dir)
     previous = store.previous_entries()
     fingerprint = verifier.fingerprint
-    keys = [sample_key(fingerprint, capture_ids, storage, s.input_ids) for s in samples]
+    if not verifier.is_vision_language and any(s.images for s in samples):
+        raise SpeculatorsError(
+            f"the samples hold images but verifier {verifier.name_or_path} ({verifier.model_type}) takes none; "
+            f"prepare them with this verifier"
+        )
+    keys = [sample_key(fingerprint, capture_ids, storage, s.input_ids, images_digest(s.images)) for s in samples]
     written: dict[str, tuple[str, int]] = {}
     computed = computed_tokens = 0
     started = time.perf_counter()
@@ -190,7 +219,7 @@ def run_datagen(
                     tensor_parallel_size,
                     batch_size,
                 )
-            states = capture([samples[i].input_ids for i in batch])
+            states = capture([samples[i].input_ids for i in batch], [samples[i].images for i in batch])
             for row, i in enumerate(batch):
                 if i not in missing:
                     continue
@@ -203,6 +232,7 @@ def run_datagen(
                     states[row][:, :3],
                     states[row][:, 3],
                     storage,
+                    drafter_positions(verifier, sample),
                 )
                 computed += 1
                 computed_tokens += len(sample.input_ids)

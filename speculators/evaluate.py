@@ -23,6 +23,7 @@ from speculators.errors import SpeculatorsError
 
 if TYPE_CHECKING:
     import torch
+    from PIL import Image
     from transformers import PreTrainedTokenizerBase
     from transformers.cache_utils import Cache
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from speculators.verifier import Verifier
 
 DEFAULT_TIE_ULPS = 4
+# (id, prompt ids) or, for a prompt with images, (id, prompt ids, image parts)
+EvalPrompt = tuple[str, list[int]] | tuple[str, list[int], list[dict[str, str]]]
 
 
 class LosslessError(SpeculatorsError):
@@ -47,8 +50,9 @@ class Proposer(Protocol):
     def aux_layer_ids(self) -> Sequence[int]:
         """The verifier layers whose states `propose` reads (none for the oracles)."""
 
-    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
-        """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it)."""
+    def start(self, prompt_ids: list[int], reference: list[int], positions: list[int] | None = None) -> None:
+        """A new prompt; `reference` is the verifier's own greedy continuation (oracles use it);
+        `positions`: the drafter positions of the prompt's tokens when they are not 0..T-1 (images)."""
 
     def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         """Draft `num_tokens` ids after `tokens`; `new_aux` [1, m, A*H] are the verifier's aux states
@@ -68,11 +72,24 @@ class DrafterProposer:
         self.drafter = drafter
         self.aux_layer_ids = list(layer_ids)
         self.cache: DraftKVCache | None = None
+        self.positions: list[int] | None = None
 
-    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
+    def start(self, prompt_ids: list[int], reference: list[int], positions: list[int] | None = None) -> None:
         from speculators.models.eagle3 import DraftKVCache
 
         self.cache = DraftKVCache(self.drafter.config.num_draft_layers)
+        self.positions = positions
+
+    def position_ids(self, start: int, count: int) -> torch.Tensor | None:
+        """Drafter positions of tokens start..start+count-1 as training saw them (stored positions
+        plus one; after the prompt they advance by one per token), or None for 0..T-1 (text)."""
+        import torch
+
+        if self.positions is None:
+            return None
+        prompt, end = self.positions, len(self.positions)
+        values = [prompt[u] if u < end else prompt[-1] + u - end + 1 for u in range(start, start + count)]
+        return torch.tensor([values]) + 1
 
     def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
         import torch
@@ -81,7 +98,8 @@ class DrafterProposer:
         assert new_aux is not None, "the drafter reads aux layers"
         next_ids = torch.tensor([tokens[-new_aux.shape[1] :]])
         dtype = self.drafter.fc.weight.dtype
-        drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens)
+        positions = self.position_ids(len(tokens) - 1 - new_aux.shape[1], new_aux.shape[1])
+        drafted = self.drafter.propose(new_aux.to(dtype), next_ids, self.cache, num_tokens, positions)
         # Keep only positions fed with verified states; the drafted chain is redone next step.
         self.cache.crop(len(tokens) - 1)
         return drafted[0].tolist()
@@ -93,7 +111,7 @@ class OracleProposer:
     name = "oracle"
     aux_layer_ids: tuple[int, ...] = ()  # needs no verifier states
 
-    def start(self, prompt_ids: list[int], reference: list[int]) -> None:
+    def start(self, prompt_ids: list[int], reference: list[int], positions: list[int] | None = None) -> None:
         self.sequence = list(prompt_ids) + list(reference)
 
     def propose(self, tokens: list[int], new_aux: torch.Tensor | None, num_tokens: int) -> list[int]:
@@ -141,17 +159,41 @@ def verifier_pass(
     cache: Cache | None,
     captured: dict[int, torch.Tensor],
     layer_ids: Sequence[int],
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Cache, torch.Tensor | None]:
-    """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass."""
+    """Logits [T, V], the KV cache, and aux states [1, T, A*H] (None without layer ids) of one pass.
+    `vision`: a vision-language verifier's pixel inputs, on the prompt's (first) pass."""
     import torch
 
-    out = verifier.model(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True)
+    base = verifier.adapter.base_model(verifier.model)
+    if cache is None and hasattr(base, "rope_deltas"):
+        base.rope_deltas = None  # M-RoPE offsets are the prompt's: never an earlier prompt's
+    out = verifier.model(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True, **(vision or {}))
     aux = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
     return out.logits[0], out.past_key_values, aux
 
 
+def pixel_inputs(
+    verifier: Verifier, prompt_ids: list[int], images: Sequence[Image.Image]
+) -> dict[str, torch.Tensor] | None:
+    """The prompt pass's pixel inputs and token types (None for a prompt without images)."""
+    import torch
+
+    if not images:
+        return None
+    inputs = verifier.image_inputs
+    vision = inputs.pixel_inputs(list(images))
+    vision["mm_token_type_ids"] = inputs.token_types(torch.tensor([prompt_ids]))
+    return vision
+
+
 def greedy_generate(
-    verifier: Verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], extra_tokens: int = 0
+    verifier: Verifier,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    extra_tokens: int = 0,
+    images: Sequence[Image.Image] = (),
 ) -> Generation:
     """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
     import torch
@@ -160,9 +202,11 @@ def greedy_generate(
     generation = Generation(tokens=[], top2=[], seconds=0.0)
     cache: Cache | None = None
     step_input = list(prompt_ids)
+    vision = pixel_inputs(verifier, prompt_ids, images)
     with torch.inference_mode():
         while len(generation.tokens) < max_new_tokens + extra_tokens:
-            logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [])
+            logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [], vision)
+            vision = None
             best = top_two(logits[-1:])[0]
             generation.tokens.append(best[0])
             generation.top2.append(best)
@@ -184,6 +228,7 @@ def speculative_generate(
     max_new_tokens: int,
     stop_ids: set[int],
     reference: list[int],
+    images: Sequence[Image.Image] = (),
 ) -> Generation:
     """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
     import torch
@@ -191,10 +236,15 @@ def speculative_generate(
     started = time.perf_counter()
     generation = Generation(tokens=[], top2=[], seconds=0.0, accepted_per_position=[0] * num_tokens)
     layer_ids = proposer.aux_layer_ids
-    proposer.start(prompt_ids, reference)
+    positions = None
+    if images:  # vLLM gives the drafter the temporal row of the verifier's M-RoPE positions
+        inputs = verifier.image_inputs
+        positions = inputs.drafter_positions(prompt_ids, [inputs.grid(image) for image in images])
+    proposer.start(prompt_ids, reference, positions)
     tokens = list(prompt_ids)
+    vision = pixel_inputs(verifier, prompt_ids, images)
     with verifier.capturing(layer_ids) as captured, torch.inference_mode():
-        logits, cache, new_aux = verifier_pass(verifier, tokens, None, captured, layer_ids)
+        logits, cache, new_aux = verifier_pass(verifier, tokens, None, captured, layer_ids, vision)
         first = top_two(logits[-1:])[0]
         tokens.append(first[0])
         generation.tokens.append(first[0])
@@ -381,7 +431,7 @@ class EvaluationReport:
 
 def evaluate(
     verifier: Verifier,
-    prompts: list[tuple[str, list[int]]],
+    prompts: Sequence[EvalPrompt],
     proposer: Proposer,
     num_speculative_tokens: int,
     max_new_tokens: int = 128,
@@ -390,8 +440,10 @@ def evaluate(
     settings: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> EvaluationReport:
-    """Baseline greedy decoding and speculative decoding for each (id, prompt ids); compared."""
+    """Baseline greedy decoding and speculative decoding for each (id, prompt ids[, image parts]);
+    compared. A prompt with images holds their expanded placeholders (tokenize_prompts)."""
     from speculators.tokenization import turn_end_ids
+    from speculators.vision import load_image
 
     if num_speculative_tokens < 1:
         raise SpeculatorsError(f"num_speculative_tokens {num_speculative_tokens} must be at least 1")
@@ -410,11 +462,21 @@ def evaluate(
             **(settings or {}),
         }
     )
-    for index, (prompt_id, prompt_ids) in enumerate(prompts):
+    for index, (prompt_id, prompt_ids, *with_images) in enumerate(prompts):
+        images = [load_image(part) for part in (with_images[0] if with_images else [])]
         # K extra reference tokens let an oracle draft past the budget; they are not timed.
-        baseline = greedy_generate(verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens)
+        baseline = greedy_generate(
+            verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens, images=images
+        )
         speculative = speculative_generate(
-            verifier, prompt_ids, proposer, num_speculative_tokens, max_new_tokens, stop_ids, reference=baseline.tokens
+            verifier,
+            prompt_ids,
+            proposer,
+            num_speculative_tokens,
+            max_new_tokens,
+            stop_ids,
+            reference=baseline.tokens,
+            images=images,
         )
         baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
         result = PromptResult(
@@ -441,13 +503,28 @@ def evaluate(
 
 
 def tokenize_prompts(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation]
-) -> list[tuple[str, list[int]]]:
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], verifier: Verifier | None = None
+) -> list[EvalPrompt]:
+    """(id, prompt ids) per conversation; with images (a vision-language `verifier`) also the image
+    parts, their placeholders expanded to each image's token count."""
     from speculators.tokenization import render_ids
+    from speculators.vision import image_parts, load_image
 
     if tokenizer.chat_template is None:
         raise SpeculatorsError("the verifier's tokenizer has no chat template; prompts cannot be rendered for it")
-    return [(c.id, render_ids(tokenizer, c.messages, add_generation_prompt=True)) for c in conversations]
+    prompts: list[EvalPrompt] = []
+    for conversation in conversations:
+        ids = render_ids(tokenizer, conversation.messages, add_generation_prompt=True)
+        parts = image_parts(conversation.messages)
+        if not parts:
+            prompts.append((conversation.id, ids))
+            continue
+        if verifier is None or not verifier.is_vision_language:
+            raise SpeculatorsError(f"prompt {conversation.id} has images; evaluate it with a vision-language verifier")
+        inputs = verifier.image_inputs
+        ids, _ = inputs.expand(ids, [0] * len(ids), [inputs.grid(load_image(part)) for part in parts])
+        prompts.append((conversation.id, ids, parts))
+    return prompts
 
 
 def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
@@ -500,7 +577,7 @@ def run_evaluation(
         num_speculative_tokens = 3
         if isinstance(proposer, DrafterProposer):
             num_speculative_tokens = proposer.drafter.config.speculative_tokens
-    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts))
+    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts), verifier)
     print(
         f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "
         f"{max_new_tokens} new tokens each, verifier in {dtype}",

@@ -2,8 +2,9 @@
 
 A shard holds `input_ids` [T], `loss_mask` [T], `aux_hidden_states` [T, 3, H] and
 `target_hidden_states` [T, H] (aux id N, pre-norm), in bf16 or fp8 e4m3 with a per-token scale
-(`aux_scale` [T, 3], `target_scale` [T]). Shards are content-addressed: the key hashes the verifier
-fingerprint, the layer ids, the storage format and the token ids, so a rerun with new prompts only
+(`aux_scale` [T, 3], `target_scale` [T]); samples with images also `position_ids` [T], the
+drafter's positions (the verifier's M-RoPE temporal row). Shards are content-addressed: the key hashes the verifier
+fingerprint, the layer ids, the storage format, the token ids and the images' digests, so a rerun with new prompts only
 computes what is new. Every shard is written under a temporary name and renamed, and the manifest
 records its sha256, so a reader never sees a partial shard and a corrupted one is named.
 
@@ -30,9 +31,14 @@ STORAGE_FORMATS = ("bfloat16", "float32", "fp8_e4m3")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def sample_key(fingerprint: str, layer_ids: list[int], storage: str, input_ids: list[int]) -> str:
+def sample_key(
+    fingerprint: str, layer_ids: list[int], storage: str, input_ids: list[int], image_digests: str = ""
+) -> str:
+    """Content key of a sample's states; `image_digests` (vision.images_digest) for images in it."""
     digest = hashlib.sha256(f"{fingerprint}|{layer_ids}|{storage}|".encode())
     digest.update(json.dumps(input_ids, separators=(",", ":")).encode())
+    if image_digests:  # text-only keys are unchanged
+        digest.update(f"|images:{image_digests}".encode())
     return digest.hexdigest()[:32]
 
 
@@ -63,6 +69,9 @@ class StoredSample:
     loss_mask: torch.Tensor  # [T] bool
     aux_hidden_states: torch.Tensor  # [T, 3, H]
     target_hidden_states: torch.Tensor  # [T, H]
+    # [T] long, where the drafter's positions are not 0..T-1: a vision-language verifier's M-RoPE
+    # temporal row (vision.ImageInputs.drafter_positions); None for text.
+    position_ids: torch.Tensor | None = None
 
 
 class HiddenStateStore:
@@ -90,6 +99,7 @@ class HiddenStateStore:
         aux: torch.Tensor,
         target: torch.Tensor,
         storage: str,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[str, int]:
         """Write one shard atomically; returns (sha256, bytes). Refuses non-finite states."""
         import torch
@@ -112,6 +122,8 @@ class HiddenStateStore:
         else:
             dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
             tensors["aux_hidden_states"], tensors["target_hidden_states"] = aux.to(dtype), target.to(dtype)
+        if position_ids is not None:
+            tensors["position_ids"] = position_ids.to(torch.long)
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
         path = self.shard_path(key)
         write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))  # one entry: byte-stable
@@ -163,7 +175,8 @@ class HiddenStateStore:
             aux, target = dequantize_fp8(aux, tensors["aux_scale"]), dequantize_fp8(target, tensors["target_scale"])
         if dtype is not None:
             aux, target = aux.to(dtype), target.to(dtype)
-        return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target)
+        positions = tensors.get("position_ids")
+        return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target, positions)
 
     def read_tokens(self, entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and loss_mask only, without reading the hidden states."""

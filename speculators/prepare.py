@@ -25,10 +25,12 @@ from speculators.errors import SpeculatorsError
 from speculators.settings import PrepareSettings
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
     from speculators.prompts import Conversation
+    from speculators.regenerate import ImageGenerateFn
     from speculators.tokenization import TokenizedSample
+    from speculators.vision import ImageInputs
 
 
 def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
@@ -81,17 +83,26 @@ def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation
     from speculators.tokenization import tokenize_conversation
     from speculators.verifier import load_verifier_config
 
-    _, location = load_verifier_config(str(settings.verifier))
+    config, location = load_verifier_config(str(settings.verifier))
     tokenizer = AutoTokenizer.from_pretrained(location)
+    images = verifier_image_inputs(config, location)
     samples, rejected = [], Counter[str]()
     for conversation in conversations:
         try:
             samples.append(
-                tokenize_conversation(tokenizer, conversation.id, conversation.messages, settings.max_length)
+                tokenize_conversation(tokenizer, conversation.id, conversation.messages, settings.max_length, images)
             )
         except RowRejected as reason:
             rejected[str(reason)] += 1
     return write_samples(output, samples, {"rejected": dict(rejected)})
+
+
+def verifier_image_inputs(config: PreTrainedConfig, location: str) -> ImageInputs | None:
+    """The image processor of a vision-language verifier (None for a text-only one)."""
+    from speculators.verifier import local_model_dir
+    from speculators.vision import ImageInputs, is_vision_language
+
+    return ImageInputs(local_model_dir(location), config) if is_vision_language(config.model_type) else None
 
 
 def write_samples(output: Path, samples: list[TokenizedSample], details: dict[str, Any]) -> dict[str, Any]:
@@ -136,8 +147,11 @@ def reuse_earlier_samples(output: Path, key: str) -> None:
 
 def regenerate_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
     from speculators.regenerate import regenerate
+    from speculators.verifier import load_verifier_config
 
-    tokenizer, generate, server = answer_generator(settings, output)
+    config, location = load_verifier_config(str(settings.verifier))
+    images = verifier_image_inputs(config, location)
+    tokenizer, generate, server = answer_generator(settings, output, images)
     key = regeneration_key(settings)
     reuse_earlier_samples(output, key)
     with server:
@@ -148,6 +162,7 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
             output / "samples.partial.jsonl",
             settings.max_length,
             batch_size=settings.batch_size,
+            image_inputs=images,
         )
     details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
     return write_samples(output, samples, details)
@@ -157,19 +172,33 @@ Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
 def answer_generator(
-    settings: PrepareSettings, output: Path
-) -> tuple[PreTrainedTokenizerBase, Generate, AbstractContextManager[Any]]:
-    """(tokenizer, prompt ids -> answer ids, the server to run while generating) for the backend."""
+    settings: PrepareSettings, output: Path, images: ImageInputs | None = None
+) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
+    """(tokenizer, prompt ids -> answer ids, the server to run while generating) for the backend;
+    with `images` (a vision-language verifier) the generator also takes each prompt's images."""
     s = settings
     if s.backend != "vllm":
         if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
             raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --server-url need --backend vllm")
-        from speculators.regenerate import transformers_generate_fn
+        from speculators.regenerate import transformers_generate_fn, transformers_image_generate_fn
         from speculators.verifier import load_verifier
 
         verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device)
+        if images is not None:
+            return (
+                verifier.tokenizer,
+                transformers_image_generate_fn(
+                    verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
+                ),
+                nullcontext(),
+            )
         generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
         return verifier.tokenizer, generate, nullcontext()
+    if images is not None and (s.server_url or s.data_parallel_size > 1):
+        raise SpeculatorsError(
+            "regenerating image conversations runs vLLM's offline engine (its token-id server API takes no images); "
+            "drop --server-url and --data-parallel-size, and use --tensor-parallel-size for a large verifier"
+        )
 
     from transformers import AutoTokenizer
 

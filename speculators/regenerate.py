@@ -27,8 +27,12 @@ from speculators.tokenization import TokenizedSample, render_ids, render_text, t
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from speculators.vision import ImageInputs
+
 # prompts (token id lists) -> generated id lists
 GenerateFn = Callable[[list[list[int]]], list[list[int]]]
+# prompts holding one placeholder per image, and each prompt's image parts -> generated id lists
+ImageGenerateFn = Callable[[list[list[int]], list[list[dict[str, str]]]], list[list[int]]]
 
 
 @dataclass
@@ -58,7 +62,7 @@ class ConversationState:
     conversation: Conversation
     ids: list[int]
     mask: list[int]
-    history: list[dict[str, str]]  # messages so far, assistant turns holding the generated text
+    history: list[dict[str, Any]]  # messages so far, assistant turns holding the generated text
     next_message: int  # index of the next assistant turn to generate in conversation.messages
     done: bool = False
     rejected: str | None = None
@@ -101,6 +105,53 @@ def transformers_generate_fn(
     return generate
 
 
+def transformers_image_generate_fn(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    image_inputs: ImageInputs,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> ImageGenerateFn:
+    """Generation with a transformers vision-language model, one prompt at a time (each with its
+    own pixel inputs and M-RoPE positions; no padding to get right)."""
+    import torch
+
+    from speculators.vision import load_image
+
+    ends = sorted(turn_end_ids(tokenizer))
+
+    def generate(prompts: list[list[int]], images: list[list[dict[str, str]]]) -> list[list[int]]:
+        generated = []
+        for prompt, parts in zip(prompts, images, strict=True):
+            pictures = [load_image(part) for part in parts]
+            ids, _ = image_inputs.expand(prompt, [0] * len(prompt), [image_inputs.grid(p) for p in pictures])
+            input_ids = torch.tensor([ids], device=model.device)
+            extra = {}
+            if pictures:
+                extra = {k: v.to(model.device) for k, v in image_inputs.pixel_inputs(pictures).items()}
+                extra["mm_token_type_ids"] = image_inputs.token_types(input_ids)
+            options: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": max_new_tokens}
+            if temperature > 0:
+                torch.manual_seed(seed)
+                options["temperature"] = temperature
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    eos_token_id=ends,
+                    pad_token_id=ends[0],
+                    **extra,
+                    **options,
+                )
+            row = out[0, len(ids) :].tolist()
+            stop = next((i for i, token in enumerate(row) if token in ends), None)
+            generated.append(row if stop is None else row[: stop + 1])
+        return generated
+
+    return generate
+
+
 class VllmGenerate:
     """Prompt ids -> answer ids with vLLM's offline engine; `close` stops the engine's processes now
     (at interpreter exit vLLM force-kills them, printing to the terminal)."""
@@ -132,12 +183,17 @@ class VllmGenerate:
             enforce_eager=True,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
+            **vllm_image_limits(model_dir),
         )
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
 
-    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+    def __call__(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[list[int]]:
+        """`images`: each prompt's image parts, its ids holding one placeholder per image (vLLM
+        expands placeholders itself and runs the vision tower on `multi_modal_data`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        from speculators.vision import load_image
 
         params = [
             SamplingParams(
@@ -149,7 +205,11 @@ class VllmGenerate:
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for request, parts in zip(requests, images or [[] for _ in prompts], strict=True):
+            if parts:
+                request["multi_modal_data"] = {"image": [load_image(part) for part in parts]}
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         generated = []
         for out in outputs:
             ids = list(out.outputs[0].token_ids)
@@ -164,6 +224,17 @@ class VllmGenerate:
 
         shutdown_engine(self.llm)
         del self.llm
+
+
+def vllm_image_limits(model_dir: str) -> dict[str, Any]:
+    """vLLM engine options for a vision-language verifier: images only (no video profiling)."""
+    from speculators.verifier import load_verifier_config
+    from speculators.vision import MAX_IMAGES_PER_PROMPT, is_vision_language
+
+    config, _ = load_verifier_config(model_dir)
+    if not is_vision_language(config.model_type):
+        return {}
+    return {"limit_mm_per_prompt": {"image": MAX_IMAGES_PER_PROMPT, "video": 0}}
 
 
 def server_generate_fn(
@@ -250,6 +321,7 @@ def continuation_ids(
 
 
 def start_state(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> ConversationState | None:
+    """The first prompt of a conversation (images: one placeholder each, as the template renders)."""
     messages = conversation.messages
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first is None:
@@ -310,8 +382,8 @@ def read_partial(path: Path) -> dict[str, TokenizedSample]:
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             try:
-                row = json.loads(line)
-                done[row["id"]] = TokenizedSample(row["id"], row["input_ids"], row["loss_mask"])
+                sample = TokenizedSample.from_row(json.loads(line))
+                done[sample.id] = sample
             except (json.JSONDecodeError, KeyError):
                 continue
     return done
@@ -320,14 +392,20 @@ def read_partial(path: Path) -> dict[str, TokenizedSample]:
 def regenerate(
     conversations: list[Conversation],
     tokenizer: PreTrainedTokenizerBase,
-    generate: GenerateFn,
+    generate: GenerateFn | ImageGenerateFn,
     partial_path: Path,
     max_length: int,
     batch_size: int = 8,
     progress: bool = True,
+    image_inputs: ImageInputs | None = None,
 ) -> tuple[list[TokenizedSample], RegenerationReport]:
-    """Samples in `conversations` order with verifier-generated assistant turns."""
+    """Samples in `conversations` order with verifier-generated assistant turns. With
+    `image_inputs` (a vision-language verifier) `generate` also takes each prompt's image parts."""
     from tqdm import tqdm
+
+    from speculators.prompts import RowRejected
+    from speculators.tokenization import expand_images
+    from speculators.vision import image_parts
 
     report = RegenerationReport()
     done = read_partial(partial_path)
@@ -349,17 +427,31 @@ def regenerate(
                 else:
                     states.append(state)
             for state in states:
-                if len(state.ids) >= max_length:
+                if image_inputs is None and image_parts(state.conversation.messages):
+                    state.done = True
+                    state.rejected = "images in a conversation for a text-only verifier"
+                elif len(state.ids) >= max_length:
                     state.done = True
                     state.rejected = f"over-length (the prompt alone exceeds max length {max_length})"
             active = [s for s in states if not s.done]
             while active:
-                generated = generate([s.ids for s in active])
+                if image_inputs is None:
+                    generated = cast(GenerateFn, generate)([s.ids for s in active])
+                else:
+                    images = [image_parts(s.history) for s in active]
+                    generated = cast(ImageGenerateFn, generate)([s.ids for s in active], images)
                 for state, ids in zip(active, generated, strict=True):
                     advance(state, ids, tokenizer, ends, report, max_length)
                 active = [s for s in active if not s.done]
             for state in states:
                 sample = TokenizedSample(state.conversation.id, state.ids[:max_length], state.mask[:max_length])
+                images = image_parts(state.history)
+                if state.rejected is None and images and image_inputs is not None:
+                    try:
+                        full = TokenizedSample(state.conversation.id, state.ids, state.mask, images)
+                        sample = expand_images(image_inputs, full, max_length)
+                    except RowRejected as reason:
+                        state.rejected = str(reason)
                 if state.rejected is None and not any(sample.loss_mask):
                     state.rejected = "no assistant token after tokenization"
                 if state.rejected is not None:

@@ -10,7 +10,7 @@ to locating each assistant text by character offsets.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,6 +19,8 @@ from speculators.prompts import RowRejected
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from speculators.vision import ImageInputs
 
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
@@ -37,13 +39,22 @@ class TokenizedSample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    # The image parts (vision.image_part) whose expanded placeholders are in input_ids, in order.
+    images: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def supervised_tokens(self) -> int:
         return sum(self.loss_mask)
 
     def to_json(self) -> str:
-        return json.dumps({"id": self.id, "input_ids": self.input_ids, "loss_mask": self.loss_mask})
+        row: dict[str, Any] = {"id": self.id, "input_ids": self.input_ids, "loss_mask": self.loss_mask}
+        if self.images:  # text-only samples keep their bytes
+            row["images"] = self.images
+        return json.dumps(row)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> TokenizedSample:
+        return cls(row["id"], row["input_ids"], row["loss_mask"], row.get("images") or [])
 
 
 def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -120,19 +131,60 @@ def mask_by_offsets(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, sample_id: str, messages: list[dict[str, str]], max_length: int
+    tokenizer: PreTrainedTokenizerBase,
+    sample_id: str,
+    messages: list[dict[str, Any]],
+    max_length: int,
+    image_inputs: ImageInputs | None = None,
 ) -> TokenizedSample:
-    """Token ids and assistant-only loss mask, clipped to `max_length`; RowRejected if nothing is supervised."""
+    """Token ids and assistant-only loss mask, clipped to `max_length`; RowRejected if nothing is
+    supervised. Conversations with images need the verifier's `image_inputs`: each image's
+    placeholder is expanded to its token count (never supervised)."""
+    from speculators.vision import image_parts
+
+    images = image_parts(messages)
+    if images and image_inputs is None:
+        raise RowRejected("images in a conversation for a text-only verifier")
     full = render_ids(tokenizer, messages, add_generation_prompt=False)
     mask = mask_by_prefixes(tokenizer, messages, full)
     if mask is None:
+        if images:
+            raise RowRejected("the chat template re-renders earlier turns, which image conversations cannot use")
         full, mask = mask_by_offsets(tokenizer, messages)
     if not any(mask):
         raise RowRejected("no assistant token after tokenization")
+    if images:
+        assert image_inputs is not None
+        return expand_images(image_inputs, TokenizedSample(sample_id, full, mask, images), max_length)
     first_supervised = mask.index(1)
     if first_supervised >= max_length:
         raise RowRejected(f"over-length (the prompt alone exceeds max length {max_length})")
     return TokenizedSample(sample_id, full[:max_length], mask[:max_length])
+
+
+def expand_images(image_inputs: ImageInputs, sample: TokenizedSample, max_length: int) -> TokenizedSample:
+    """A sample whose ids hold one placeholder per image -> placeholders expanded to each image's
+    token count, clipped to `max_length` without cutting an image (a cut image and the images after
+    it are dropped with the tokens)."""
+    from speculators.vision import load_image
+
+    try:
+        grids = [image_inputs.grid(load_image(part)) for part in sample.images]
+    except SpeculatorsError as error:
+        raise RowRejected(str(error)) from None
+    ids, mask = image_inputs.expand(sample.input_ids, sample.loss_mask, grids)
+    length, kept, position = min(len(ids), max_length), 0, 0
+    pad = image_inputs.tokens.image_token_id
+    for grid in grids:
+        start = ids.index(pad, position)
+        end = start + image_inputs.token_count(grid)
+        if end > length:
+            length = min(length, start)
+            break
+        kept, position = kept + 1, end
+    if 1 not in mask[:length]:
+        raise RowRejected(f"over-length (the prompt alone exceeds max length {max_length})")
+    return TokenizedSample(sample.id, ids[:length], mask[:length], sample.images[:kept])
 
 
 def read_samples(path: str | Path) -> list[TokenizedSample]:
@@ -143,8 +195,7 @@ def read_samples(path: str | Path) -> list[TokenizedSample]:
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             try:
-                row = json.loads(line)
-                sample = TokenizedSample(row["id"], row["input_ids"], row["loss_mask"])
+                sample = TokenizedSample.from_row(json.loads(line))
             except (json.JSONDecodeError, KeyError):
                 raise SpeculatorsError(f"{path}:{number} is not a tokenized sample; re-run prepare") from None
             if len(sample.input_ids) != len(sample.loss_mask):

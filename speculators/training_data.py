@@ -1,7 +1,8 @@
 """Training data from a hidden-state store: shifted samples packed into fixed token budgets.
 
 Per sample (docs/eagle3.md): input_ids = x[1:], aux = g[:-1], target states = y[1:],
-loss_mask = mask[1:], positions 1..T-1. Samples are packed in a seeded, per-epoch order into
+loss_mask = mask[1:], positions 1..T-1 (with images: the stored drafter positions of x[:-1], plus
+one). Samples are packed in a seeded, per-epoch order into
 sequences of at most `token_budget` tokens (batch dimension 1); document ids keep attention and
 step targets inside their own sample. The train/validation split is a hash of the sample id, so
 it never changes when the store grows.
@@ -102,7 +103,9 @@ class PackedStore:
             parts["aux"].append(sample.aux_hidden_states[:length])
             parts["target"].append(sample.target_hidden_states[1 : length + 1])
             parts["mask"].append(sample.loss_mask[1 : length + 1])
-            parts["pos"].append(torch.arange(1, length + 1))
+            # Position of pack index u: the drafter position of token u, plus one (text: u + 1).
+            positions = sample.position_ids if sample.position_ids is not None else torch.arange(length)
+            parts["pos"].append(positions[:length] + 1)
             parts["doc"].append(torch.full((length,), doc))
         return Pack(
             input_ids=torch.cat(parts["ids"])[None],

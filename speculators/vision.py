@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 VISION_LANGUAGE_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+MAX_IMAGES_PER_PROMPT = 4  # what vLLM's engine is profiled for (limit_mm_per_prompt)
 DATA_URL_PREFIX = "data:image/"
 
 
@@ -115,6 +116,11 @@ def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def images_digest(images: list[dict[str, str]]) -> str:
     return ",".join(part["sha256"] for part in images)
+
+
+def collapse_placeholders(input_ids: list[int], image_token_id: int) -> list[int]:
+    """Each run of image placeholder tokens -> one placeholder (the form vLLM's processor expands)."""
+    return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
 
 
 def is_vision_language(model_type: str) -> bool:
@@ -225,4 +231,3 @@ class ImageInputs:
         if len(positions) != len(input_ids):
             raise SpeculatorsError("an image's placeholder run is shorter than its token count; prepare the data again")
         return positions
-

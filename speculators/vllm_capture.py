@@ -41,7 +41,9 @@ def _tensor_parallel_rank() -> int:
 
 def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     """Runs in each worker: records input ids and the requested residual-stream states; returns N."""
-    base = getattr(model, "model", None)
+    # A vision-language model's decoder stack is its language model's (vLLM: get_language_model()).
+    language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
+    base = getattr(language_model, "model", None)
     needed = ("_maybe_add_hidden_state", "embed_input_ids", "layers")
     if base is None or not all(hasattr(base, name) for name in needed):
         raise RuntimeError(
@@ -75,8 +77,9 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
 
 def remove_capture_hooks(model: Any) -> None:
     _RECORDS.clear()
+    language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
     for name in ("_maybe_add_hidden_state", "embed_input_ids"):
-        model.model.__dict__.pop(name, None)
+        language_model.model.__dict__.pop(name, None)
 
 
 def fetch_records(model: Any) -> list[dict[str | int, torch.Tensor]] | None:
@@ -233,6 +236,7 @@ class VllmCapture:
         max_model_len: int,
         max_batch_tokens: int = 16384,
         tensor_parallel_size: int = 1,
+        image_token_id: int | None = None,
     ):
         try:
             from vllm import LLM
@@ -246,6 +250,9 @@ class VllmCapture:
         configure_cpu_build(tensor_parallel_size)
         self.capture_ids = list(capture_ids)
         self.max_batch_tokens = max(max_batch_tokens, max_model_len)
+        self.image_token_id = image_token_id
+        from speculators.regenerate import vllm_image_limits
+
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -257,6 +264,7 @@ class VllmCapture:
             max_num_batched_tokens=self.max_batch_tokens,
             max_num_seqs=256,
             tensor_parallel_size=tensor_parallel_size,
+            **vllm_image_limits(model_dir),
         )
         (num_layers,) = set(self.llm.apply_model(partial(install_capture_hooks, self.capture_ids)))
         if max(self.capture_ids) > num_layers:
@@ -271,19 +279,30 @@ class VllmCapture:
         del self.llm
         gc.collect()
 
-    def __call__(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        return self.capture(prompts)
+    def __call__(
+        self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None
+    ) -> list[torch.Tensor]:
+        return self.capture(prompts, images)
 
-    def capture(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+    def capture(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[torch.Tensor]:
+        """States of each prompt; a prompt with images holds their expanded placeholders, which are
+        collapsed to one per image for vLLM (its processor expands them again from the pixels)."""
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            SamplingParams(max_tokens=1, temperature=0.0),
-            use_tqdm=False,
-        )
+        from speculators.vision import collapse_placeholders, load_image
+
+        requests = []
+        for prompt, parts in zip(prompts, images or [[] for _ in prompts], strict=True):
+            if not parts:
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                continue
+            assert self.image_token_id is not None, "a prompt with images for a text-only verifier"
+            request = TokensPrompt(prompt_token_ids=collapse_placeholders(prompt, self.image_token_id))
+            request["multi_modal_data"] = {"image": [load_image(part) for part in parts]}
+            requests.append(request)
+        self.llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         records = next(r for r in self.llm.apply_model(fetch_records) if r is not None)
         # Prefill forwards only (the one sampled token needs none), each a run of the batch's tokens:
         # concatenated they are the batch in submission order, or the states cannot be attributed.

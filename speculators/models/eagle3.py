@@ -516,20 +516,24 @@ class Eagle3Drafter(nn.Module):
         next_token_ids: torch.Tensor,
         cache: DraftKVCache,
         num_tokens: int,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft `num_tokens` target token ids [B, K] (greedy, chain).
 
         aux_hidden_states [B, T, 3*Ht] are the verifier's states of the T positions not yet seen by
         the drafter, next_token_ids [B, T] the token after each of them (the last one is the token
         the verifier just produced). The cache grows by T + K - 1 positions; after verification the
-        caller crops it back to the verified length.
+        caller crops it back to the verified length. `position_ids` [B, T]: the T positions' rotary
+        positions when they are not the cache indices (a verifier with images); drafts follow the last.
         """
         hidden = self.project_aux(aux_hidden_states)
         token_ids = next_token_ids
         drafted = []
         for _ in range(num_tokens):
             past = [cache.get(i) for i in range(len(self.layers))]
-            out = self(token_ids, hidden, past_key_values=past)
+            out = self(token_ids, hidden, position_ids, past_key_values=past)
+            if position_ids is not None:
+                position_ids = position_ids[:, -1:] + 1
             for i, kv in enumerate(out.new_key_values):
                 cache.append(i, kv)
             draft_ids = out.logits[:, -1].argmax(-1)
