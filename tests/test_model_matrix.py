@@ -33,6 +33,9 @@ MATRIX = {
     "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", "qwen3_moe", 94, 4096, 151936, 128, 235e9),
     "gpt_oss_20b": ("openai/gpt-oss-20b", "gpt_oss", 24, 2880, 201088, 32, 21e9),
     "gpt_oss_120b": ("openai/gpt-oss-120b", "gpt_oss", 36, 2880, 201088, 128, 117e9),
+    # Qwen3-VL: the text model's facts (text_config); the total includes the vision tower (8.77B: the
+    # checkpoint's 8,767,123,696 safetensors parameters in SOURCES.md; haimaker.ai's model page: "8.8B")
+    "qwen3_vl_8b": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl", 36, 4096, 151936, 0, 8.77e9),
 }
 
 
