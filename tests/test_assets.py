@@ -31,6 +31,7 @@ GPU_VARIANTS = {
     "gpt_oss_20b": [2, 12, 21],
     "gpt_oss_120b": [2, 18, 33],
     "qwen3_vl_8b": [2, 18, 33],
+    "qwen3_vl_235b_a22b": [2, 47, 91],
 }
 
 

@@ -1,7 +1,8 @@
 """The model matrix: every GPU variant's facts against its verifier's published config.json.
 
-The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md); nothing here
-touches the network, a GPU or model weights. A variant passes when its family, aux layer ids and verifier
+The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md; Qwen3-VL-235B's
+is transformers' rendering of it, no copy of the file being found); nothing here touches the network, a GPU
+or model weights. A variant passes when its family, aux layer ids and verifier
 id agree with its config, and when its compute profiles hold the verifier's weights with room to spare.
 """
 
@@ -36,6 +37,8 @@ MATRIX = {
     # Qwen3-VL: the text model's facts (text_config); the total includes the vision tower (8.77B: the
     # checkpoint's 8,767,123,696 safetensors parameters in SOURCES.md; haimaker.ai's model page: "8.8B")
     "qwen3_vl_8b": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl", 36, 4096, 151936, 0, 8.77e9),
+    # 235.67B: the checkpoint's 235,670,022,896 (SOURCES.md); the model card names it 235B-A22B
+    "qwen3_vl_235b_a22b": ("Qwen/Qwen3-VL-235B-A22B-Instruct", "qwen3_vl_moe", 94, 4096, 151936, 128, 235.67e9),
 }
 
 
