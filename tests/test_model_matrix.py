@@ -1,7 +1,8 @@
 """The model matrix: every GPU variant's facts against its verifier's published config.json.
 
-The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md); nothing here
-touches the network, a GPU or model weights. A variant passes when its family, aux layer ids and verifier
+The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md; Qwen3-VL-235B's
+is transformers' rendering of it, no copy of the file being found); nothing here touches the network, a GPU
+or model weights. A variant passes when its family, aux layer ids and verifier
 id agree with its config, and when its compute profiles hold the verifier's weights with room to spare.
 """
 
@@ -33,6 +34,11 @@ MATRIX = {
     "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", "qwen3_moe", 94, 4096, 151936, 128, 235e9),
     "gpt_oss_20b": ("openai/gpt-oss-20b", "gpt_oss", 24, 2880, 201088, 32, 21e9),
     "gpt_oss_120b": ("openai/gpt-oss-120b", "gpt_oss", 36, 2880, 201088, 128, 117e9),
+    # Qwen3-VL: the text model's facts (text_config); the total includes the vision tower (8.77B: the
+    # checkpoint's 8,767,123,696 safetensors parameters in SOURCES.md; haimaker.ai's model page: "8.8B")
+    "qwen3_vl_8b": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl", 36, 4096, 151936, 0, 8.77e9),
+    # 235.67B: the checkpoint's 235,670,022,896 (SOURCES.md); the model card names it 235B-A22B
+    "qwen3_vl_235b_a22b": ("Qwen/Qwen3-VL-235B-A22B-Instruct", "qwen3_vl_moe", 94, 4096, 151936, 128, 235.67e9),
 }
 
 
@@ -50,22 +56,65 @@ def sources() -> dict[str, str]:
     return dict(rows)
 
 
+TOP_LEVEL_FIELDS = ("model_type", "tie_word_embeddings", "quantization_config")
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's fields. A vision-language config (Qwen3-VL) keeps the layers, hidden size, vocab,
+    heads and experts under `text_config`, while its `model_type` (qwen3_vl, qwen3_vl_moe) and whether the
+    lm_head is tied to the embeddings are the top level's; any other config is flat and returned as is."""
+    text = cfg.get("text_config")
+    if text is None:
+        return cfg
+    return {**text, **{key: cfg[key] for key in TOP_LEVEL_FIELDS if key in cfg}}
+
+
 def num_experts(cfg: dict) -> int:
-    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    text = text_config(cfg)
+    return text.get("num_experts") or text.get("num_local_experts") or 0
 
 
 def vocab_params(cfg: dict) -> int:
     """Input embeddings plus the lm_head (one matrix when they are tied)."""
-    return cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
+    text = text_config(cfg)
+    return text["vocab_size"] * text["hidden_size"] * (1 if text.get("tie_word_embeddings") else 2)
+
+
+def vision_params(cfg: dict) -> int:
+    """The vision tower of a Qwen3-VL config, 0 for a text-only one.
+
+    The patch embedding (a Conv3d over in_channels x temporal_patch_size x patch_size**2, with bias), the
+    learned position embeddings, `depth` ViT blocks (two LayerNorms, qkv and proj, a two-layer MLP, all with
+    biases), the merger (LayerNorm, then spatial_merge_size**2 patches concatenated -> a hidden layer of that
+    width -> out_hidden_size, the text model's hidden size) and one such merger per deepstack index, whose
+    LayerNorm is over the concatenated width.
+    """
+    vision = cfg.get("vision_config")
+    if not vision:
+        return 0
+    width, inner, out = vision["hidden_size"], vision["intermediate_size"], vision["out_hidden_size"]
+    patch = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    merged = width * vision["spatial_merge_size"] ** 2
+    embeddings = patch * width + width + vision["num_position_embeddings"] * width
+    block = 2 * 2 * width + (width + 1) * 3 * width + (width + 1) * width + (width + 1) * inner + (inner + 1) * width
+
+    def merger(norm_width: int) -> int:
+        return 2 * norm_width + (merged + 1) * merged + (merged + 1) * out
+
+    deepstack = len(vision.get("deepstack_visual_indexes") or [])
+    return embeddings + vision["depth"] * block + merger(width) + deepstack * merger(merged)
 
 
 def estimate_weights(cfg: dict) -> tuple[int, float]:
     """(parameters, bytes) of the verifier's checkpoint, from its config alone.
 
     Embeddings + lm_head, per layer q/k/v/o (with head_dim and the KV heads), the dense MLP or every expert
-    plus the router, and the norms; biases, sinks and q/k norms where the architecture has them. Everything
-    is bf16 except MXFP4 expert weights (gpt-oss), at 4.25 bits each.
+    plus the router, and the norms; biases, sinks and q/k norms where the architecture has them; the vision
+    tower of a vision-language verifier. Everything is bf16 except MXFP4 expert weights (gpt-oss), at 4.25
+    bits each.
     """
+    vision = vision_params(cfg)
+    cfg = text_config(cfg)
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -89,7 +138,7 @@ def estimate_weights(cfg: dict) -> tuple[int, float]:
     router = experts * hidden + (experts if gpt_oss else 0)
     expert_biases = experts * (2 * expert_size + hidden) if gpt_oss else 0
 
-    bf16 = vocab_params(cfg) + hidden + layers * (attention + norms)  # + final norm
+    bf16 = vocab_params(cfg) + hidden + layers * (attention + norms) + vision  # + final norm
     packed = 0
     for layer in range(layers):
         if layer in dense_layers:
@@ -121,15 +170,18 @@ def test_every_row_has_a_variant_a_config_and_a_source():
 def test_the_config_holds_the_published_facts(name):
     hub_id, family, layers, hidden, vocab, experts, _ = MATRIX[name]
     cfg = config(name)
+    text = text_config(cfg)
     assert sources()[name] == hub_id
     assert cfg["model_type"] == family
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], num_experts(cfg)) == (
+    assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"], num_experts(cfg)) == (
         layers,
         hidden,
         vocab,
         experts,
     )
-    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    assert text["num_attention_heads"] % text["num_key_value_heads"] == 0
+    if "vision_config" in cfg:  # the vision tower's mergers project into the text model's hidden states
+        assert cfg["vision_config"]["out_hidden_size"] == hidden
     if family == "gpt_oss":
         assert cfg["quantization_config"]["quant_method"] == "mxfp4"
         assert len(cfg["layer_types"]) == layers
@@ -139,7 +191,7 @@ def test_the_config_holds_the_published_facts(name):
 def test_the_variant_matches_its_config(name):
     hub_id, *_ = MATRIX[name]
     cfg, v = config(name), variant(name)
-    n = cfg["num_hidden_layers"]
+    n = text_config(cfg)["num_hidden_layers"]  # the aux ids index the text model's decoder layers
     assert v.verifier == hub_id == sources()[name]
     assert v.family == cfg["model_type"]
     assert v.drafter.aux_layer_ids == [2, n // 2, n - 3] and max(v.drafter.aux_layer_ids) < n
@@ -163,7 +215,7 @@ def test_vllm_steps_hold_the_verifier_with_room_for_kv_cache(name):
         profile = v.profile(step)
         tp = profile.tensor_parallel_size
         assert profile.gpus >= 1 and profile.gpus % tp == 0, (name, step)
-        assert cfg["num_attention_heads"] % tp == 0, (name, step)  # vLLM shards whole heads
+        assert text_config(cfg)["num_attention_heads"] % tp == 0, (name, step)  # vLLM shards whole heads
         per_gpu = weights_gib / tp
         assert per_gpu <= WEIGHT_SHARE * profile.gpu_memory_gib, (
             f"{name} {step}: {per_gpu:.1f} GiB of weights per GPU at TP {tp} is over "
