@@ -68,13 +68,17 @@ def write_prompt_files(settings: BenchSettings, folder: Path) -> dict[str, Any]:
     row (it then sends ignore_eos), prompts-natural.jsonl without one (the cap goes in the request)."""
     from speculators.atomic_io import write_text_atomic
     from speculators.prompts import data_version, load_prompts
+    from speculators.vision import openai_messages
 
     conversations = load_prompts(settings.prompts, settings.requests)
     for name, budget in (
         ("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
         ("prompts-natural.jsonl", {}),
     ):
-        rows = [json.dumps({"messages": c.messages, **budget}, ensure_ascii=False) for c in conversations]
+        # Images as OpenAI image_url parts with data URLs: GuideLLM passes `messages` rows through as they are.
+        rows = [
+            json.dumps({"messages": openai_messages(c.messages), **budget}, ensure_ascii=False) for c in conversations
+        ]
         # Each prompt twice: GuideLLM (0.8.1) ends a run when its data runs out, even with a request still
         # in flight (seen: 3 of 4 recorded); with rows to spare, max_requests ends it once all are done.
         write_text_atomic(folder / name, "\n".join(rows + rows) + "\n")
@@ -235,11 +239,19 @@ class OutputJudge:
         self.tie_ulps = tie_ulps
         self.verifier: Verifier | None = None
 
-    def __call__(self, prompt_ids: list[int], baseline_ids: list[int], speculator_ids: list[int]) -> dict[str, Any]:
+    def __call__(
+        self,
+        prompt_ids: list[int],
+        baseline_ids: list[int],
+        speculator_ids: list[int],
+        messages: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """`messages`: the request's, whose images (image_url data URLs) a vision-language verifier sees."""
         import torch
 
-        from speculators.evaluate import default_tie_tolerance, top_two
+        from speculators.evaluate import default_tie_tolerance, pixel_inputs, top_two
         from speculators.verifier import load_verifier
+        from speculators.vision import request_images
 
         position = next((i for i, (a, b) in enumerate(zip(baseline_ids, speculator_ids, strict=False)) if a != b), None)
         if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
@@ -247,8 +259,9 @@ class OutputJudge:
         if self.verifier is None:
             self.verifier = load_verifier(self.source, dtype=self.dtype)
         with torch.inference_mode():
-            context = torch.tensor([[*prompt_ids, *baseline_ids[:position]]])
-            logits = self.verifier.model(input_ids=context).logits[0, -1:].float()
+            context = [*prompt_ids, *baseline_ids[:position]]
+            vision = pixel_inputs(self.verifier, context, request_images(messages or []))
+            logits = self.verifier.model(input_ids=torch.tensor([context]), **(vision or {})).logits[0, -1:].float()
         top, top_logit, second, _ = top_two(logits)[0]
         # How far each served token's logit lies below the verifier's top one (0 for the top token itself).
         served = (baseline_ids[position], speculator_ids[position])
@@ -291,8 +304,10 @@ def compare_outputs(
             continue
         verdict: dict[str, Any] = {"status": "diverged", "reason": "the servers tokenized the prompt differently"}
         if base["prompt_token_ids"] == spec["prompt_token_ids"]:
-            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"])
-        differences.append({"prompt": base["messages"][-1]["content"][:80], **verdict})
+            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"], base["messages"])
+        content = base["messages"][-1]["content"]
+        text = content if isinstance(content, str) else " ".join(p.get("text", "[image]") for p in content)
+        differences.append({"prompt": text[:80], **verdict})
     return {
         "compared": len(baseline),
         "identical": len(baseline) - len(differences),
@@ -428,14 +443,29 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
     return results
 
 
+def check_vision_serving(verifier: str) -> None:
+    """A vision-language verifier that this vLLM cannot load: one error before any server starts."""
+    from speculators.verifier import load_verifier_config
+    from speculators.vision import is_vision_language, vllm_vision_support
+
+    config, _ = load_verifier_config(verifier)
+    reason = vllm_vision_support() if is_vision_language(config.model_type) else None
+    if reason:
+        raise SpeculatorsError(
+            f"cannot serve {verifier}: {reason}; meanwhile 'speculators evaluate' measures the drafter's "
+            f"acceptance and checks losslessness with transformers"
+        )
+
+
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Both servers, every profile, the report folder; returns report.json's content."""
     from speculators.atomic_io import write_text_atomic
     from speculators.checkpoint import read_checkpoint
 
     folder = Path(settings.output)
-    folder.mkdir(parents=True, exist_ok=True)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    check_vision_serving(settings.verifier)
+    folder.mkdir(parents=True, exist_ok=True)
     k = settings.num_speculative_tokens or config.speculative_tokens
     settings = settings.model_copy(update={"num_speculative_tokens": k})
     prompts = write_prompt_files(settings, folder)

@@ -183,6 +183,15 @@ class VllmServer:
             command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
+        if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:
+            from speculators.regenerate import vllm_image_limits
+
+            try:  # a vision-language verifier: profiled for images, not video
+                limits = vllm_image_limits(self.verifier_name).get("limit_mm_per_prompt")
+            except SpeculatorsError:  # a hub id out of reach: vLLM's defaults
+                limits = None
+            if limits:
+                command += ["--limit-mm-per-prompt", json.dumps(limits)]
         return command + list(s.extra_args)
 
     def start(self) -> VllmServer:

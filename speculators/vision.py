@@ -123,6 +123,58 @@ def collapse_placeholders(input_ids: list[int], image_token_id: int) -> list[int
     return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
 
 
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for an OpenAI-compatible server (vLLM's /v1/chat/completions): each image part as an
+    `image_url` part holding a data URL of its bytes (the server needs no access to local paths)."""
+    converted = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [openai_part(part) for part in content]
+        converted.append({**message, "content": content})
+    return converted
+
+
+def openai_part(part: dict[str, str]) -> dict[str, Any]:
+    if part.get("type") != "image":
+        return part
+    reference = part["image"]
+    if not reference.startswith(DATA_URL_PREFIX):
+        from PIL import Image
+
+        data = image_bytes(reference)
+        with Image.open(io.BytesIO(data)) as image:
+            kind = (image.format or "png").lower()
+        reference = f"data:image/{kind};base64," + base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": reference}}
+
+
+def request_images(messages: list[dict[str, Any]]) -> list[Image.Image]:
+    """The images of OpenAI-format messages (image_url parts with data URLs, as openai_messages writes)."""
+    images = []
+    for message in messages:
+        if isinstance(message.get("content"), list):
+            for part in message["content"]:
+                if part.get("type") == "image_url":
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                    images.append(decode_image(image_bytes(url), "(request image)"))
+    return images
+
+
+def vllm_vision_support() -> str | None:
+    """Why this installation's vLLM cannot load a Qwen3-VL model (None when it can): vLLM's model
+    module imports transformers' torchvision image processor at import time."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # missing, or a build for another torch (its C++ ops fail to register)
+        return (
+            f"vLLM loads Qwen3-VL only with torchvision, which cannot be imported here ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:120] if str(error) else 'no module'}); install the torchvision build "
+            f"that matches this torch (CUDA machines: the one pip pairs with vLLM's torch)"
+        )
+    return None
+
+
 def is_vision_language(model_type: str) -> bool:
     return model_type in VISION_LANGUAGE_TYPES
 
