@@ -225,4 +225,3 @@ class ImageInputs:
         if len(positions) != len(input_ids):
             raise SpeculatorsError("an image's placeholder run is shorter than its token count; prepare the data again")
         return positions
-
