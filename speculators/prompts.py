@@ -357,12 +357,19 @@ def iter_source_rows(
     source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0
 ) -> Iterator[tuple[str, Any, Path | None]]:
     """(location, row, base_dir) for each row of a source: a local file or folder, `hf:<preset or
-    dataset id>`, `demo:train` / `demo:eval`, or a built-in file
+    dataset id>`, `demo:train` / `demo:eval`, `demo-vl:train` / `demo-vl:eval`, or a built-in file
     (`natural:eval`). `base_dir` is the folder relative image paths resolve against: the row's file's
     folder, None for datasets and generated rows."""
     if source in BUILTIN_SOURCES:
         for _, row in iter_file_rows(BUILTIN_SOURCES[source]):
             yield row["id"], row, BUILTIN_SOURCES[source].parent
+        return
+    if source.startswith("demo-vl"):
+        from speculators.demo_images import demo_image_rows
+
+        split = demo_vl_split(source)
+        for index, row in enumerate(demo_image_rows(split, seed=seed)):
+            yield f"demo-vl-{split}[{index}]", row, None
         return
     if source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
@@ -387,6 +394,13 @@ def iter_source_rows(
         base_dir = file.parent.resolve()
         for location, row in iter_file_rows(file):
             yield location, row, base_dir
+
+
+def demo_vl_split(source: str) -> str:
+    prefix, _, split = source.partition(":")
+    if prefix != "demo-vl" or split not in ("train", "eval"):
+        raise SpeculatorsError(f"demo-vl source '{source}' is not demo-vl:train or demo-vl:eval; use one of those")
+    return split
 
 
 # ----- preparing -----------------------------------------------------------------------------------
@@ -521,6 +535,11 @@ def source_fingerprint(source: str) -> str:
     digest = hashlib.sha256(source.encode())
     if source in BUILTIN_SOURCES:
         digest.update(BUILTIN_SOURCES[source].read_bytes())
+    elif source.startswith("demo-vl"):
+        from speculators.demo_images import demo_image_rows
+
+        rows = demo_image_rows(demo_vl_split(source))
+        digest.update("\n".join(json.dumps(row, sort_keys=True) for row in rows).encode())
     elif source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
 

@@ -544,3 +544,55 @@ def test_prompt_messages_and_openai_messages_with_image_parts(tmp_path):
         messages[3],
     ]
     assert openai_messages(OPENAI["messages"]) == OPENAI["messages"]
+
+
+def test_demo_vl_rows_are_deterministic_split_and_small_images():
+    import time
+
+    from speculators.demo_images import ROWS, demo_image_rows, split_rows
+    from speculators.vision import load_image
+
+    split_rows.cache_clear()
+    started = time.perf_counter()
+    held_out = demo_image_rows("eval")
+    assert time.perf_counter() - started < 5  # measured ~0.2 s
+    train = demo_image_rows("train")
+    assert len(held_out) == ROWS["eval"] == 40 and len(train) == ROWS["train"] >= 200
+    split_rows.cache_clear()
+    assert demo_image_rows("eval") == held_out  # drawn again, the same bytes
+    reordered = demo_image_rows("eval", seed=1)
+    assert reordered != held_out and sorted(map(json.dumps, reordered)) == sorted(map(json.dumps, held_out))
+    assert {row["kind"] for row in held_out} == {"bar_chart", "shapes", "text", "two_images"}
+
+    conversations, report = prepare_conversations(["demo-vl:train", "demo-vl:eval"], require_assistant=False)
+    assert report.kept == len(train) + len(held_out) and report.duplicates == 0 and not report.rejected
+    by_split = {"train": conversations[: len(train)], "eval": conversations[len(train) :]}
+    assert not {c.id for c in by_split["train"]} & {c.id for c in by_split["eval"]}
+    digests = {
+        split: {p["sha256"] for c in rows for p in c.messages[0]["content"] if p["type"] == "image"}
+        for split, rows in by_split.items()
+    }
+    assert not digests["train"] & digests["eval"]  # no eval image is a training image
+    sides = {64, 96, 128, 160, 192, 224}
+    for c in conversations:
+        (message,) = c.messages
+        assert message["role"] == "user" and message["content"][-1]["type"] == "text"
+        images = message["content"][:-1]
+        assert 1 <= len(images) <= 2 and all(p["image"].startswith("data:image/png;base64,") for p in images)
+        for part in images:
+            width, height = load_image(part).size
+            assert width in sides and height in sides, (width, height)
+    assert sum(len(c.messages[0]["content"]) == 3 for c in by_split["eval"]) >= 3  # a few with two images
+
+
+def test_demo_vl_source_names_and_fingerprints():
+    from speculators.prompts import load_prompts, source_fingerprint
+
+    prompts = load_prompts("demo-vl:eval", max_prompts=5)
+    assert len(prompts) == 5 and all(isinstance(p.messages[0]["content"], list) for p in prompts)
+    for bad in ("demo-vl:test", "demo-vl"):
+        with pytest.raises(SpeculatorsError, match="is not demo-vl:train or demo-vl:eval"):
+            prepare_conversations([bad], require_assistant=False)
+    assert isinstance(load_prompts("demo:eval", max_prompts=1)[0].messages[0]["content"], str)  # demo: is text
+    fingerprints = {s: source_fingerprint(s) for s in ("demo-vl:eval", "demo-vl:train", "demo:eval")}
+    assert len(set(fingerprints.values())) == 3 and source_fingerprint("demo-vl:eval") == fingerprints["demo-vl:eval"]
