@@ -3,8 +3,18 @@
 Shapes understood, in JSONL, JSON (a list, or an object holding one) or Parquet files, and in
 Hugging Face datasets:
 - ShareGPT: `conversations` of {from, value}
-- OpenAI chat: `messages` of {role, content} (content may be a list of text parts)
+- OpenAI chat: `messages` of {role, content}; content may be a list of parts: text
+  `{"type": "text", "text": ...}` and images `{"type": "image_url", "image_url": {"url": ...}}`
+  (or `"image_url": "<url>"`) or `{"type": "image", "image": ...}`
 - single turn: `prompt` with an optional `response`
+- LLaVA / ShareGPT4V: `image` (a string or a list; or `images`) beside the conversation, each
+  `<image>` placeholder in a user turn (or an image part without a value) taking the next image;
+  with no placeholder at all the images open the first user turn
+
+An image is a local path (relative to the source file's folder), a file:// URL or a
+data:image/...;base64 URL; `vision.image_part` checks it decodes. A message with images has
+`content` = a list of text parts and image parts in order (see speculators.vision); a text-only
+message keeps a plain string, so text-only conversations and their ids are what they were.
 
 Every row read ends as kept, duplicate, or rejected with a reason; nothing is dropped silently.
 """
@@ -19,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators import vision
 from speculators.errors import SpeculatorsError
 
 ROLE_ALIASES = {
@@ -47,59 +58,202 @@ class RowRejected(Exception):
 @dataclass
 class Conversation:
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "messages": self.messages}, ensure_ascii=False)
 
 
-def conversation_id(messages: list[dict[str, str]]) -> str:
-    """Content hash of the normalised messages: same conversation, same id, whatever its source."""
-    canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+def conversation_id(messages: list[dict[str, Any]]) -> str:
+    """Content hash of the normalised messages: same conversation, same id, whatever its source. An
+    image counts by its bytes' digest, not its path (text-only messages hash exactly as they are)."""
+    canonical = json.dumps(identity(messages), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
+def identity(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part reduced to its digest: what conversation ids hash."""
+    return [
+        message
+        if isinstance(message["content"], str)
+        else {
+            **message,
+            "content": [
+                {"type": "image", "sha256": part["sha256"]} if part.get("type") == "image" else part
+                for part in message["content"]
+            ],
+        }
+        for message in messages
+    ]
+
+
 def text_of(content: Any) -> str:
+    """The text of a message's content (a string, or a list of parts whose image parts are left out)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
         parts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        if len(parts) == len(content):
+        images = [part for part in content if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES]
+        if len(parts) + len(images) == len(content):
             return "".join(parts)
         raise RowRejected("non-text message content")
     raise RowRejected("message content is not text")
 
 
-def normalise_messages(raw_messages: Any, role_key: str, content_key: str) -> list[dict[str, str]]:
+# ----- images in rows --------------------------------------------------------------------------------
+
+IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PART_TYPES = ("image", "image_url")
+NOT_A_REFERENCE = "images in dataset rows must be paths or data URLs"
+SLOT = object()  # an image placeholder, filled from the row's own `image` / `images`
+
+
+def row_images(row: dict[str, Any]) -> list[str]:
+    """The row-level images of a LLaVA / ShareGPT4V row (`image`: a string or a list; or `images`)."""
+    if row.get("image") is not None and row.get("images") is not None:
+        raise RowRejected("row has both 'image' and 'images'")
+    value = row.get("image") if row.get("image") is not None else row.get("images")
+    if value is None:
+        return []
+    values = value if isinstance(value, list | tuple) else [value]
+    if not all(isinstance(item, str) for item in values):
+        raise RowRejected(NOT_A_REFERENCE)
+    return list(values)
+
+
+def raw_pieces(content: Any, placeholders: bool) -> list[Any]:
+    """A message's raw content as pieces: text (str), image references ({"ref": raw}) and SLOTs.
+    `<image>` in text is a SLOT only when the row has images of its own (`placeholders`)."""
+    if isinstance(content, str):
+        return split_placeholders(content) if placeholders else [content]
+    if not isinstance(content, list):
+        raise RowRejected("message content is not text")
+    pieces: list[Any] = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise RowRejected("a message content part is not an object")
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if text is not None and not isinstance(text, str):
+                raise RowRejected("a text part's text is not a string")
+            pieces += split_placeholders(text or "") if placeholders else [text or ""]
+        elif kind == "image_url":
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if url is None:
+                raise RowRejected("an image_url part has no url")
+            pieces.append({"ref": url})
+        elif kind == "image":
+            value = part.get("image")
+            pieces.append(SLOT if value is None else {"ref": value})
+        else:
+            raise RowRejected(f"unsupported message content part '{kind}'")
+    return pieces
+
+
+def split_placeholders(text: str) -> list[Any]:
+    pieces: list[Any] = []
+    for index, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if index:
+            pieces.append(SLOT)
+        pieces.append(piece)
+    return pieces
+
+
+def fill_slots(messages: list[tuple[str, list[Any]]], images: list[str]) -> None:
+    """Each SLOT takes the next row-level image; with no SLOT the images open the first user turn."""
+    slots = sum(piece is SLOT for _, pieces in messages for piece in pieces)
+    if not slots:
+        first_user = next((pieces for role, pieces in messages if role == "user"), None)
+        if first_user is not None:
+            first_user[:0] = [{"ref": image} for image in images]
+        return
+    if not images:
+        raise RowRejected("an image part has no image (give 'image' a path or data URL)")
+    if slots != len(images):
+        raise RowRejected(f"{slots} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
+    remaining = iter(images)
+    for _, pieces in messages:
+        pieces[:] = [{"ref": next(remaining)} if piece is SLOT else piece for piece in pieces]
+
+
+def normalised_content(pieces: list[Any], base_dir: Path | None) -> str | list[dict[str, Any]]:
+    """Text pieces merged where adjacent and stripped, images checked: a string when there is no image."""
+    parts: list[dict[str, Any]] = []
+    text: list[str] = []
+
+    def flush() -> None:
+        merged = "".join(text).strip()
+        text.clear()
+        if merged:
+            parts.append({"type": "text", "text": merged})
+
+    for piece in pieces:
+        if isinstance(piece, str):
+            text.append(piece)
+            continue
+        flush()
+        if not isinstance(piece["ref"], str):
+            raise RowRejected(NOT_A_REFERENCE)
+        try:
+            parts.append(vision.image_part(piece["ref"], base_dir))
+        except vision.ImageRejected as reason:
+            raise RowRejected(str(reason)) from None
+    flush()
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def normalise_messages(
+    raw_messages: Any,
+    role_key: str,
+    content_key: str,
+    images: Sequence[str] = (),
+    base_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Messages with known roles and normalised content; `images` are the row's own (LLaVA `image`)."""
     if not isinstance(raw_messages, list):
         raise RowRejected("messages are not a list")
-    messages = []
+    pending: list[tuple[str, list[Any]]] = []
     for message in raw_messages:
         if not isinstance(message, dict) or role_key not in message or content_key not in message:
             raise RowRejected(f"a message lacks '{role_key}' or '{content_key}'")
         role = ROLE_ALIASES.get(str(message[role_key]).strip().lower())
         if role is None:
             raise RowRejected(f"unknown role '{message[role_key]}'")
-        content = text_of(message[content_key]).strip()
+        pending.append((role, raw_pieces(message[content_key], placeholders=bool(images))))
+    fill_slots(pending, list(images))
+    for role, pieces in pending:
+        if role != "user" and any(not isinstance(piece, str) for piece in pieces):
+            raise RowRejected(f"image in {'an assistant' if role == 'assistant' else 'a system'} turn")
+    messages = []
+    for role, pieces in pending:
+        content = normalised_content(pieces, base_dir)
         if content:
             messages.append({"role": role, "content": content})
     return messages
 
 
-def parse_row(row: Any, require_assistant: bool) -> list[dict[str, str]]:
-    """One source row -> normalised messages, or RowRejected with the reason."""
+def parse_row(row: Any, require_assistant: bool, base_dir: Path | None = None) -> list[dict[str, Any]]:
+    """One source row -> normalised messages, or RowRejected with the reason. Relative image paths
+    resolve against `base_dir` (the source file's folder; the working directory when None)."""
     if not isinstance(row, dict):
         raise RowRejected("row is not an object")
+    images = row_images(row)
     if "conversations" in row:
-        messages = normalise_messages(row["conversations"], "from", "value")
+        messages = normalise_messages(row["conversations"], "from", "value", images, base_dir)
     elif "messages" in row:
-        messages = normalise_messages(row["messages"], "role", "content")
+        messages = normalise_messages(row["messages"], "role", "content", images, base_dir)
     elif "prompt" in row:
         messages = normalise_messages(
             [{"role": "user", "content": row["prompt"]}]
             + ([{"role": "assistant", "content": row["response"]}] if row.get("response") is not None else []),
             "role",
             "content",
+            images,
+            base_dir,
         )
     else:
         raise RowRejected("unrecognised shape (no conversations, messages or prompt)")
@@ -199,12 +353,23 @@ BUILTIN_SOURCES = {
 VALIDATION_PREFIX = "validation-"
 
 
-def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0):
-    """Rows of a source: a local file, `hf:<preset or dataset id>`, `demo:train` / `demo:eval`, or a
-    built-in file (`natural:eval`)."""
+def iter_source_rows(
+    source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0
+) -> Iterator[tuple[str, Any, Path | None]]:
+    """(location, row, base_dir) for each row of a source: a local file or folder, `hf:<preset or
+    dataset id>`, `demo:train` / `demo:eval`, `demo-vl:train` / `demo-vl:eval`, or a built-in file
+    (`natural:eval`). `base_dir` is the folder relative image paths resolve against: the row's file's
+    folder, None for datasets and generated rows."""
     if source in BUILTIN_SOURCES:
         for _, row in iter_file_rows(BUILTIN_SOURCES[source]):
-            yield row["id"], row
+            yield row["id"], row, BUILTIN_SOURCES[source].parent
+        return
+    if source.startswith("demo-vl"):
+        from speculators.demo_images import demo_image_rows
+
+        split = demo_vl_split(source)
+        for index, row in enumerate(demo_image_rows(split, seed=seed)):
+            yield f"demo-vl-{split}[{index}]", row, None
         return
     if source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
@@ -213,10 +378,11 @@ def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | 
         if split not in ("train", "eval"):
             raise SpeculatorsError(f"demo split '{split}' is not train or eval; use demo:train or demo:eval")
         for index, prompt in enumerate(demo_prompts(split, seed=seed)):
-            yield f"demo-{split}[{index}]", {"prompt": prompt}
+            yield f"demo-{split}[{index}]", {"prompt": prompt}, None
         return
     if source.startswith("hf:"):
-        yield from iter_hf_rows(source.removeprefix("hf:"), hf_subset, hf_split)
+        for location, row in iter_hf_rows(source.removeprefix("hf:"), hf_subset, hf_split):
+            yield location, row, None
         return
     path = Path(source).expanduser()
     if not path.exists():
@@ -225,7 +391,16 @@ def iter_source_rows(source: str, hf_subset: str | None = None, hf_split: str | 
         sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")) if path.is_dir() else [path]
     )
     for file in files:
-        yield from iter_file_rows(file)
+        base_dir = file.parent.resolve()
+        for location, row in iter_file_rows(file):
+            yield location, row, base_dir
+
+
+def demo_vl_split(source: str) -> str:
+    prefix, _, split = source.partition(":")
+    if prefix != "demo-vl" or split not in ("train", "eval"):
+        raise SpeculatorsError(f"demo-vl source '{source}' is not demo-vl:train or demo-vl:eval; use one of those")
+    return split
 
 
 # ----- preparing -----------------------------------------------------------------------------------
@@ -305,14 +480,14 @@ def prepare_conversations(
     conversations: list[Conversation] = []
     splits = [(source, True) for source in validation_sources] + [(source, False) for source in sources]
     for source, for_validation in splits:
-        for location, row in iter_source_rows(source, hf_subset, hf_split, seed):
+        for location, row, base_dir in iter_source_rows(source, hf_subset, hf_split, seed):
             if not for_validation and max_samples is not None and len(conversations) - report.validation >= max_samples:
                 break
             report.rows_read += 1
             try:
                 if isinstance(row, RowRejected):
                     raise row
-                messages = parse_row(row, require_assistant)
+                messages = parse_row(row, require_assistant, base_dir)
             except RowRejected as reason:
                 report.reject(str(reason), location)
                 continue
@@ -334,8 +509,9 @@ def prepare_conversations(
 # ----- prompts for evaluation and benchmarks --------------------------------------------------------
 
 
-def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The conversation up to its last user turn: what a client sends to get the next answer."""
+def prompt_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation up to its last user turn: what a client sends to get the next answer (image
+    parts included; `openai_messages` turns them into what an OpenAI-compatible server takes)."""
     last_user = max((i for i, message in enumerate(messages) if message["role"] == "user"), default=None)
     if last_user is None:
         raise SpeculatorsError("a conversation without a user turn cannot be used as a prompt")
@@ -359,6 +535,11 @@ def source_fingerprint(source: str) -> str:
     digest = hashlib.sha256(source.encode())
     if source in BUILTIN_SOURCES:
         digest.update(BUILTIN_SOURCES[source].read_bytes())
+    elif source.startswith("demo-vl"):
+        from speculators.demo_images import demo_image_rows
+
+        rows = demo_image_rows(demo_vl_split(source))
+        digest.update("\n".join(json.dumps(row, sort_keys=True) for row in rows).encode())
     elif source.startswith("demo"):
         from speculators.demo_prompts import demo_prompts
 
@@ -375,3 +556,23 @@ def source_fingerprint(source: str) -> str:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as an OpenAI-compatible chat server takes them: each normalised image part becomes
+    `{"type": "image_url", "image_url": {"url": <data URL, or file:// URL of the path>}}` (a vLLM server
+    reads file:// URLs only under its --allowed-local-media-path); text-only messages are unchanged."""
+
+    def part(item: dict[str, Any]) -> dict[str, Any]:
+        if item.get("type") != "image":
+            return item
+        reference = item["image"]
+        url = reference if reference.startswith(vision.DATA_URL_PREFIX) else Path(reference).as_uri()
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    return [
+        message
+        if isinstance(message["content"], str)
+        else {**message, "content": [part(p) for p in message["content"]]}
+        for message in messages
+    ]

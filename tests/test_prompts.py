@@ -72,7 +72,7 @@ def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
         {"messages": [{"role": "tool", "content": "x"}]},
         {"text": "plain text"},
         {"messages": [{"role": "assistant", "content": "I speak first"}, {"role": "user", "content": "ok"}]},
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
         "[1, 2]",
     ]
     _conversations, report = prepare_conversations([write_jsonl(tmp_path / "bad.jsonl", rows)])
@@ -85,7 +85,7 @@ def test_every_rejection_reason_is_counted_with_its_location(tmp_path):
         "unknown role 'tool'": 1,
         "unrecognised shape (no conversations, messages or prompt)": 1,
         "assistant turn before the first user turn": 1,
-        "non-text message content": 1,
+        "unsupported message content part 'input_audio'": 1,
         "row is not an object": 1,
     }
     assert report.examples["malformed JSON (Expecting value)"] == ["bad.jsonl:2"]
@@ -237,3 +237,362 @@ def test_validation_sources_are_tagged_come_first_and_win_over_equal_training_ro
     written.write_text("".join(c.to_json() + "\n" for c in conversations))
     again, report = prepare_conversations([str(written)], require_assistant=False)
     assert [c.id for c in again] == [c.id for c in conversations] and report.validation == 42
+
+
+# ----- image prompts (vision-language verifiers) -------------------------------------------------------
+
+
+def png(path, colour=(255, 0, 0), size=(64, 64)):
+    """A small PNG at `path`; returns its normalised image part's digest."""
+    import hashlib
+
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path, format="PNG")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def image(path, digest):
+    return {"type": "image", "image": str(path.resolve()), "sha256": digest}
+
+
+def text(value):
+    return {"type": "text", "text": value}
+
+
+def test_openai_image_parts_in_every_form_normalise_in_order(tmp_path, monkeypatch):
+    red, blue, green = (
+        png(tmp_path / "img" / f"{c}.png", colour)
+        for c, colour in (("red", (255, 0, 0)), ("blue", (0, 0, 255)), ("green", (0, 255, 0)))
+    )
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look: "},
+                    {"type": "image_url", "image_url": {"url": "img/red.png"}},
+                    {"type": "text", "text": " and "},
+                    {"type": "image_url", "image_url": "img/blue.png"},
+                    {"type": "image", "image": str(tmp_path / "img" / "green.png")},
+                    {"type": "text", "text": "?"},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "Red, blue, green."}]},
+        ]
+    }
+    monkeypatch.chdir(tmp_path.parent)  # relative paths follow the file, not the working directory
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", [row])])
+    assert report.kept == 1 and not report.rejected
+    assert conversations[0].messages == [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                text("Look:"),
+                image(tmp_path / "img" / "red.png", red),
+                text("and"),
+                image(tmp_path / "img" / "blue.png", blue),
+                image(tmp_path / "img" / "green.png", green),
+                text("?"),
+            ],
+        },
+        {"role": "assistant", "content": "Red, blue, green."},  # text-only: still a plain string
+    ]
+    from speculators.prompts import text_of
+
+    assert text_of(conversations[0].messages[1]["content"]) == "Look:and?"
+
+
+def test_llava_rows_put_each_image_at_its_placeholder_in_json_jsonl_and_parquet(tmp_path, monkeypatch):
+    import datasets
+
+    data = tmp_path / "data"
+    cat, dog = png(data / "pics" / "cat.png", (10, 10, 10)), png(data / "pics" / "dog.png", (200, 200, 200))
+    one = {
+        "id": "llava-1",
+        "image": "pics/cat.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat is this?"},
+            {"from": "gpt", "value": "A cat."},
+            {"from": "human", "value": "Sure?"},
+            {"from": "gpt", "value": "Yes."},
+        ],
+    }
+    two = {
+        "image": ["pics/cat.png", "pics/dog.png"],
+        "conversations": [
+            {"from": "human", "value": "Compare <image> with <image>."},
+            {"from": "gpt", "value": "Dark and light."},
+        ],
+    }
+    none = {
+        "image": "pics/dog.png",
+        "conversations": [{"from": "human", "value": "Describe it."}, {"from": "gpt", "value": "Grey."}],
+    }
+    (data / "llava.json").write_text(json.dumps([one]))
+    write_jsonl(data / "llava.jsonl", [two])
+    datasets.Dataset.from_list([none]).to_parquet(str(data / "llava.parquet"))
+    monkeypatch.chdir(tmp_path)
+    conversations, report = prepare_conversations([str(data)])
+    assert report.kept == 3 and not report.rejected
+    by_text = {c.messages[-1]["content"]: c.messages for c in conversations}
+    assert by_text["Yes."] == [
+        {"role": "user", "content": [image(data / "pics" / "cat.png", cat), text("What is this?")]},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    assert by_text["Dark and light."][0]["content"] == [
+        text("Compare"),
+        image(data / "pics" / "cat.png", cat),
+        text("with"),
+        image(data / "pics" / "dog.png", dog),
+        text("."),
+    ]
+    # No placeholder at all: the LLaVA convention puts the image first in the first human turn.
+    assert by_text["Grey."][0]["content"] == [image(data / "pics" / "dog.png", dog), text("Describe it.")]
+
+
+def test_data_urls_and_file_urls(tmp_path):
+    import base64
+
+    digest = png(tmp_path / "x.png", (1, 2, 3))
+    url = "data:image/png;base64," + base64.b64encode((tmp_path / "x.png").read_bytes()).decode()
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, text("Colour?")]}
+            ]
+        },
+        {"prompt": [{"type": "image", "image": (tmp_path / "x.png").as_uri()}, text("Which colour?")]},
+    ]
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", rows)], require_assistant=False)
+    assert report.kept == 2 and not report.rejected
+    assert conversations[0].messages[0]["content"] == [
+        {"type": "image", "image": url, "sha256": digest},
+        text("Colour?"),
+    ]
+    assert conversations[1].messages[0]["content"] == [image(tmp_path / "x.png", digest), text("Which colour?")]
+
+
+def test_every_image_rejection_is_counted_with_its_reason_and_location(tmp_path):
+    png(tmp_path / "ok.png")
+    (tmp_path / "junk.png").write_bytes(b"this is not an image")
+    answer = {"role": "assistant", "content": "fine"}
+
+    def asking(*parts):
+        return {"messages": [{"role": "user", "content": [*parts, text("What is it?")]}, answer]}
+
+    rows = [
+        asking({"type": "image_url", "image_url": {"url": "missing.png"}}),
+        asking({"type": "image", "image": "junk.png"}),
+        asking({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+        asking({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}),
+        {
+            "image": "ok.png",
+            "conversations": [{"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "x"}],
+        },
+        {
+            "image": ["ok.png", "ok.png"],
+            "conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "x"}],
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Draw"},
+                {"role": "assistant", "content": [{"type": "image", "image": "ok.png"}]},
+            ]
+        },
+        {"image": "ok.png", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "<image>"}]},
+        {
+            "messages": [
+                {"role": "system", "content": [{"type": "image", "image": "ok.png"}]},
+                {"role": "user", "content": "?"},
+                answer,
+            ]
+        },
+        {
+            "image": {"bytes": "...", "path": None},
+            "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+        },
+        asking({"type": "image"}),
+        asking({"type": "image_url", "image_url": {}}),
+        asking({"type": "image_url", "image_url": {"url": "ok.png"}}),  # the one good row
+    ]
+    _conversations, report = prepare_conversations([write_jsonl(tmp_path / "bad.jsonl", rows)])
+    junk = next(
+        reason
+        for reason in report.rejected
+        if reason.startswith(f"image {tmp_path / 'junk.png'} is not a readable image (")
+    )
+    assert report.kept == 1 and report.rows_read == 13
+    assert report.rejected == {
+        f"image {tmp_path / 'missing.png'} does not exist": 1,
+        junk: 1,
+        "image https://example.com/cat.png is a remote URL; download it and give the local path": 1,
+        "image data URL has invalid base64": 1,
+        "2 <image> placeholders for 1 images": 1,
+        "1 <image> placeholders for 2 images": 1,
+        "image in an assistant turn": 2,
+        "image in a system turn": 1,
+        "images in dataset rows must be paths or data URLs": 1,
+        "an image part has no image (give 'image' a path or data URL)": 1,
+        "an image_url part has no url": 1,
+    }
+    assert report.examples[f"image {tmp_path / 'missing.png'} does not exist"] == ["bad.jsonl:1"]
+    assert report.examples[junk] == ["bad.jsonl:2"]
+    assert report.examples["2 <image> placeholders for 1 images"] == ["bad.jsonl:5"]
+    assert report.examples["image in an assistant turn"] == ["bad.jsonl:7", "bad.jsonl:8"]
+    assert f"image {tmp_path / 'missing.png'} does not exist (e.g. bad.jsonl:1)" in report.summary()
+
+
+def test_dataset_rows_with_decoded_images_are_rejected_with_the_reason(monkeypatch):
+    import datasets
+    from PIL import Image
+
+    picture = Image.new("RGB", (32, 32))
+    rows = [
+        {"image": picture, "conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "x"}]},
+        {"images": [picture], "messages": [{"role": "user", "content": [{"type": "image"}, text("?")]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": picture}, text("?")]}]},
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: rows)
+    _conversations, report = prepare_conversations(["hf:acme/vl"], require_assistant=False)
+    assert report.rejected == {"images in dataset rows must be paths or data URLs": 3}
+    assert report.examples["images in dataset rows must be paths or data URLs"] == [
+        "acme/vl[0]",
+        "acme/vl[1]",
+        "acme/vl[2]",
+    ]
+
+
+def test_conversation_ids_follow_image_bytes_not_paths(tmp_path):
+    import base64
+
+    from speculators.prompts import conversation_id
+
+    png(tmp_path / "a.png", (9, 9, 9))
+    png(tmp_path / "copy" / "same.png", (9, 9, 9))
+    png(tmp_path / "other.png", (9, 9, 10))
+    url = "data:image/png;base64," + base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
+
+    def row(reference):
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": reference}, text("Colour?")]}]}
+
+    rows = [row("a.png"), row("copy/same.png"), row(url), row("other.png")]
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", rows)], require_assistant=False)
+    assert report.kept == 2 and report.duplicates == 2  # same bytes at another path, or inline: same conversation
+    assert conversations[0].messages[0]["content"][0]["image"] == str(tmp_path / "a.png")  # the first one seen
+    assert conversations[0].id != conversations[1].id  # other bytes, other id
+    assert conversation_id([{"role": "user", "content": "Colour?"}]) not in {c.id for c in conversations}
+
+
+def test_text_only_conversation_ids_are_what_they_were():
+    """Ids and data versions computed by the code before image prompts existed (commit dd54071)."""
+    from speculators.prompts import conversation_id, parse_row
+
+    assert conversation_id(parse_row(OPENAI, True)) == "69dac6c5253cb8d5b45d"
+    assert conversation_id(parse_row(SHAREGPT, True)) == "efb17071a837fc830a06"
+    assert conversation_id(parse_row(PARTS, True)) == "e21788efbf50871ece6a"
+    _conversations, report = prepare_conversations(["natural:eval"], require_assistant=False)
+    assert report.data_version == "64b41c0c3101507c"
+    # A literal <image> in a row without images of its own is text.
+    assert parse_row({"prompt": "What does <image> do in LLaVA data?"}, False)[0]["content"] == (
+        "What does <image> do in LLaVA data?"
+    )
+
+
+def test_prepared_image_conversations_read_back_unchanged(tmp_path):
+    """The hidden-state step re-reads conversations.jsonl: normalised image parts parse to themselves."""
+    png(tmp_path / "a.png")
+    row = {
+        "image": "a.png",
+        "conversations": [{"from": "human", "value": "<image>Hm?"}, {"from": "gpt", "value": "Red."}],
+    }
+    conversations, _ = prepare_conversations([write_jsonl(tmp_path / "src.jsonl", [row])])
+    written = tmp_path / "out" / "conversations.jsonl"
+    written.parent.mkdir()
+    written.write_text("".join(c.to_json() + "\n" for c in conversations))
+    again, report = prepare_conversations([str(written)])
+    assert report.kept == 1 and [(c.id, c.messages) for c in again] == [(c.id, c.messages) for c in conversations]
+
+
+def test_prompt_messages_and_openai_messages_with_image_parts(tmp_path):
+    from speculators.prompts import openai_messages, prompt_messages
+
+    digest = png(tmp_path / "a.png")
+    url = "data:image/png;base64,AAAA"
+    messages = [
+        {"role": "user", "content": [image(tmp_path / "a.png", digest), text("What?")]},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": [{"type": "image", "image": url, "sha256": "0" * 16}, text("And this?")]},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    assert prompt_messages(messages) == messages[:3]
+    assert openai_messages(messages) == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": (tmp_path / "a.png").resolve().as_uri()}},
+                text("What?"),
+            ],
+        },
+        messages[1],
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, text("And this?")]},
+        messages[3],
+    ]
+    assert openai_messages(OPENAI["messages"]) == OPENAI["messages"]
+
+
+def test_demo_vl_rows_are_deterministic_split_and_small_images():
+    import time
+
+    from speculators.demo_images import ROWS, demo_image_rows, split_rows
+    from speculators.vision import load_image
+
+    split_rows.cache_clear()
+    started = time.perf_counter()
+    held_out = demo_image_rows("eval")
+    assert time.perf_counter() - started < 5  # measured ~0.2 s
+    train = demo_image_rows("train")
+    assert len(held_out) == ROWS["eval"] == 40 and len(train) == ROWS["train"] >= 200
+    split_rows.cache_clear()
+    assert demo_image_rows("eval") == held_out  # drawn again, the same bytes
+    reordered = demo_image_rows("eval", seed=1)
+    assert reordered != held_out and sorted(map(json.dumps, reordered)) == sorted(map(json.dumps, held_out))
+    assert {row["kind"] for row in held_out} == {"bar_chart", "shapes", "text", "two_images"}
+
+    conversations, report = prepare_conversations(["demo-vl:train", "demo-vl:eval"], require_assistant=False)
+    assert report.kept == len(train) + len(held_out) and report.duplicates == 0 and not report.rejected
+    by_split = {"train": conversations[: len(train)], "eval": conversations[len(train) :]}
+    assert not {c.id for c in by_split["train"]} & {c.id for c in by_split["eval"]}
+    digests = {
+        split: {p["sha256"] for c in rows for p in c.messages[0]["content"] if p["type"] == "image"}
+        for split, rows in by_split.items()
+    }
+    assert not digests["train"] & digests["eval"]  # no eval image is a training image
+    sides = {64, 96, 128, 160, 192, 224}
+    for c in conversations:
+        (message,) = c.messages
+        assert message["role"] == "user" and message["content"][-1]["type"] == "text"
+        images = message["content"][:-1]
+        assert 1 <= len(images) <= 2 and all(p["image"].startswith("data:image/png;base64,") for p in images)
+        for part in images:
+            width, height = load_image(part).size
+            assert width in sides and height in sides, (width, height)
+    assert sum(len(c.messages[0]["content"]) == 3 for c in by_split["eval"]) >= 3  # a few with two images
+
+
+def test_demo_vl_source_names_and_fingerprints():
+    from speculators.prompts import load_prompts, source_fingerprint
+
+    prompts = load_prompts("demo-vl:eval", max_prompts=5)
+    assert len(prompts) == 5 and all(isinstance(p.messages[0]["content"], list) for p in prompts)
+    for bad in ("demo-vl:test", "demo-vl"):
+        with pytest.raises(SpeculatorsError, match="is not demo-vl:train or demo-vl:eval"):
+            prepare_conversations([bad], require_assistant=False)
+    assert isinstance(load_prompts("demo:eval", max_prompts=1)[0].messages[0]["content"], str)  # demo: is text
+    fingerprints = {s: source_fingerprint(s) for s in ("demo-vl:eval", "demo-vl:train", "demo:eval")}
+    assert len(set(fingerprints.values())) == 3 and source_fingerprint("demo-vl:eval") == fingerprints["demo-vl:eval"]
