@@ -511,7 +511,7 @@ def prepare_conversations(
 
 def prompt_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation up to its last user turn: what a client sends to get the next answer (image
-    parts included; `openai_messages` turns them into what an OpenAI-compatible server takes)."""
+    parts included; `vision.openai_messages` turns them into what an OpenAI-compatible server takes)."""
     last_user = max((i for i, message in enumerate(messages) if message["role"] == "user"), default=None)
     if last_user is None:
         raise SpeculatorsError("a conversation without a user turn cannot be used as a prompt")
@@ -556,23 +556,3 @@ def source_fingerprint(source: str) -> str:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]
-
-
-def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as an OpenAI-compatible chat server takes them: each normalised image part becomes
-    `{"type": "image_url", "image_url": {"url": <data URL, or file:// URL of the path>}}` (a vLLM server
-    reads file:// URLs only under its --allowed-local-media-path); text-only messages are unchanged."""
-
-    def part(item: dict[str, Any]) -> dict[str, Any]:
-        if item.get("type") != "image":
-            return item
-        reference = item["image"]
-        url = reference if reference.startswith(vision.DATA_URL_PREFIX) else Path(reference).as_uri()
-        return {"type": "image_url", "image_url": {"url": url}}
-
-    return [
-        message
-        if isinstance(message["content"], str)
-        else {**message, "content": [part(p) for p in message["content"]]}
-        for message in messages
-    ]

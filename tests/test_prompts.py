@@ -520,7 +520,10 @@ def test_prepared_image_conversations_read_back_unchanged(tmp_path):
 
 
 def test_prompt_messages_and_openai_messages_with_image_parts(tmp_path):
-    from speculators.prompts import openai_messages, prompt_messages
+    import base64
+
+    from speculators.prompts import prompt_messages
+    from speculators.vision import openai_messages
 
     digest = png(tmp_path / "a.png")
     url = "data:image/png;base64,AAAA"
@@ -531,11 +534,13 @@ def test_prompt_messages_and_openai_messages_with_image_parts(tmp_path):
         {"role": "assistant", "content": "Blue."},
     ]
     assert prompt_messages(messages) == messages[:3]
+    # local files go as data URLs: the server needs no access to the path
+    encoded = base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
     assert openai_messages(messages) == [
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": (tmp_path / "a.png").resolve().as_uri()}},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + encoded}},
                 text("What?"),
             ],
         },

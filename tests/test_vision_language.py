@@ -281,3 +281,107 @@ def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_stor
     assert metrics["replayed_rounds"] == totals["drafts"] > 0
     assert metrics["replayed_acceptance_length"] == pytest.approx(totals["acceptance_length"])
     assert totals["acceptance_length"] > 2.0
+
+
+def write_image_prompts(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.slow
+def test_the_lineage_materializes_for_a_tiny_qwen3_vl_through_dagster(vl_verifier, tmp_path, monkeypatch):
+    """raw_prompts -> hidden states -> drafter -> checkpoint for image prompts, through Dagster with
+    Pipes subprocesses; the benchmark step says why this vLLM cannot serve Qwen3-VL, and the
+    transformers evaluator measures the published drafter on held-out image prompts instead."""
+    import dagster as dg
+
+    from speculators.demo_images import demo_image_rows
+    from speculators.evaluate import run_evaluation
+    from speculators.vision import vllm_vision_support
+
+    prompts = write_image_prompts(tmp_path / "train.jsonl", demo_image_rows("train")[:8])
+    held_out = write_image_prompts(tmp_path / "eval.jsonl", demo_image_rows("eval")[:4])
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    (variants / "tiny_qwen3_vl.yaml").write_text(f"""
+description: tiny random Qwen3-VL (tests)
+verifier: {vl_verifier}
+family: qwen3_vl
+prompts: {{sources: ["{prompts}"], eval_source: "{held_out}"}}
+datagen: {{regenerate: true, backend: transformers, max_length: 384, max_new_tokens: 32, batch_size: 4,
+          storage: float32, dtype: float32}}
+drafter: {{draft_vocab_size: 128, aux_layer_ids: [1, 4, 6], speculative_tokens: 3, draft_layer_type: qwen3}}
+training: {{epochs: 60, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}}
+benchmark: {{requests: 4, output_tokens: 16, concurrency: [2], dtype: float32, max_model_len: 512,
+            enforce_eager: true, kv_cache_gib: 1}}
+gates: {{min_acceptance_length: 1.2, min_vocab_coverage: 0.5}}
+""")
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(variants))
+    monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", str(tmp_path / "storage"))
+    from speculators_assets.definitions import build_defs
+
+    defs = build_defs()
+    result = dg.materialize(
+        list(defs.assets),
+        partition_key="tiny_qwen3_vl",
+        resources=defs.resources,
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    meta = {
+        e.materialization.asset_key.to_user_string(): {k: v.value for k, v in e.materialization.metadata.items()}
+        for e in result.get_asset_materialization_events()
+    }
+    assert meta["raw_prompts"]["kept"] == 8 and meta["raw_prompts"]["rejected"] == 0
+    hidden = meta["verifier_hidden_states"]
+    assert hidden["samples"] == 8 and hidden["regenerated"] == 8
+    assert meta["trained_drafter"]["acceptance_length"] > 1.2
+    checkpoint = meta["speculator_checkpoint"]
+    assert checkpoint["published"] is True
+    reason = vllm_vision_support()
+    if reason is None:  # a machine whose vLLM loads Qwen3-VL: the benchmark runs like any other
+        assert result.success and meta["benchmark_report"]["outputs_lossless"]
+        return
+    assert "benchmark_report" not in meta
+    failures = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert len(failures) == 1 and "torchvision" in str(failures[0].event_specific_data.error)
+    report = run_evaluation(str(vl_verifier), str(held_out), speculator=checkpoint["latest"], max_new_tokens=24)
+    totals = report.totals()
+    assert totals["identical"] == totals["prompts"] == 4
+    assert totals["acceptance_length"] > 1.0
+
+
+@pytest.mark.slow
+def test_vllm_loads_qwen3_vl_only_with_torchvision(vl_verifier, loaded, vl_store, capfd):
+    """Where torchvision cannot be imported (this CPU build), vLLM itself refuses the model for that
+    reason, which is what `speculators bench` reports up front. Where it can, vLLM's capture with the
+    images equals the transformers capture (fp32 here; bf16 rounding on GPUs)."""
+    from speculators.vision import vllm_vision_support
+    from speculators.vllm_capture import VllmCapture
+
+    capture_ids = [*PEAKED_AUX, loaded.num_layers]
+    samples = vl_store["samples"][:2]
+    if vllm_vision_support() is not None:
+        with pytest.raises(Exception, match=r"\['Qwen3VLForConditionalGeneration'\] failed to be inspected"):
+            VllmCapture(
+                str(vl_verifier), capture_ids, "float32", max_model_len=512, image_token_id=loaded.config.image_token_id
+            )
+        captured = capfd.readouterr()
+        assert "No module named 'torchvision'" in captured.out + captured.err  # vLLM's log of the inspection
+        return
+    engine = VllmCapture(
+        str(vl_verifier), capture_ids, "float32", max_model_len=512, image_token_id=loaded.config.image_token_id
+    )
+    try:
+        served = engine([s.input_ids for s in samples], [s.images for s in samples])
+    finally:
+        engine.close()
+    from speculators.datagen import transformers_capture_fn
+
+    reference = transformers_capture_fn(loaded, capture_ids)(
+        [s.input_ids for s in samples], [s.images for s in samples]
+    )
+    for got, want in zip(served, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
