@@ -443,20 +443,6 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
     return results
 
 
-def check_vision_serving(verifier: str) -> None:
-    """A vision-language verifier that this vLLM cannot load: one error before any server starts."""
-    from speculators.verifier import load_verifier_config
-    from speculators.vision import is_vision_language, vllm_vision_support
-
-    config, _ = load_verifier_config(verifier)
-    reason = vllm_vision_support() if is_vision_language(config.model_type) else None
-    if reason:
-        raise SpeculatorsError(
-            f"cannot serve {verifier}: {reason}; meanwhile 'speculators evaluate' measures the drafter's "
-            f"acceptance and checks losslessness with transformers"
-        )
-
-
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Both servers, every profile, the report folder; returns report.json's content."""
     from speculators.atomic_io import write_text_atomic
@@ -464,6 +450,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
     folder = Path(settings.output)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    from speculators.serve import check_vision_serving
+
     check_vision_serving(settings.verifier)
     folder.mkdir(parents=True, exist_ok=True)
     k = settings.num_speculative_tokens or config.speculative_tokens

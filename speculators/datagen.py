@@ -68,6 +68,11 @@ class DatagenReport:
         }
 
 
+def sample_keys(fingerprint: str, capture_ids: list[int], storage: str, samples: list[TokenizedSample]) -> list[str]:
+    """Each sample's shard key: its tokens and, for samples with images, the images' digests."""
+    return [sample_key(fingerprint, capture_ids, storage, s.input_ids, images_digest(s.images)) for s in samples]
+
+
 def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[int]]:
     """Sample indices per batch; depends only on the data order and the lengths."""
     batches = []
@@ -195,7 +200,7 @@ def run_datagen(
             f"the samples hold images but verifier {verifier.name_or_path} ({verifier.model_type}) takes none; "
             f"prepare them with this verifier"
         )
-    keys = [sample_key(fingerprint, capture_ids, storage, s.input_ids, images_digest(s.images)) for s in samples]
+    keys = sample_keys(fingerprint, capture_ids, storage, samples)
     written: dict[str, tuple[str, int]] = {}
     computed = computed_tokens = 0
     started = time.perf_counter()
@@ -344,7 +349,7 @@ def run_datagen_replicas(
     capture_ids = [*aux_ids, verifier.num_layers]
     verifier.check_layer_ids(capture_ids)
     store = HiddenStateStore(store_dir)
-    keys = [sample_key(verifier.fingerprint, capture_ids, storage, s.input_ids) for s in samples]
+    keys = sample_keys(verifier.fingerprint, capture_ids, storage, samples)
     started = time.perf_counter()
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)

@@ -167,7 +167,7 @@ def verifier_pass(
 
     base = verifier.adapter.base_model(verifier.model)
     if cache is None and hasattr(base, "rope_deltas"):
-        base.rope_deltas = None  # M-RoPE offsets are the prompt's: never an earlier prompt's
+        base.rope_deltas = None  # type: ignore[assignment]  # M-RoPE offsets: this prompt's, not an earlier one's
     out = verifier.model(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True, **(vision or {}))
     aux = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
     return out.logits[0], out.past_key_values, aux

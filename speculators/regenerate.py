@@ -438,8 +438,8 @@ def regenerate(
                 if image_inputs is None:
                     generated = cast(GenerateFn, generate)([s.ids for s in active])
                 else:
-                    images = [image_parts(s.history) for s in active]
-                    generated = cast(ImageGenerateFn, generate)([s.ids for s in active], images)
+                    prompt_images = [image_parts(s.history) for s in active]
+                    generated = cast(ImageGenerateFn, generate)([s.ids for s in active], prompt_images)
                 for state, ids in zip(active, generated, strict=True):
                     advance(state, ids, tokenizer, ends, report, max_length)
                 active = [s for s in active if not s.done]

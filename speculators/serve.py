@@ -123,6 +123,23 @@ class ServerSettings:
         }
 
 
+def check_vision_serving(verifier: str) -> None:
+    """A vision-language verifier that this vLLM cannot load: one error before any server starts."""
+    from speculators.verifier import load_verifier_config
+    from speculators.vision import is_vision_language, vllm_vision_support
+
+    try:
+        config, _ = load_verifier_config(verifier)
+    except SpeculatorsError:  # unreadable here (a hub id without network): vLLM will say what is wrong
+        return
+    reason = vllm_vision_support() if is_vision_language(config.model_type) else None
+    if reason:
+        raise SpeculatorsError(
+            f"cannot serve {verifier}: {reason}; meanwhile 'speculators evaluate' measures the drafter's "
+            f"acceptance and checks losslessness with transformers"
+        )
+
+
 class VllmServer:
     """A running vLLM server: `with VllmServer(settings) as server: ... server.url ...`."""
 
@@ -196,6 +213,8 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         s = self.settings
+        if self.verifier_name:
+            check_vision_serving(self.verifier_name)
         if self.port == 0:
             self.port = free_port(s.host)
         check_port_free(s.host, self.port)

@@ -165,7 +165,7 @@ def vllm_vision_support() -> str | None:
     """Why this installation's vLLM cannot load a Qwen3-VL model (None when it can): vLLM's model
     module imports transformers' torchvision image processor at import time."""
     try:
-        import torchvision  # noqa: F401
+        import torchvision  # type: ignore[import-not-found]  # noqa: F401
     except Exception as error:  # missing, or a build for another torch (its C++ ops fail to register)
         return (
             f"vLLM loads Qwen3-VL only with torchvision, which cannot be imported here ({type(error).__name__}: "

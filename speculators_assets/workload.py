@@ -91,10 +91,21 @@ def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subpro
         done = subprocess.run(command, capture_output=True, text=True)
         print(done.stdout + done.stderr, flush=True)
         return done
-    done = subprocess.run(command, stdout=sys.stdout, stderr=sys.stderr, text=True)
+    # stderr passes through line by line; its last `error:` line (the CLI's one-sentence reason) goes
+    # into the failure, which Dagster shows with the run, not only in the step's log.
+    process = subprocess.Popen(command, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
+    reason = None
+    assert process.stderr is not None
+    for line in process.stderr:
+        sys.stderr.write(line)
+        if line.startswith("error: "):
+            reason = line.removeprefix("error: ").strip()
+    process.wait()
+    done = subprocess.CompletedProcess(command, process.returncode)
     if done.returncode != 0:
         raise StepFailed(
-            f"`speculators {arguments[0]}` failed with exit code {done.returncode}; its output is in the step log"
+            f"`speculators {arguments[0]}` failed with exit code {done.returncode}"
+            + (f": {reason}" if reason else "; its output is in the step log")
         )
     print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
     return done
@@ -200,14 +211,18 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas."""
     from speculators.settings import CaptureSettings, PrepareSettings
+    from speculators.vision import is_vision_language
 
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
+    # Image conversations regenerate in vLLM's offline engine (one TP group): its data-parallel
+    # server's token-id API takes no images. Capture still runs every replica.
+    regeneration_parallel = {**parallel, "data_parallel_size": 1} if is_vision_language(v.family) else parallel
     regeneration = {
         **d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
         "regenerate": d.regenerate,
-        **(parallel if vllm and d.regenerate else {}),
+        **(regeneration_parallel if vllm and d.regenerate else {}),
     }
     prepare = PrepareSettings(
         sources=[str(conversations)],

@@ -323,11 +323,12 @@ gates: {{min_acceptance_length: 1.2, min_vocab_coverage: 0.5}}
     from speculators_assets.definitions import build_defs
 
     defs = build_defs()
+    instance = dg.DagsterInstance.ephemeral()
     result = dg.materialize(
         list(defs.assets),
         partition_key="tiny_qwen3_vl",
         resources=defs.resources,
-        instance=dg.DagsterInstance.ephemeral(),
+        instance=instance,
         raise_on_error=False,
     )
     meta = {
@@ -346,10 +347,15 @@ gates: {{min_acceptance_length: 1.2, min_vocab_coverage: 0.5}}
         return
     assert "benchmark_report" not in meta
     failures = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert len(failures) == 1 and "torchvision" in str(failures[0].event_specific_data.error)
+    assert len(failures) == 1 and failures[0].step_key == "benchmark_report"
+    # The CLI's one-line reason reaches the run's events (the workload's failure, reported over Pipes).
+    events = [entry.dagster_event for entry in instance.all_logs(result.run_id) if entry.dagster_event]
+    closed = [e for e in events if "closed with exception" in (e.message or "")]
+    error = closed[0].event_specific_data.error.message
+    assert "`speculators bench` failed with exit code 2: cannot serve" in error and "torchvision" in error
     report = run_evaluation(str(vl_verifier), str(held_out), speculator=checkpoint["latest"], max_new_tokens=24)
     totals = report.totals()
-    assert totals["identical"] == totals["prompts"] == 4
+    assert totals["lossless"]["identical"] == totals["prompts"] == 4
     assert totals["acceptance_length"] > 1.0
 
 
