@@ -151,8 +151,10 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
 
     config, location = load_verifier_config(str(settings.verifier))
     images = verifier_image_inputs(config, location)
-    tokenizer, generate, server = answer_generator(settings, output, images)
     key = regeneration_key(settings)
+    if settings.data_parallel_size > 1 and not settings.server_url and (images or settings.backend != "vllm"):
+        return regenerate_on_replicas(settings, conversations, output, key)
+    tokenizer, generate, server = answer_generator(settings, output, images)
     reuse_earlier_samples(output, key)
     with server:
         samples, report = regenerate(
@@ -171,6 +173,76 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
+def regenerate_on_replicas(
+    settings: PrepareSettings, conversations: list[Conversation], output: Path, key: str
+) -> dict[str, Any]:
+    """`data_parallel_size` replica processes, each a plain `speculators prepare` of every n-th
+    conversation on its own GPUs (CUDA_VISIBLE_DEVICES; CPU cores for vLLM's CPU build) with its
+    own offline engine or transformers model, then their samples merged in conversation order. Used
+    where vLLM's data-parallel server cannot serve: conversations with images (its token-id API
+    takes none) and the transformers backend. Each replica resumes on its own, so a rerun after a
+    failure regenerates only what is missing."""
+    import subprocess
+    import sys
+
+    from speculators.atomic_io import write_jsonl_atomic
+    from speculators.datagen import replica_devices
+    from speculators.flags import to_argv
+    from speculators.tokenization import read_samples
+
+    s, replicas = settings, settings.data_parallel_size
+    folders = [output / "replicas" / str(index) for index in range(replicas)]
+    processes = []
+    for index, (folder, env) in enumerate(zip(folders, replica_devices(replicas, s.tensor_parallel_size), strict=True)):
+        folder.mkdir(parents=True, exist_ok=True)
+        write_jsonl_atomic(folder / "conversations-in.jsonl", conversations[index::replicas])
+        one = s.model_copy(
+            update={
+                "sources": [str(folder / "conversations-in.jsonl")],
+                "validation_sources": [],
+                "max_samples": None,
+                "output": str(folder),
+                "data_parallel_size": 1,
+            }
+        )
+        command = [sys.executable, "-m", "speculators.cli", "prepare", *to_argv(one)]
+        log = folder / "prepare.log"
+        print(f"regeneration replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
+        with open(log, "w") as handle:
+            processes.append(
+                (
+                    index,
+                    log,
+                    subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env}),
+                )
+            )
+    for _, _, process in processes:
+        process.wait()
+    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
+    if failed:
+        index, log = failed[0]
+        lines = log.read_text(errors="replace").strip().splitlines()
+        reason = next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
+        raise SpeculatorsError(f"regeneration replica {index} failed ({reason}); see {log}, then run again to resume")
+    by_id = {sample.id: sample for folder in folders for sample in read_samples(folder / "samples.jsonl")}
+    samples = [by_id[c.id] for c in conversations if c.id in by_id]
+    write_jsonl_atomic(output / "samples.partial.jsonl", samples)  # what a single-process rerun resumes from
+    rejected: Counter[str] = Counter()
+    regeneration: Counter[str] = Counter()
+    for folder in folders:
+        tokenization = json.loads((folder / "prepare_report.json").read_text())["tokenization"]
+        rejected.update(tokenization["rejected"])
+        regeneration.update(
+            {k: v for k, v in tokenization["regeneration"].items() if isinstance(v, int) and not isinstance(v, bool)}
+        )
+    details = {
+        "regeneration": {**regeneration, "replicas": replicas},
+        "rejected": dict(rejected),
+        "regeneration_key": key,
+    }
+    return write_samples(output, samples, details)
+
+
 def answer_generator(
     settings: PrepareSettings, output: Path, images: ImageInputs | None = None
 ) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
@@ -179,7 +251,7 @@ def answer_generator(
     s = settings
     if s.backend != "vllm":
         if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
-            raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --server-url need --backend vllm")
+            raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
         from speculators.regenerate import transformers_generate_fn, transformers_image_generate_fn
         from speculators.verifier import load_verifier
 
@@ -194,10 +266,10 @@ def answer_generator(
             )
         generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
         return verifier.tokenizer, generate, nullcontext()
-    if images is not None and (s.server_url or s.data_parallel_size > 1):
+    if images is not None and s.server_url:
         raise SpeculatorsError(
-            "regenerating image conversations runs vLLM's offline engine (its token-id server API takes no images); "
-            "drop --server-url and --data-parallel-size, and use --tensor-parallel-size for a large verifier"
+            "regenerating image conversations runs vLLM's offline engine (a server's token-id API takes no images); "
+            "drop --server-url (--data-parallel-size N runs N offline engines)"
         )
 
     from transformers import AutoTokenizer

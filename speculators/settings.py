@@ -39,7 +39,12 @@ class Parallelism(BaseModel):
     """vLLM's sharding of the verifier: in a variant these come from the step's compute profile."""
 
     tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs (or CPU ranks) per verifier replica")
-    data_parallel_size: int = Field(1, ge=1, description="vllm backend: verifier replicas, each on its own GPUs")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="verifier replicas, each on its own GPUs (vllm: behind one server, or for image data and "
+        "capture one engine each; transformers regeneration: one process each)",
+    )
 
 
 # ----- prepare -------------------------------------------------------------------------------------
@@ -49,7 +54,7 @@ class PromptSources(BaseModel):
     sources: list[str] = Field(
         min_length=1,
         description="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train, demo:eval, "
-        "natural:eval or natural:validation; repeatable",
+        "demo-vl:train, demo-vl:eval (image prompts), natural:eval or natural:validation; repeatable",
         json_schema_extra={"flag": "source", "repeat": True},
     )
     validation_sources: list[str] = Field(

@@ -211,18 +211,13 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas."""
     from speculators.settings import CaptureSettings, PrepareSettings
-    from speculators.vision import is_vision_language
-
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
-    # Image conversations regenerate in vLLM's offline engine (one TP group): its data-parallel
-    # server's token-id API takes no images. Capture still runs every replica.
-    regeneration_parallel = {**parallel, "data_parallel_size": 1} if is_vision_language(v.family) else parallel
     regeneration = {
         **d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
         "regenerate": d.regenerate,
-        **(regeneration_parallel if vllm and d.regenerate else {}),
+        **(parallel if vllm and d.regenerate else {}),
     }
     prepare = PrepareSettings(
         sources=[str(conversations)],

@@ -264,10 +264,7 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     prepare, datagen, vocab = hidden_state_commands(v, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "store")
     assert prepare[:1] == ["prepare"] and flag(prepare, "--backend") == "vllm" and "--regenerate" in prepare
     assert int(flag(prepare, "--tensor-parallel-size")) == capture.tensor_parallel_size
-    if v.family.startswith("qwen3_vl"):  # image conversations regenerate on one TP group (offline engine)
-        assert flag(prepare, "--data-parallel-size") == "1"
-    else:
-        assert int(flag(prepare, "--data-parallel-size")) * capture.tensor_parallel_size == capture.gpus
+    assert int(flag(prepare, "--data-parallel-size")) * capture.tensor_parallel_size == capture.gpus
     assert flag(datagen, "--backend") == "vllm" and flag(datagen, "--verifier") == MATRIX[name][0]
     tp, dp = int(flag(datagen, "--tensor-parallel-size")), int(flag(datagen, "--data-parallel-size"))
     assert tp == capture.tensor_parallel_size and tp * dp == capture.gpus

@@ -391,3 +391,43 @@ def test_vllm_loads_qwen3_vl_only_with_torchvision(vl_verifier, loaded, vl_store
     )
     for got, want in zip(served, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_data_parallel_regeneration_equals_one_process_and_resumes(vl_verifier, tmp_path):
+    """Image conversations regenerate on replica processes (vLLM's server takes no images; here the
+    transformers backend): the same samples, in the same order, as one process; a rerun reuses them."""
+    import json
+
+    from speculators.demo_images import demo_image_rows
+    from speculators.prepare import run_prepare
+    from speculators.settings import PrepareSettings
+
+    source = write_image_prompts(tmp_path / "prompts.jsonl", demo_image_rows("eval")[:5])
+
+    def prepare(folder: str, replicas: int) -> dict:
+        settings = PrepareSettings(
+            sources=[str(source)],
+            output=str(tmp_path / folder),
+            verifier=str(vl_verifier),
+            regenerate=True,
+            max_new_tokens=12,
+            max_length=384,
+            dtype="float32",
+            data_parallel_size=replicas,
+        )
+        return run_prepare(settings)
+
+    prepare("one", 1)
+    report = prepare("two", 2)
+    one, two = ((tmp_path / name / "samples.jsonl").read_text() for name in ("one", "two"))
+    assert one == two and one.count("\n") == 5 and '"images"' in one
+    assert report["tokenization"]["regeneration"] == {**report["tokenization"]["regeneration"], "replicas": 2}
+    assert report["tokenization"]["regeneration"]["regenerated"] == 5
+    replica_reports = [
+        json.loads((tmp_path / "two" / "replicas" / str(i) / "prepare_report.json").read_text()) for i in (0, 1)
+    ]
+    assert [r["tokenization"]["regeneration"]["regenerated"] for r in replica_reports] == [3, 2]
+    again = prepare("two", 2)
+    assert again["tokenization"]["regeneration"]["regenerated"] == 0
+    assert again["tokenization"]["regeneration"]["resumed"] == 5
+    assert (tmp_path / "two" / "samples.jsonl").read_text() == one
