@@ -12,6 +12,7 @@ vLLM's worker, see vllm_capture.py); both write the same store layout.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -330,6 +331,27 @@ def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, 
     return [{variable: separator.join(group)} for group in groups]
 
 
+Replica = tuple[int, Path, subprocess.Popen[bytes]]  # (index, log, process)
+
+
+def start_replica(label: str, index: int, command: list[str], env: dict[str, str], log: Path) -> Replica:
+    """One replica process with its own devices (`env`), its output in `log`."""
+    print(f"{label} {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    return index, log, process
+
+
+def raise_for_failed_replicas(what: str, processes: list[Replica]) -> None:
+    """One error for the first failed replica: its `error:` line (or last line) and its log."""
+    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
+    if failed:
+        index, log = failed[0]
+        lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
+        reason = next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1])
+        raise SpeculatorsError(f"{what} replica {index} failed ({reason}); see {log}, then run again to resume")
+
+
 def run_datagen_replicas(
     settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts, data_version: str | None = None
 ) -> DatagenReport:
@@ -337,7 +359,6 @@ def run_datagen_replicas(
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
     pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
     shards are content-addressed and renamed into place, so a failed replica is simply run again."""
-    import subprocess
     import sys
 
     from tqdm import tqdm
@@ -353,7 +374,7 @@ def run_datagen_replicas(
     started = time.perf_counter()
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
-    processes = []
+    processes: list[Replica] = []
     one_replica = settings.model_copy(
         update={
             "backend": "vllm",
@@ -373,26 +394,13 @@ def run_datagen_replicas(
             "--replica",
             f"{index}/{replicas}",
         ]
-        log = store_dir / f"replica-{index}.log"
-        print(f"replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
-        with open(log, "w") as handle:
-            processes.append(
-                (
-                    index,
-                    log,
-                    subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env}),
-                )
-            )
+        processes.append(start_replica("replica", index, command, env, store_dir / f"replica-{index}.log"))
     with tqdm(total=missing_before, desc=f"capturing with {replicas} replicas", unit="sample") as bar:
         while any(process.poll() is None for _, _, process in processes):
             time.sleep(2)
             bar.n = missing_before - sum(1 for key in keys if not store.has(key))
             bar.refresh()
-    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
-    if failed:
-        index, log = failed[0]
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
-        raise SpeculatorsError(f"datagen replica {index} failed ({tail[0]}); see {log}, then run again to resume")
+    raise_for_failed_replicas("datagen", processes)
     seconds = time.perf_counter() - started
     report = run_datagen(
         samples,

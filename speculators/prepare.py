@@ -182,17 +182,16 @@ def regenerate_on_replicas(
     where vLLM's data-parallel server cannot serve: conversations with images (its token-id API
     takes none) and the transformers backend. Each replica resumes on its own, so a rerun after a
     failure regenerates only what is missing."""
-    import subprocess
     import sys
 
     from speculators.atomic_io import write_jsonl_atomic
-    from speculators.datagen import replica_devices
+    from speculators.datagen import Replica, raise_for_failed_replicas, replica_devices, start_replica
     from speculators.flags import to_argv
     from speculators.tokenization import read_samples
 
     s, replicas = settings, settings.data_parallel_size
     folders = [output / "replicas" / str(index) for index in range(replicas)]
-    processes = []
+    processes: list[Replica] = []
     for index, (folder, env) in enumerate(zip(folders, replica_devices(replicas, s.tensor_parallel_size), strict=True)):
         folder.mkdir(parents=True, exist_ok=True)
         write_jsonl_atomic(folder / "conversations-in.jsonl", conversations[index::replicas])
@@ -206,24 +205,10 @@ def regenerate_on_replicas(
             }
         )
         command = [sys.executable, "-m", "speculators.cli", "prepare", *to_argv(one)]
-        log = folder / "prepare.log"
-        print(f"regeneration replica {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
-        with open(log, "w") as handle:
-            processes.append(
-                (
-                    index,
-                    log,
-                    subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env}),
-                )
-            )
+        processes.append(start_replica("regeneration replica", index, command, env, folder / "prepare.log"))
     for _, _, process in processes:
         process.wait()
-    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
-    if failed:
-        index, log = failed[0]
-        lines = log.read_text(errors="replace").strip().splitlines()
-        reason = next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
-        raise SpeculatorsError(f"regeneration replica {index} failed ({reason}); see {log}, then run again to resume")
+    raise_for_failed_replicas("regeneration", processes)
     by_id = {sample.id: sample for folder in folders for sample in read_samples(folder / "samples.jsonl")}
     samples = [by_id[c.id] for c in conversations if c.id in by_id]
     write_jsonl_atomic(output / "samples.partial.jsonl", samples)  # what a single-process rerun resumes from

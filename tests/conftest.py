@@ -85,13 +85,17 @@ def store(peaked_verifier, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_drafter(store, peaked_verifier, tmp_path_factory):
     """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
+    return overfit_drafter(store, peaked_verifier, tmp_path_factory.mktemp("trained-drafter"))
+
+
+def overfit_drafter(store: Path, verifier: Path, output: Path) -> Path:
+    """A tiny drafter trained (fp32, 80 epochs, every sample) until it reproduces the store's answers."""
     from speculators.train import TrainConfig, train
 
-    output = tmp_path_factory.mktemp("trained-drafter")
     train(
         TrainConfig(
             store=str(store),
-            verifier=str(peaked_verifier),
+            verifier=str(verifier),
             output=str(output),
             epochs=80,
             lr=1e-2,

@@ -217,27 +217,9 @@ def test_store_keys_follow_the_images_and_hold_the_drafter_positions(loaded, vl_
 
 @pytest.fixture(scope="module")
 def vl_drafter(vl_store, vl_verifier, tmp_path_factory):
-    from speculators.train import TrainConfig, train
+    from tests.conftest import overfit_drafter
 
-    output = tmp_path_factory.mktemp("vl-drafter")
-    train(
-        TrainConfig(
-            store=str(vl_store["dir"]),
-            verifier=str(vl_verifier),
-            output=str(output),
-            epochs=80,
-            lr=1e-2,
-            warmup=0.05,
-            validation_share=0.0,
-            token_budget=512,
-            precision="fp32",
-            log_every=50,
-            eval_every=1000,
-            checkpoint_every=1000,
-            progress=False,
-        )
-    )
-    return output / "drafter"
+    return overfit_drafter(vl_store["dir"], vl_verifier, tmp_path_factory.mktemp("vl-drafter"))
 
 
 def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_store, vl_drafter, vl_verifier, tmp_path):
