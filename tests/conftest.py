@@ -165,7 +165,13 @@ def lineage(peaked_verifier, tmp_path_factory):
 
 # Modules that take minutes, longest first: `make test` runs two pytest-xdist workers that take whole
 # modules (`--dist loadfile`) in collection order, so starting with these keeps both busy to the end.
-SLOWEST_MODULES = ("test_lineage.py", "test_serve_bench.py", "test_regenerate.py", "test_vllm_capture.py")
+SLOWEST_MODULES = (
+    "test_lineage.py",
+    "test_serve_bench.py",
+    "test_vision_language.py",
+    "test_regenerate.py",
+    "test_vllm_capture.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
