@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 PEAKED_AUX = [1, 4, 6]
 PEAKED_PROMPTS = 8
 
