@@ -61,17 +61,15 @@ def peaked_verifier(tmp_path_factory):
     return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
 
 
-@pytest.fixture(scope="session")
-def store(peaked_verifier, tmp_path_factory):
-    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+def build_peaked_store(verifier_dir: Path, directory: Path) -> Path:
+    """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128."""
     from speculators.datagen import run_datagen
     from speculators.prompts import Conversation
     from speculators.regenerate import regenerate, transformers_generate_fn
     from speculators.verifier import load_verifier
     from speculators.vocab import build_store_vocab
 
-    verifier = load_verifier(peaked_verifier, dtype="float32")
-    directory = tmp_path_factory.mktemp("train-store")
+    verifier = load_verifier(verifier_dir, dtype="float32")
     conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
     samples, _ = regenerate(
@@ -82,18 +80,16 @@ def store(peaked_verifier, tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="session")
-def trained_drafter(store, peaked_verifier, tmp_path_factory):
-    """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
+def train_peaked_drafter(store: Path, verifier_dir: Path, output: Path, epochs: int = 80) -> Path:
+    """A tiny drafter trained to overfit a peaked verifier's answers to the first demo prompts."""
     from speculators.train import TrainConfig, train
 
-    output = tmp_path_factory.mktemp("trained-drafter")
     train(
         TrainConfig(
             store=str(store),
-            verifier=str(peaked_verifier),
+            verifier=str(verifier_dir),
             output=str(output),
-            epochs=80,
+            epochs=epochs,
             lr=1e-2,
             warmup=0.05,
             validation_share=0.0,
@@ -106,6 +102,18 @@ def trained_drafter(store, peaked_verifier, tmp_path_factory):
         )
     )
     return output / "drafter"
+
+
+@pytest.fixture(scope="session")
+def store(peaked_verifier, tmp_path_factory):
+    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+    return build_peaked_store(peaked_verifier, tmp_path_factory.mktemp("train-store"))
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(store, peaked_verifier, tmp_path_factory):
+    """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
+    return train_peaked_drafter(store, peaked_verifier, tmp_path_factory.mktemp("trained-drafter"))
 
 
 def write_tiny_variant(folder: Path, verifier: Path, prompts: Path) -> None:

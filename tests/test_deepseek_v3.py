@@ -187,3 +187,79 @@ def test_capture_hooks_take_deepseeks_returned_aux_states_and_restore_the_model(
     vllm_capture.remove_capture_hooks(wrapper)
     assert base.aux_hidden_state_layers == () and "forward" not in base.__dict__
     assert "embed_input_ids" not in base.__dict__ and torch.equal(base(input_ids), embeddings * 10**4)
+
+
+@pytest.fixture(scope="module")
+def peaked_deepseek(tmp_path_factory):
+    """The tiny DeepSeek-V3 with peaked next-token distributions (a drafter has something to learn)."""
+    from speculators.tiny_models import make_tiny_verifier
+
+    return make_tiny_verifier(FAMILY, tmp_path_factory.mktemp("peaked-deepseek"), seed=1, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def deepseek_drafter(peaked_deepseek, tmp_path_factory):
+    """Our EAGLE-3 drafter trained on the peaked DeepSeek-V3's own answers (as `trained_drafter` is on
+    the tiny Llama's): the aux states come from the transformers capture."""
+    from .conftest import build_peaked_store, train_peaked_drafter
+
+    store = build_peaked_store(peaked_deepseek, tmp_path_factory.mktemp("deepseek-store"))
+    return train_peaked_drafter(store, peaked_deepseek, tmp_path_factory.mktemp("deepseek-drafter"), epochs=40)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evaluator_checks_lossless(
+    peaked_deepseek, deepseek_drafter, tmp_path
+):
+    """vLLM's CPU build serves the tiny DeepSeek-V3 alone (CPU MLA backend; rotary kernel off, see
+    cpu_rotary_workaround), and its fp32 greedy tokens are transformers' plain greedy decoding. It
+    cannot serve our EAGLE-3 drafter beside it: every KV cache must share one kernel block size, and
+    the verifier's CPU_MLA backend takes only 16 (its decode kernel, csrc/cpu/mla_decode.cpp) while the
+    drafter's llama layer gets the CPU_ATTN backend, which takes multiples of 32
+    (vllm/v1/worker/utils.py, select_common_block_size). The speculators format gives vLLM only llama
+    or qwen3 draft layers, never an MLA one (configs/speculators/algos.py). So the drafter is checked
+    by our evaluator: speculative decoding in PyTorch gives every prompt exactly the verifier's greedy
+    output (fp32), with drafts accepted; a CUDA build (FlashAttention and FlashMLA share block sizes)
+    serves it."""
+    import json
+
+    from speculators.errors import SpeculatorsError
+    from speculators.evaluate import DrafterProposer, evaluate, greedy_generate, load_proposer, tokenize_prompts
+    from speculators.prompts import load_prompts
+    from speculators.serve import ServerSettings, VllmServer
+    from speculators.vllm_capture import cpu_rotary_workaround
+
+    from .conftest import write_peaked_prompts
+    from .test_serve_bench import NEW_TOKENS, SERVER, K, completions
+
+    verifier = load_verifier(peaked_deepseek, dtype="float32")
+    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(write_peaked_prompts(tmp_path / "p.jsonl"))))
+    token_prompts = [ids for _, ids in prompts]
+    workaround = cpu_rotary_workaround(str(peaked_deepseek))
+    extra = ["--compilation-config", json.dumps(workaround)] if workaround else []
+    common = dict(verifier=str(peaked_deepseek), **SERVER, extra_args=extra)
+    with VllmServer(ServerSettings(**common, log_path=tmp_path / "baseline.log")) as server:
+        baseline = completions(server.url, server.model_name, token_prompts)
+    greedy = [greedy_generate(verifier, ids, NEW_TOKENS, stop_ids=set()).tokens for ids in token_prompts]
+    assert baseline == greedy  # vLLM's CPU MLA, token for token transformers' greedy decoding
+
+    settings = ServerSettings(
+        **common, speculator=str(deepseek_drafter), num_speculative_tokens=K, log_path=tmp_path / "speculator.log"
+    )
+    refused = VllmServer(settings)
+    try:
+        with pytest.raises(SpeculatorsError, match="before it was ready"):
+            refused.start()
+    finally:
+        refused.stop()  # the engine processes of its group, if any are left
+    assert (
+        "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
+        in (tmp_path / "speculator.log").read_text()
+    )
+
+    proposer = load_proposer("eagle3", verifier, str(deepseek_drafter), "float32")
+    assert isinstance(proposer, DrafterProposer)
+    report = evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False)
+    totals = report.totals()
+    assert totals["lossless"]["identical"] == len(prompts) == 8, report.render()  # fp32: exactly greedy
+    assert totals["acceptance_length"] > 1.8, report.render()
