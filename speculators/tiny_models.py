@@ -283,7 +283,7 @@ def tiny_deepseek_v3_config(common: dict[str, Any]) -> PreTrainedConfig:
     from transformers import DeepseekV3Config
 
     text = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
-    return DeepseekV3Config(
+    config = DeepseekV3Config(
         **text,
         num_key_value_heads=text["num_attention_heads"],  # MLA: every head has its own key and value
         q_lora_rank=32,
@@ -300,9 +300,9 @@ def tiny_deepseek_v3_config(common: dict[str, Any]) -> PreTrainedConfig:
         topk_group=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
     )
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # extra config keys, saved as such
+    return config
 
 
 def tiny_vision_language_config(family: str, text: dict[str, Any]) -> PreTrainedConfig:
