@@ -16,7 +16,7 @@ from speculators.errors import SpeculatorsError
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3")
 VISION_LANGUAGE_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 LLAMA3_TEMPLATE = (
@@ -117,6 +117,7 @@ FAMILY_TOKENIZER_STYLE = {
     "mistral": "mistral",
     "qwen3_vl": "chatml_vl",
     "qwen3_vl_moe": "chatml_vl",
+    "deepseek_v3": "mistral",  # Mistral Large 3 is a DeepSeek-V3 model with Mistral's chat format
 }
 
 _SUBJECTS = [
@@ -260,11 +261,48 @@ def tiny_config(
         return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
     if family in VISION_LANGUAGE_FAMILIES:
         return tiny_vision_language_config(family, common)
+    if family == "deepseek_v3":
+        return tiny_deepseek_v3_config(common)
     if family == "gpt_oss":
         # Alternating sliding/full attention and attention sinks, as the real model has.
         common["max_position_embeddings"] = 131072  # what its YaRN rope parameters assume
         return GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)
     raise SpeculatorsError(f"unknown tiny verifier family '{family}'; choose one of {', '.join(FAMILIES)}")
+
+
+def tiny_deepseek_v3_config(common: dict[str, Any]) -> PreTrainedConfig:
+    """DeepSeek-V3 (Mistral Large 3's architecture): MLA attention and MoE layers after two dense ones.
+
+    MLA's latent is kv_lora_rank 512 + qk_rope_head_dim 64 = 576 wide, as in the real model: vLLM's CPU
+    MLA decode kernel is built for that width only (v1/attention/backends/mla/cpu_mla.py). The per-head
+    dims and the query's low rank are small. 4 routed experts (2 per token, one group) and a shared one;
+    routed_scaling_factor 2.5 as DeepSeek-V3 and Mistral Large 3 use. transformers always routes by
+    sigmoid scores with a correction bias ("noaux_tc") and keeps no field saying so; vLLM reads
+    `topk_method` and `scoring_func` from the config (defaults: no bias, softmax), so they are written
+    here as the published DeepSeek-V3 config has them."""
+    from transformers import DeepseekV3Config
+
+    text = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
+    config = DeepseekV3Config(
+        **text,
+        num_key_value_heads=text["num_attention_heads"],  # MLA: every head has its own key and value
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=common["hidden_size"],
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # extra config keys, saved as such
+    return config
 
 
 def tiny_vision_language_config(family: str, text: dict[str, Any]) -> PreTrainedConfig:

@@ -97,6 +97,12 @@ ADAPTERS = {
     "qwen3_vl_moe": ArchitectureAdapter(
         "qwen3_vl_moe", "qwen3", moe_draft_mlp_ratio=3, language_model="model.language_model", vision_language=True
     ),
+    # DeepSeek-V3 (and Mistral Large 3, which vLLM runs as a DeepSeek-V3 subclass): MLA attention, MoE
+    # after `first_k_dense_replace` dense layers. The decoder layers keep the residual stream as every
+    # family does, so the capture hooks apply unchanged. The draft MLP copies the dense layers' width
+    # (`intermediate_size`, a width the verifier really has), as vLLM's own DeepSeek EAGLE-3 drafter
+    # does (deepseek_eagle3.py: a dense MLP of config.intermediate_size).
+    "deepseek_v3": ArchitectureAdapter("deepseek_v3"),
 }
 
 

@@ -7,8 +7,11 @@ with layer_idx 0 for the embeddings and k + 1 after decoder layer k, and keeps `
 (through `LLM.apply_model`), with `embed_input_ids` for the token ids, and record the ids we want,
 with id N (after the last layer, before the final norm) included. So the states are exactly the
 ones vLLM feeds a served drafter, for every family that supports EAGLE-3 (llama, qwen3, qwen3_moe,
-gpt_oss, ...), whatever its embedding module is called. With tensor parallelism the residual
-stream is all-reduced after every layer, so each rank holds the full hidden states; only TP rank 0 records them.
+gpt_oss, ...), whatever its embedding module is called. vLLM's DeepSeek-V2/V3 model (Mistral Large 3's
+too) has no `_maybe_add_hidden_state`: it adds `hidden + residual` itself for the ids it is given in
+`aux_hidden_state_layers` and returns them beside its output, so there we give it ours and take them
+off. With tensor parallelism the residual stream is all-reduced after every layer, so each rank holds
+the full hidden states; only TP rank 0 records them.
 
 Each batch is prefilled once (one sampled token, prefix caching off, eager mode) and the states
 come back through `apply_model` again.
@@ -44,8 +47,9 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     # A vision-language model's decoder stack is its language model's (vLLM: get_language_model()).
     language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
     base = getattr(language_model, "model", None)
-    needed = ("_maybe_add_hidden_state", "embed_input_ids", "layers")
-    if base is None or not all(hasattr(base, name) for name in needed):
+    needed = ("embed_input_ids", "layers")
+    exposes = hasattr(base, "_maybe_add_hidden_state") or hasattr(base, "aux_hidden_state_layers")
+    if base is None or not exposes or not all(hasattr(base, name) for name in needed):
         raise RuntimeError(
             f"vLLM's {type(model).__name__} does not expose EAGLE-3 aux hidden states (SupportsEagle3); "
             f"capture this verifier with --backend transformers"
@@ -53,6 +57,21 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     remove_capture_hooks(model)
     wanted = set(capture_ids)
     recording = _tensor_parallel_rank() == 0
+
+    returned_aux = not hasattr(base, "_maybe_add_hidden_state")
+
+    def embed_input_ids(input_ids: torch.Tensor) -> torch.Tensor:
+        # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
+        embeddings = type(base).embed_input_ids(base, input_ids)
+        if recording:
+            _RECORDS.append({"input_ids": input_ids.detach().cpu().clone()})
+            if returned_aux and 0 in wanted:  # id 0, the embeddings (see install_returned_aux_capture)
+                _RECORDS[-1][0] = embeddings.detach().float().cpu().clone()
+        return embeddings
+
+    base.embed_input_ids = embed_input_ids
+    if returned_aux:
+        return install_returned_aux_capture(base, wanted, recording)
     original = type(base)._maybe_add_hidden_state
 
     def maybe_add_hidden_state(
@@ -63,23 +82,46 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
             _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
         return original(base, aux, layer_idx, hidden, residual)
 
-    def embed_input_ids(input_ids: torch.Tensor) -> torch.Tensor:
-        # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
-        if recording:
-            _RECORDS.append({"input_ids": input_ids.detach().cpu().clone()})
-        return type(base).embed_input_ids(base, input_ids)
-
     # Instance attributes shadow the class methods that the model's forward calls.
     base._maybe_add_hidden_state = maybe_add_hidden_state
-    base.embed_input_ids = embed_input_ids
+    return len(base.layers)
+
+
+def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -> int:
+    """For models whose forward adds `hidden + residual` itself for the ids in `aux_hidden_state_layers`
+    and returns them beside its output (vLLM's DeepseekV2Model: DeepSeek-V2/V3, Mistral Large 3): ask
+    for our ids, record what comes back and return the output alone, as without EAGLE-3. Id 0 (the
+    embeddings) is recorded where they are made: this forward adds `hidden + residual` with no residual
+    yet there (a TypeError in vLLM; its drafters never ask for id 0)."""
+    ids = tuple(sorted(wanted - {0}))
+    served = base.aux_hidden_state_layers
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = type(base).forward(base, *args, **kwargs)
+        if not isinstance(output, tuple):  # a pipeline stage's intermediate tensors
+            return output
+        hidden, aux = output
+        if recording:  # one state per requested id, in increasing id order
+            for layer_id, value in zip(ids, aux, strict=True):
+                _RECORDS[-1][layer_id] = value.detach().float().cpu().clone()
+        return hidden
+
+    forward.served_aux_layers = served  # type: ignore[attr-defined]
+    base.aux_hidden_state_layers = ids
+    base.forward = forward
     return len(base.layers)
 
 
 def remove_capture_hooks(model: Any) -> None:
     _RECORDS.clear()
     language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
+    base = language_model.model
     for name in ("_maybe_add_hidden_state", "embed_input_ids"):
-        language_model.model.__dict__.pop(name, None)
+        base.__dict__.pop(name, None)
+    forward = base.__dict__.get("forward")
+    if hasattr(forward, "served_aux_layers"):  # ours (install_returned_aux_capture)
+        base.aux_hidden_state_layers = forward.served_aux_layers
+        del base.forward
 
 
 def fetch_records(model: Any) -> list[dict[str | int, torch.Tensor]] | None:
@@ -113,6 +155,26 @@ def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cpu_core_lists(tensor_parallel_size)))
+
+
+def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
+    """compilation_config entries vLLM's CPU build needs for an MLA verifier (DeepSeek-V2/V3, Mistral
+    Large 3): its rotary kernel (`RotaryEmbedding.forward_cpu`, the C++ `rotary_embedding` op) rotates a
+    query given as [tokens, heads, rope dims] wrongly when it has more than one head (right for the
+    flattened [tokens, heads * head_dim] other models pass), and MLA passes exactly that 3-D view.
+    vLLM's PyTorch rotary (`forward_native`) is right, so the kernel is switched off. Measured on the
+    tiny DeepSeek-V3: about 1% relative error at every aux id with the kernel, 3e-7 without
+    (tests/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
+    import torch
+
+    from speculators.verifier import load_verifier_config, text_config_of
+
+    if torch.cuda.is_available():
+        return {}
+    config, _ = load_verifier_config(model_dir)
+    if getattr(text_config_of(config), "kv_lora_rank", None) is None:
+        return {}
+    return {"custom_ops": ["-rotary_embedding"]}
 
 
 @contextmanager
@@ -259,7 +321,7 @@ class VllmCapture:
             seed=0,
             enforce_eager=True,
             enable_prefix_caching=False,
-            compilation_config={"mode": 0},
+            compilation_config={"mode": 0, **cpu_rotary_workaround(model_dir)},
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_batch_tokens,
             max_num_seqs=256,

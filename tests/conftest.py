@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 PEAKED_AUX = [1, 4, 6]
 PEAKED_PROMPTS = 8
 
@@ -61,17 +61,15 @@ def peaked_verifier(tmp_path_factory):
     return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
 
 
-@pytest.fixture(scope="session")
-def store(peaked_verifier, tmp_path_factory):
-    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+def build_peaked_store(verifier_dir: Path, directory: Path) -> Path:
+    """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128."""
     from speculators.datagen import run_datagen
     from speculators.prompts import Conversation
     from speculators.regenerate import regenerate, transformers_generate_fn
     from speculators.verifier import load_verifier
     from speculators.vocab import build_store_vocab
 
-    verifier = load_verifier(peaked_verifier, dtype="float32")
-    directory = tmp_path_factory.mktemp("train-store")
+    verifier = load_verifier(verifier_dir, dtype="float32")
     conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
     samples, _ = regenerate(
@@ -82,22 +80,16 @@ def store(peaked_verifier, tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="session")
-def trained_drafter(store, peaked_verifier, tmp_path_factory):
-    """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
-    return overfit_drafter(store, peaked_verifier, tmp_path_factory.mktemp("trained-drafter"))
-
-
-def overfit_drafter(store: Path, verifier: Path, output: Path) -> Path:
-    """A tiny drafter trained (fp32, 80 epochs, every sample) until it reproduces the store's answers."""
+def train_peaked_drafter(store: Path, verifier_dir: Path, output: Path, epochs: int = 80) -> Path:
+    """A tiny drafter trained to overfit a peaked verifier's answers to the first demo prompts."""
     from speculators.train import TrainConfig, train
 
     train(
         TrainConfig(
             store=str(store),
-            verifier=str(verifier),
+            verifier=str(verifier_dir),
             output=str(output),
-            epochs=80,
+            epochs=epochs,
             lr=1e-2,
             warmup=0.05,
             validation_share=0.0,
@@ -110,6 +102,18 @@ def overfit_drafter(store: Path, verifier: Path, output: Path) -> Path:
         )
     )
     return output / "drafter"
+
+
+@pytest.fixture(scope="session")
+def store(peaked_verifier, tmp_path_factory):
+    """A small on-policy store from the peaked tiny Llama: 8 regenerated answers, draft vocab of 128."""
+    return build_peaked_store(peaked_verifier, tmp_path_factory.mktemp("train-store"))
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(store, peaked_verifier, tmp_path_factory):
+    """A tiny drafter trained to overfit the peaked verifier's answers to the first demo prompts."""
+    return train_peaked_drafter(store, peaked_verifier, tmp_path_factory.mktemp("trained-drafter"))
 
 
 def write_tiny_variant(folder: Path, verifier: Path, prompts: Path) -> None:

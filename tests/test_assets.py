@@ -32,6 +32,7 @@ GPU_VARIANTS = {
     "gpt_oss_120b": [2, 18, 33],
     "qwen3_vl_8b": [2, 18, 33],
     "qwen3_vl_235b_a22b": [2, 47, 91],
+    "mistral_large_3": None,  # no config copy found (tests/test_model_matrix.py): the verifier's default ids
 }
 
 
@@ -150,6 +151,86 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
                 assert pod.spec.node_selector == {"nvidia.com/gpu.present": "true"}
                 secret = next(e for e in container.env if e.name == "HF_TOKEN").value_from.secret_key_ref
                 assert (secret.name, secret.key) == ("hf-token", "token")
+
+
+def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tmp_path):
+    """mistral_large_3's vLLM steps span 2 nodes (TP 16 over 8 H200 each): one pod per node with 8 GPUs,
+    named under a headless Service; rank 0 runs the workload, whose vLLM server gets --nnodes/--node-rank 0/
+    --master-addr (after bench's `--`), rank 1 vLLM's headless workers of the same engine. This runner
+    starts one pod per step, so it refuses such a step with the reason rather than run it on one node."""
+    import kubernetes
+    from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
+    from dagster_k8s.pipes import build_pod_body
+
+    from speculators.cli import build_parser
+    from speculators_assets.variants import ComputeProfile, master_address, node_group_name
+    from speculators_assets.workload import bench_command, command_line
+
+    runner = PipelineRunner(mode="k8s", workload_image="registry.example/speculators-gpu:1.0")
+    variant = load_variants()["mistral_large_3"]
+    step = "benchmark_report"
+    group, master = node_group_name(variant.name, step), master_address(variant.name, step)
+    assert (group, master) == ("spec-mistral-large-3-benchmark-report", f"{group}-0.{group}")
+    pods = runner.node_pods(variant, step, K8S_STORAGE_ROOT)
+    assert [p["metadata"]["name"] for p in pods] == [f"{group}-0", f"{group}-1"]
+    for rank, rendered in enumerate(pods):
+        spec = rendered["spec"]
+        command = spec["containers"][0].get("command") or runner.workload_command()
+        pod = build_pod_body(
+            rendered["metadata"]["name"], None, command, {}, {"labels": rendered["metadata"]["labels"]}, spec
+        )
+        assert isinstance(pod, kubernetes.client.V1Pod)
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"  # each node's 8 of the 16
+        assert (pod.spec.hostname, pod.spec.subdomain) == (f"{group}-{rank}", group)
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert env["SPECULATORS_NODE_RANK"] == str(rank) and env["SPECULATORS_MASTER_ADDR"] == master
+    worker = pods[1]["spec"]["containers"][0]["command"]
+    assert worker[:4] == ["vllm", "serve", "mistralai/Mistral-Large-3-675B-Instruct-2512-BF16", "--headless"]
+    assert (
+        worker[worker.index("--tensor-parallel-size") + 1] == "16" and worker[worker.index("--dtype") + 1] == "bfloat16"
+    )
+    assert worker[worker.index("--nnodes") :] == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        master,
+        "--master-port",
+        "29501",
+    ]
+    rendered_service = runner.node_service(variant, step)
+    service = k8s_model_from_dict(
+        kubernetes.client.V1Service, k8s_snake_case_dict(kubernetes.client.V1Service, rendered_service)
+    )
+    assert (service.kind, service.spec.cluster_ip) == ("Service", "None") and service.metadata.name == group
+    assert all(service.spec.selector.items() <= p["metadata"]["labels"].items() for p in pods)
+
+    bench = bench_command(variant, tmp_path / "latest", tmp_path / "report")
+    assert bench[bench.index("--") + 1 :] == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        master,
+        "--master-port",
+        "29501",
+    ]
+    parsed = build_parser().parse_args(bench)
+    assert parsed.tensor_parallel_size == 16 and parsed.vllm_args[1:] == bench[bench.index("--") + 1 :]
+    assert command_line(bench)[-8:] == bench[-8:]
+
+    class Log:
+        def info(self, message: str) -> None:
+            pass
+
+    context = type("Context", (), {"log": Log()})()
+    with pytest.raises(dg.Failure, match="runs benchmark_report on 2 nodes; this runner starts one pod per step"):
+        runner.run(context, variant, step, K8S_STORAGE_ROOT)
+    with pytest.raises(ValueError, match="must be nodes x gpus = 16"):
+        ComputeProfile(gpus=8, nodes=2, tensor_parallel_size=8)  # a replica per node is not what the pods run
+    assert ComputeProfile(gpus=8, tensor_parallel_size=8).vllm_node_args(0, master) == []  # one node: no flags
 
 
 def test_a_gpu_variant_on_the_local_runner_fails_fast():

@@ -217,9 +217,9 @@ def test_store_keys_follow_the_images_and_hold_the_drafter_positions(loaded, vl_
 
 @pytest.fixture(scope="module")
 def vl_drafter(vl_store, vl_verifier, tmp_path_factory):
-    from tests.conftest import overfit_drafter
+    from tests.conftest import train_peaked_drafter
 
-    return overfit_drafter(vl_store["dir"], vl_verifier, tmp_path_factory.mktemp("vl-drafter"))
+    return train_peaked_drafter(vl_store["dir"], vl_verifier, tmp_path_factory.mktemp("vl-drafter"))
 
 
 def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_store, vl_drafter, vl_verifier, tmp_path):

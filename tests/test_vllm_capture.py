@@ -29,10 +29,13 @@ AUX = [0, 4, 6]  # id 0 (the embeddings), two middle layers, and id 8 (pre-norm 
 # 1.1%). So GPT-OSS is compared at ids 0-2: id 0 exact, ids 1 and 2 within bf16 rounding at 98% of the tokens
 # (median under 2%); the deeper ids (where flips compound) are left out of the comparison.
 GPT_OSS_AUX = [0, 1, 2]
+# DeepSeek-V3: ids 1 and 2 follow its two dense layers (2 enters the first MoE layer), 5 follows MoE layers
+# (tests/test_deepseek_v3.py says what vLLM records there).
+DEEPSEEK_V3_AUX = [1, 2, 5]
 
 
 def aux_ids(family: str) -> list[int]:
-    return GPT_OSS_AUX if family == "gpt_oss" else AUX
+    return {"gpt_oss": GPT_OSS_AUX, "deepseek_v3": DEEPSEEK_V3_AUX}.get(family, AUX)
 
 
 def vllm_datagen(verifier, samples_path, store, *extra: str, aux: list[int] = AUX) -> None:
