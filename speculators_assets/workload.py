@@ -211,6 +211,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas."""
     from speculators.settings import CaptureSettings, PrepareSettings
+
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
