@@ -12,6 +12,7 @@ from speculators.errors import SpeculatorsError
 from speculators.flags import add_flags, comma_list, from_args
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
 from speculators.settings import AUTO_DTYPE_HELP, BenchSettings, CaptureSettings, PrepareSettings, TrainConfig
+from speculators.tiny_models import FAMILIES
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
 COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
@@ -317,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_init)
 
     tiny = commands.add_parser("tiny-verifier", help="write a tiny random-weight verifier (tests, demos)")
-    tiny.add_argument("--family", required=True, choices=("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2"))
+    tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--output", required=True)
     tiny.add_argument("--num-layers", type=int, default=8)
     tiny.add_argument("--seed", type=int, default=0)
