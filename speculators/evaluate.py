@@ -198,11 +198,11 @@ def greedy_generate(
     """Plain greedy decoding, one token per pass; `extra_tokens` more are generated untimed."""
     import torch
 
+    vision = pixel_inputs(verifier, prompt_ids, images)  # before the clock: image preprocessing is not decoding
     started = time.perf_counter()
     generation = Generation(tokens=[], top2=[], seconds=0.0)
     cache: Cache | None = None
     step_input = list(prompt_ids)
-    vision = pixel_inputs(verifier, prompt_ids, images)
     with torch.inference_mode():
         while len(generation.tokens) < max_new_tokens + extra_tokens:
             logits, cache, _ = verifier_pass(verifier, step_input, cache, {}, [], vision)
@@ -233,16 +233,16 @@ def speculative_generate(
     """Chain drafting with greedy acceptance; statistics as vLLM counts them."""
     import torch
 
-    started = time.perf_counter()
-    generation = Generation(tokens=[], top2=[], seconds=0.0, accepted_per_position=[0] * num_tokens)
-    layer_ids = proposer.aux_layer_ids
     positions = None
     if images:  # vLLM gives the drafter the temporal row of the verifier's M-RoPE positions
         inputs = verifier.image_inputs
         positions = inputs.drafter_positions(prompt_ids, [inputs.grid(image) for image in images])
+    vision = pixel_inputs(verifier, prompt_ids, images)  # before the clock, as in greedy_generate
+    started = time.perf_counter()
+    generation = Generation(tokens=[], top2=[], seconds=0.0, accepted_per_position=[0] * num_tokens)
+    layer_ids = proposer.aux_layer_ids
     proposer.start(prompt_ids, reference, positions)
     tokens = list(prompt_ids)
-    vision = pixel_inputs(verifier, prompt_ids, images)
     with verifier.capturing(layer_ids) as captured, torch.inference_mode():
         logits, cache, new_aux = verifier_pass(verifier, tokens, None, captured, layer_ids, vision)
         first = top_two(logits[-1:])[0]

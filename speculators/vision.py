@@ -184,22 +184,15 @@ def is_vision_language(model_type: str) -> bool:
 
 @dataclass(frozen=True)
 class VisionTokens:
-    """The verifier's image placeholder ids and its vision tower's spatial merge."""
+    """The verifier's image placeholder id and its vision tower's spatial merge."""
 
     image_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
     spatial_merge_size: int
 
     @classmethod
     def from_config(cls, config: Any) -> VisionTokens:
         try:
-            return cls(
-                int(config.image_token_id),
-                int(config.vision_start_token_id),
-                int(config.vision_end_token_id),
-                int(config.vision_config.spatial_merge_size),
-            )
+            return cls(int(config.image_token_id), int(config.vision_config.spatial_merge_size))
         except AttributeError as error:
             raise SpeculatorsError(f"the verifier config lacks a vision-language field ({error.name})") from None
 
@@ -221,9 +214,19 @@ class ImageInputs:
             ) from None
 
     def grid(self, image: Image.Image) -> list[int]:
-        """[t, h, w] patch grid of one image as the processor resizes it."""
-        out = self.processor(images=[image], return_tensors="pt")
-        return [int(x) for x in out["image_grid_thw"][0].tolist()]
+        """[t, h, w] patch grid of one image as the processor resizes it (its own smart_resize on the
+        image's size: no pixels are processed; one frame, so t = 1)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        p = self.processor
+        height, width = smart_resize(
+            image.height,
+            image.width,
+            p.patch_size * p.merge_size,
+            min_pixels=p.size["shortest_edge"],
+            max_pixels=p.size["longest_edge"],
+        )
+        return [1, height // p.patch_size, width // p.patch_size]
 
     def token_count(self, grid_thw: list[int]) -> int:
         t, h, w = grid_thw
@@ -275,9 +278,10 @@ class ImageInputs:
                 current += 1
                 index += 1
                 continue
-            t, h, w = next(remaining)
-            count = t * h * w // merge**2
+            grid = next(remaining)
+            count = self.token_count(grid)
             positions += [current] * count  # t = 1 for an image: one temporal index
+            _, h, w = grid
             current += max(h, w) // merge
             index += count
         if len(positions) != len(input_ids):

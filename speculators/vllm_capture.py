@@ -42,11 +42,15 @@ def _tensor_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def language_model_of(model: Any) -> Any:
+    """The model whose `.model` is the decoder stack: a vision-language model's language model
+    (vLLM: get_language_model()), otherwise the model itself."""
+    return model.get_language_model() if hasattr(model, "get_language_model") else model
+
+
 def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     """Runs in each worker: records input ids and the requested residual-stream states; returns N."""
-    # A vision-language model's decoder stack is its language model's (vLLM: get_language_model()).
-    language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
-    base = getattr(language_model, "model", None)
+    base = getattr(language_model_of(model), "model", None)
     needed = ("embed_input_ids", "layers")
     exposes = hasattr(base, "_maybe_add_hidden_state") or hasattr(base, "aux_hidden_state_layers")
     if base is None or not exposes or not all(hasattr(base, name) for name in needed):
@@ -114,8 +118,7 @@ def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -
 
 def remove_capture_hooks(model: Any) -> None:
     _RECORDS.clear()
-    language_model = model.get_language_model() if hasattr(model, "get_language_model") else model
-    base = language_model.model
+    base = language_model_of(model).model
     for name in ("_maybe_add_hidden_state", "embed_input_ids"):
         base.__dict__.pop(name, None)
     forward = base.__dict__.get("forward")

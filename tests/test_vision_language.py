@@ -79,6 +79,17 @@ def test_drafter_positions_are_the_temporal_row_of_transformers_mrope(loaded):
         assert positions != list(range(len(expanded)))  # the image compresses the positions
 
 
+def test_image_grids_are_the_processors(loaded):
+    """The grid (and so the token count) computed from an image's size alone equals the one the image
+    processor returns with the pixels, for images it keeps, enlarges and shrinks."""
+    from PIL import Image
+
+    inputs = loaded.image_inputs
+    for width, height in ((96, 64), (20, 20), (33, 95), (400, 300), (1000, 64)):
+        image = Image.new("RGB", (width, height), "white")
+        assert inputs.grid(image) == inputs.pixel_inputs([image])["image_grid_thw"][0].tolist(), (width, height)
+
+
 def test_capture_with_pixels_equals_the_models_hidden_states(loaded):
     """Aux ids k < N are the residual stream entering layer k (after the deepstack additions of the
     layers before), id N the pre-norm output of the last layer, all with the vision tower's features
