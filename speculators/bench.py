@@ -230,13 +230,23 @@ class OutputJudge:
     tokens' logits are within the tie tolerance of its top logit, the flip is a numerical near-tie
     (lossless as the evaluator defines it); otherwise the outputs diverged. The default tolerance is
     SERVED_TIE_ULPS ulps of the top logit: the servers' logits and this check's come from different
-    kernels, so their rounding errors add up (measured: up to 5 bf16 ulps on SmolLM2)."""
+    kernels, so their rounding errors add up (measured: up to 5 bf16 ulps on SmolLM2). With an FP8
+    verifier the check runs the same FP8 arithmetic, and a split beyond that tolerance is measured
+    against the verifier's own evaluation-order noise at that context (quantization.path_noise)."""
 
-    def __init__(self, verifier: str, dtype: str, tie_tolerance: float | None = None, tie_ulps: int = SERVED_TIE_ULPS):
-        from speculators.precision import resolve_dtype
+    def __init__(
+        self,
+        verifier: str,
+        dtype: str,
+        tie_tolerance: float | None = None,
+        tie_ulps: int = SERVED_TIE_ULPS,
+        quantization: str | None = None,
+    ):
+        from speculators.quantization import vllm_dtype
 
-        self.source, self.dtype, self.tie_tolerance = verifier, resolve_dtype(dtype, "auto"), tie_tolerance
-        self.tie_ulps = tie_ulps
+        # The servers' dtype (an FP8 verifier's is bf16) and the same FP8 arithmetic (quantization.Fp8Linear).
+        self.source, self.dtype, self.tie_tolerance = verifier, vllm_dtype(dtype, quantization), tie_tolerance
+        self.tie_ulps, self.quantization = tie_ulps, quantization
         self.verifier: Verifier | None = None
 
     def __call__(
@@ -257,7 +267,12 @@ class OutputJudge:
         if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
             return {"status": "diverged", "position": min(len(baseline_ids), len(speculator_ids))}
         if self.verifier is None:
-            self.verifier = load_verifier(self.source, dtype=self.dtype)
+            try:
+                self.verifier = load_verifier(self.source, dtype=self.dtype, quantization=self.quantization)
+            except SpeculatorsError as error:  # an FP8 verifier transformers cannot reproduce (an MoE family)
+                if not self.quantization:
+                    raise
+                return {"status": "diverged", "position": position, "reason": f"not judged: {error}"}
         with torch.inference_mode():
             context = [*prompt_ids, *baseline_ids[:position]]
             vision = pixel_inputs(self.verifier, context, request_images(messages or []))
@@ -269,6 +284,12 @@ class OutputJudge:
         tolerance = self.tie_tolerance
         if tolerance is None:
             tolerance = default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
+        noise = None
+        if self.quantization and max(below_top) > tolerance:  # an FP8 verifier's own noise at this point
+            from speculators.quantization import path_noise
+
+            noise = path_noise(self.verifier.model, context)
+            tolerance = max(tolerance, noise)
         near_tie = max(below_top) <= tolerance
         return {
             "status": "near_tie" if near_tie else "diverged",
@@ -276,6 +297,7 @@ class OutputJudge:
             "margin": abs(below_top[0] - below_top[1]),
             "below_top": below_top,
             "tolerance": tolerance,
+            "path_noise": noise,
             "baseline_token": baseline_ids[position],
             "speculator_token": speculator_ids[position],
             "verifier_top_two": [top, second],
@@ -367,6 +389,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
         num_speculative_tokens=settings.num_speculative_tokens,
         port=0,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_model_len=settings.max_model_len,
         enforce_eager=settings.enforce_eager,
         kv_cache_gib=settings.kv_cache_gib,
@@ -447,9 +470,16 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Both servers, every profile, the report folder; returns report.json's content."""
     from speculators.atomic_io import write_text_atomic
     from speculators.checkpoint import read_checkpoint
+    from speculators.quantization import vllm_quantization_args
 
     folder = Path(settings.output)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
+    if any(arg.split("=")[0] == "--quantization" for arg in settings.vllm_args):
+        raise SpeculatorsError(
+            "pass the verifier's quantization as bench's own --quantization (not after --), so the lossless "
+            "judge re-scores with the same FP8 verifier the servers run"
+        )
     from speculators.serve import check_vision_serving
 
     check_vision_serving(settings.verifier)
@@ -463,7 +493,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     comparison = {}
     for name in runs["baseline"]["profiles"]:
         comparison[name] = compare_runs(runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name])
-    judge = OutputJudge(settings.verifier, settings.dtype)
+    judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization)
     outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
         "settings": settings.model_dump(),

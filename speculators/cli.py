@@ -11,8 +11,18 @@ from pathlib import Path
 from speculators.errors import SpeculatorsError
 from speculators.flags import add_flags, comma_list, from_args
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
-from speculators.settings import AUTO_DTYPE_HELP, BenchSettings, CaptureSettings, PrepareSettings, TrainConfig
+from speculators.quantization import QUANTIZATIONS, vllm_dtype
+from speculators.settings import (
+    AUTO_DTYPE_HELP,
+    BenchSettings,
+    CaptureSettings,
+    PrepareSettings,
+    QuantizedVerifier,
+    TrainConfig,
+)
 from speculators.tiny_models import FAMILIES
+
+QUANTIZATION_HELP = QuantizedVerifier.model_fields["quantization"].description
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
 COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
@@ -226,6 +236,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         stop_at_eos=args.stop_at_eos,
         tie_tolerance=args.tie_tolerance,
         output=args.output,
+        quantization=args.quantization,
     )
     print(report.render())
     if args.output:
@@ -244,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
@@ -368,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the top logit in --dtype)",
     )
+    evaluate.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     evaluate.add_argument("--output", help="write the report as JSON here")
     evaluate.set_defaults(func=cmd_evaluate)
 
@@ -382,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
+    serve.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
@@ -405,9 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def runs_vllm(args: argparse.Namespace) -> bool:
+    return args.command in ("serve", "bench") or getattr(args, "backend", None) == "vllm"
+
+
 def compute_device(args: argparse.Namespace) -> str:
     """Where a command computes, for what `--dtype auto` means: vLLM runs on a GPU when there is one."""
-    if args.command in ("serve", "bench") or getattr(args, "backend", None) == "vllm":
+    if runs_vllm(args):
         return "auto"
     return getattr(args, "device", None) or "auto"
 
@@ -416,7 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command in COMPUTE_COMMANDS:  # (convert and init: --dtype is the checkpoint's file format)
-            args.dtype = resolve_dtype(args.dtype, compute_device(args))
+            quantization = getattr(args, "quantization", None)
+            if quantization and runs_vllm(args):  # vLLM's FP8 verifiers compute in bf16 (or fp16)
+                args.dtype = vllm_dtype(args.dtype, quantization)
+            else:
+                args.dtype = resolve_dtype(args.dtype, compute_device(args))
         return args.func(args)
     except SpeculatorsError as error:
         print(f"error: {error}", file=sys.stderr)

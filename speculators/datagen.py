@@ -150,6 +150,7 @@ def make_capture_fn(
             max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
             tensor_parallel_size=tensor_parallel_size,
             image_token_id=verifier.image_inputs.tokens.image_token_id if verifier.is_vision_language else None,
+            quantization=verifier.quantization,
         )
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
@@ -195,7 +196,7 @@ def run_datagen(
     capture: CaptureFn | None = None  # built on first need: a fully reused store starts no engine
     store = HiddenStateStore(store_dir)
     previous = store.previous_entries()
-    fingerprint = verifier.fingerprint
+    fingerprint = verifier.states_fingerprint
     if not verifier.is_vision_language and any(s.images for s in samples):
         raise SpeculatorsError(
             f"the samples hold images but verifier {verifier.name_or_path} ({verifier.model_type}) takes none; "
@@ -284,7 +285,8 @@ def run_datagen(
             "format": STORE_FORMAT,
             "version": STORE_VERSION,
             "verifier": {
-                "fingerprint": fingerprint,
+                "fingerprint": verifier.fingerprint,
+                "quantization": verifier.quantization,
                 "name_or_path": verifier.name_or_path,
                 "model_type": verifier.model_type,
                 "num_layers": verifier.num_layers,
@@ -370,7 +372,7 @@ def run_datagen_replicas(
     capture_ids = [*aux_ids, verifier.num_layers]
     verifier.check_layer_ids(capture_ids)
     store = HiddenStateStore(store_dir)
-    keys = sample_keys(verifier.fingerprint, capture_ids, storage, samples)
+    keys = sample_keys(verifier.states_fingerprint, capture_ids, storage, samples)
     started = time.perf_counter()
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
     missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
@@ -442,10 +444,10 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
         data_version=data_version,
     )
     if s.backend == "transformers":
-        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device)
+        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
         report = capture_into(samples, verifier, s.output, backend="transformers")
     else:  # vLLM loads the weights; here only the config and the files' fingerprint
-        facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype)
+        facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype, quantization=s.quantization)
         store = Path(s.output).resolve()
         with vllm_log(store.with_name(store.name + "-vllm.log"), replica is None):  # (replicas inherit it)
             if s.data_parallel_size > 1:

@@ -298,10 +298,14 @@ class Comparison:
     speculative_token: int | None = None
     margin: float | None = None
     tolerance: float | None = None
+    path_noise: float | None = None  # an FP8 verifier's evaluation-order noise (order_noise), if it decided
 
 
 def compare_outputs(
-    baseline: Generation, speculative: Generation, dtype: torch.dtype, tie_tolerance: float | None = None
+    baseline: Generation,
+    speculative: Generation,
+    dtype: torch.dtype,
+    tie_tolerance: float | None = None,
 ) -> Comparison:
     """Classify speculative output against the baseline's (both cut at the same token budget)."""
     expected = baseline.tokens
@@ -345,6 +349,7 @@ class PromptResult:
     speculative_seconds: float
     accepted_per_position: list[int]
     comparison: Comparison
+    greedy_ids: list[int] = field(default_factory=list)  # the verifier's plain greedy answer
 
 
 @dataclass
@@ -462,6 +467,8 @@ def evaluate(
             **(settings or {}),
         }
     )
+    noise = 0.0  # an FP8 verifier's: the most the two decoders' logits differed where they agreed
+
     for index, (prompt_id, prompt_ids, *with_images) in enumerate(prompts):
         images = [load_image(part) for part in (with_images[0] if with_images else [])]
         # K extra reference tokens let an oracle draft past the budget; they are not timed.
@@ -490,8 +497,11 @@ def evaluate(
             speculative_seconds=speculative.seconds,
             accepted_per_position=speculative.accepted_per_position,
             comparison=compare_outputs(baseline, speculative, dtype, tie_tolerance),
+            greedy_ids=list(baseline.tokens),
         )
         report.results.append(result)
+        if verifier.quantization:
+            noise = max(noise, order_noise(baseline, speculative))
         if progress:
             acceptance = 1 + result.accepted / result.drafts if result.drafts else 0.0
             print(
@@ -499,7 +509,42 @@ def evaluate(
                 f"{acceptance:.2f}, {result.comparison.status}",
                 flush=True,
             )
+    if verifier.quantization:
+        within = settle_fp8_splits(report, noise)
+        report.settings["fp8_order_noise"] = noise
+        if progress and within:
+            print(
+                f"  {within} split(s) lie within the FP8 verifier's own evaluation-order noise ({noise:.4f}): "
+                f"near-ties",
+                flush=True,
+            )
     return report
+
+
+def order_noise(baseline: Generation, speculative: Generation) -> float:
+    """The most the two decoders' logits for the same token differ over the positions where their
+    tokens still agree: how much the order of evaluation alone (one token per pass against K+1 per
+    verification) moves this verifier's logits. In fp32 that is rounding (1e-5); an FP8 verifier's
+    activations are quantized per token, and an input that moves by an ulp can flip an fp8 rounding,
+    which moves the activation by up to 1/16 and cascades (quantization.path_noise)."""
+    worst = 0.0
+    for b, s in zip(baseline.top2, speculative.top2, strict=False):
+        if b[0] != s[0]:
+            break
+        worst = max(worst, abs(b[1] - s[1]), abs(b[3] - s[3]) if b[2] == s[2] else 0.0)
+    return worst
+
+
+def settle_fp8_splits(report: EvaluationReport, noise: float) -> int:
+    """Count as near-ties the splits whose margin lies within the run's evaluation-order noise (an FP8
+    verifier's: both decoders run the same quantized model, so such a split is its own noise)."""
+    settled = 0
+    for result in report.results:
+        c = result.comparison
+        if c.status == "diverged" and c.margin is not None and c.margin <= noise:
+            c.status, c.path_noise, c.tolerance = "near_tie", noise, max(c.tolerance or 0.0, noise)
+            settled += 1
+    return settled
 
 
 def tokenize_prompts(
@@ -565,13 +610,15 @@ def run_evaluation(
     stop_at_eos: bool = True,
     tie_tolerance: float | None = None,
     output: str | Path | None = None,
+    quantization: str | None = None,
 ) -> EvaluationReport:
-    """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point."""
+    """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point. With
+    `quantization`, both decoders run the same FP8 verifier (speculators/quantization.py)."""
     from speculators.atomic_io import write_text_atomic
     from speculators.prompts import load_prompts
     from speculators.verifier import load_verifier
 
-    verifier = load_verifier(verifier_source, dtype=dtype)
+    verifier = load_verifier(verifier_source, dtype=dtype, quantization=quantization)
     proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
     if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
         num_speculative_tokens = 3
@@ -580,7 +627,8 @@ def run_evaluation(
     prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts), verifier)
     print(
         f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "
-        f"{max_new_tokens} new tokens each, verifier in {dtype}",
+        f"{max_new_tokens} new tokens each, verifier in {dtype}"
+        + (f" with {quantization} FP8 projections" if quantization else ""),
         flush=True,
     )
     report = evaluate(
@@ -591,7 +639,12 @@ def run_evaluation(
         max_new_tokens,
         stop_at_eos,
         tie_tolerance,
-        settings={"verifier": verifier_source, "speculator": speculator, "prompts": prompts_source},
+        settings={
+            "verifier": verifier_source,
+            "speculator": speculator,
+            "prompts": prompts_source,
+            "quantization": quantization,
+        },
     )
     if output is not None:
         import json

@@ -240,7 +240,7 @@ def answer_generator(
         from speculators.regenerate import transformers_generate_fn, transformers_image_generate_fn
         from speculators.verifier import load_verifier
 
-        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device)
+        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
         if images is not None:
             return (
                 verifier.tokenizer,
@@ -269,7 +269,15 @@ def answer_generator(
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):
         engine = VllmGenerate(
-            location, s.max_new_tokens, s.temperature, s.seed, s.dtype, ends, max_model_len, s.tensor_parallel_size
+            location,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            s.dtype,
+            ends,
+            max_model_len,
+            s.tensor_parallel_size,
+            quantization=s.quantization,
         )
         return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
 
@@ -297,6 +305,7 @@ def answer_generator(
             verifier=str(s.verifier),
             port=0,
             dtype=s.dtype,
+            quantization=s.quantization,
             seed=s.seed,
             enforce_eager=True,
             max_model_len=max_model_len,

@@ -166,7 +166,11 @@ class VllmGenerate:
         ends: set[int],
         max_model_len: int,
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
     ):
+        from speculators.quantization import vllm_dtype, vllm_quantization_args
+
+        vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
         try:
             from vllm import LLM
         except ImportError:
@@ -178,7 +182,8 @@ class VllmGenerate:
         configure_cpu_build(tensor_parallel_size)
         self.llm = LLM(
             model=model_dir,
-            dtype=dtype,
+            dtype=vllm_dtype(dtype, quantization),
+            quantization=quantization,
             seed=seed,
             enforce_eager=True,
             max_model_len=max_model_len,

