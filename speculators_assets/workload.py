@@ -191,6 +191,11 @@ def verifier_identity(source: str) -> Any:
     return source
 
 
+def quantization_key(v: Variant) -> list[str]:
+    """The verifier's quantization as a key part: none for an unquantized one (its keys stay as they were)."""
+    return [v.verifier_quantization] if v.verifier_quantization else []
+
+
 def prompts_command(v: Variant, out: Path) -> list[str]:
     """`speculators prepare` of the variant's prompt sources into conversations (no verifier yet)."""
     from speculators.settings import PrepareSettings
@@ -220,12 +225,14 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         "regenerate": d.regenerate,
         **(parallel if vllm and d.regenerate else {}),
     }
+    quantized = {"quantization": v.verifier_quantization} if v.verifier_quantization else {}
     prepare = PrepareSettings(
         sources=[str(conversations)],
         output=str(data),
         verifier=v.verifier,
         require_assistant=not d.regenerate,
         **regeneration,
+        **(quantized if d.regenerate else {}),  # (tokenizing alone runs no model)
     )
     # (transformers keeps its default batch: padded eager attention grows with it)
     capture = CaptureSettings(
@@ -238,6 +245,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         backend=d.backend,
         aux_layer_ids=v.drafter.aux_layer_ids,
         **({"batch_size": d.batch_size, **parallel} if vllm else {}),
+        **quantized,
     )
     vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
     return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
@@ -256,6 +264,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     key = key_of(
         file_sha256(conversations),
         verifier_identity(v.verifier),
+        *quantization_key(v),
         v.datagen.model_dump(),
         v.drafter.aux_layer_ids,
         v.drafter.draft_vocab_size,
@@ -315,6 +324,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "store_bytes": directory_bytes(store),
         "draft_vocab_size": v.drafter.draft_vocab_size,
         "draft_vocab_coverage": coverage,
+        "verifier_quantization": manifest["verifier"].get("quantization") or "none",
         "path": path_value(store),
     }
     version = store_version(store, manifest)
@@ -533,6 +543,7 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
         output=str(out),
         prompts=v.prompts.eval_source,
         tensor_parallel_size=profile.tensor_parallel_size,
+        **({"quantization": v.verifier_quantization} if v.verifier_quantization else {}),
     )
     return ["bench", *to_argv(settings), *(["--", *nodes] if nodes else [])]  # after --: vLLM's own flags
 
@@ -544,7 +555,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if accepted is None:
         raise StepFailed(f"no published checkpoint at {latest}; materialize speculator_checkpoint (gates must pass)")
     b = v.benchmark
-    key = key_of(accepted["key"], b.model_dump(), v.prompts.eval_source, BENCH_REPORT_FORMAT)
+    key = key_of(accepted["key"], b.model_dump(), v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
     out = step.dir("benchmark_report") / key
     reused = (out / "report.json").is_file() and not step.force
     if not reused:

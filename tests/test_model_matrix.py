@@ -303,3 +303,25 @@ def test_mistral_large_3_in_bf16_needs_two_h200_nodes_and_its_profiles_give_them
         assert quantity_gib(profile.memory) >= weights_gib / profile.nodes  # each pod stages its node's half
     training = v.profile("trained_drafter")
     assert training.nodes == 1 and 4 <= training.gpus <= 8 and training.tensor_parallel_size == 1
+
+
+def test_the_fp8_llama_variant_is_llama3_3_70b_on_half_the_gpus():
+    """llama3_3_70b_fp8: the same verifier, facts and recipe as llama3_3_70b; vLLM's online FP8 makes
+    every decoder projection 1 byte per parameter (embeddings and lm_head stay bf16), so TP 2 holds it."""
+    cfg, bf16, fp8 = config("llama3_3_70b"), variant("llama3_3_70b"), variant("llama3_3_70b_fp8")
+    assert fp8.verifier_quantization == "fp8_per_channel" and bf16.verifier_quantization is None
+    assert (fp8.verifier, fp8.family, fp8.drafter, fp8.training) == (
+        bf16.verifier,
+        bf16.family,
+        bf16.drafter,
+        bf16.training,
+    )
+    params, bf16_bytes = estimate_weights(cfg)
+    embeddings = vocab_params(cfg)
+    fp8_gib = (embeddings * 2 + (params - embeddings)) / GIB  # (norms counted at 1 byte: 0.01% of the weights)
+    assert 0.5 * bf16_bytes / GIB < fp8_gib < 0.55 * bf16_bytes / GIB  # 67.6 of 131.4 GiB
+    for step in VLLM_STEPS:
+        profile, unquantized = fp8.profile(step), bf16.profile(step)
+        assert profile.tensor_parallel_size * 2 == unquantized.tensor_parallel_size
+        assert fp8_gib / profile.tensor_parallel_size <= WEIGHT_SHARE * profile.gpu_memory_gib
+        assert profile.data_parallel_size == 2 * unquantized.data_parallel_size or step == "benchmark_report"
