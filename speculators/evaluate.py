@@ -510,7 +510,7 @@ def evaluate(
                 flush=True,
             )
     if verifier.quantization:
-        within = settle_fp8_splits(report, noise)
+        within = settle_fp8_splits(report, noise, verifier, [p[1] for p in prompts])
         report.settings["fp8_order_noise"] = noise
         if progress and within:
             print(
@@ -535,14 +535,24 @@ def order_noise(baseline: Generation, speculative: Generation) -> float:
     return worst
 
 
-def settle_fp8_splits(report: EvaluationReport, noise: float) -> int:
-    """Count as near-ties the splits whose margin lies within the run's evaluation-order noise (an FP8
-    verifier's: both decoders run the same quantized model, so such a split is its own noise)."""
+def settle_fp8_splits(report: EvaluationReport, noise: float, verifier: Verifier, prompts: list[list[int]]) -> int:
+    """Count as near-ties the splits whose margin lies within an FP8 verifier's own noise (both
+    decoders run the same quantized model): the most the decoders' logits differed where they agreed
+    over the run (`noise`), or, beyond that, what the two evaluation orders give at the split's own
+    context (quantization.path_noise, a window of one pass against one token at a time)."""
+    from speculators.quantization import path_noise
+
     settled = 0
-    for result in report.results:
+    for result, prompt_ids in zip(report.results, prompts, strict=True):
         c = result.comparison
-        if c.status == "diverged" and c.margin is not None and c.margin <= noise:
-            c.status, c.path_noise, c.tolerance = "near_tie", noise, max(c.tolerance or 0.0, noise)
+        if c.status != "diverged" or c.margin is None or c.position is None:
+            continue
+        tolerance = noise
+        if c.margin > tolerance:
+            tolerance = max(tolerance, path_noise(verifier.model, [*prompt_ids, *result.greedy_ids[: c.position]]))
+        c.path_noise, c.tolerance = tolerance, max(c.tolerance or 0.0, tolerance)
+        if c.margin <= tolerance:
+            c.status = "near_tie"
             settled += 1
     return settled
 

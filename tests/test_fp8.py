@@ -160,7 +160,7 @@ def test_evaluate_decodes_losslessly_against_the_same_fp8_verifier(peaked_verifi
     assert lossless["diverged"] == 0 and lossless["identical"] >= 6, lossless
     noise = report.settings["fp8_order_noise"]
     splits = [r.comparison for r in report.results if r.comparison.status == "near_tie"]
-    assert all(c.margin <= noise and c.path_noise == noise for c in splits)
+    assert all(c.margin <= c.path_noise and c.path_noise >= noise for c in splits)
     assert report.to_dict()["settings"]["quantization"] == SCHEME
     assert report.totals()["acceptance_length"] > 1.8
 
