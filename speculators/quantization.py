@@ -225,7 +225,7 @@ PATH_NOISE_WINDOW = 32
 def path_noise(model: PreTrainedModel, context: list[int], window: int = PATH_NOISE_WINDOW) -> float:
     """How far an FP8 verifier's logits move with the order of evaluation alone: the last `window`
     positions of `context` in one forward pass against the same positions decoded one token at a time
-    on a KV cache; the largest difference of any logit. Unquantized, the two differ by rounding (6e-5
+    on a KV cache; the largest difference of any logit. Unquantized, the two differ by rounding (8e-5
     on SmolLM2 in fp32); with FP8 activations an input that moves by an ulp can flip an fp8 rounding,
     which moves that activation by up to 1/16 and cascades through the later layers: on SmolLM2 the
     two orders' logits differed by a median 7% of the top logit (up to 4.0), on the tiny test Llama by
