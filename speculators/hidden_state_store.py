@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+from speculators.quantization import FP8_MAX
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 STORE_FORMAT = "speculators-hidden-states"
 STORE_VERSION = 1
 STORAGE_FORMATS = ("bfloat16", "float32", "fp8_e4m3")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def sample_key(

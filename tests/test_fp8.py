@@ -15,11 +15,11 @@ import torch
 from speculators.errors import SpeculatorsError
 from speculators.quantization import (
     FP8_MAX,
-    channel_scales,
     cpu_build_refusal,
     fp8_linear,
     fp8_tokens,
     quantize_verifier,
+    row_scales,
     vllm_dtype,
     vllm_quantization_args,
 )
@@ -47,7 +47,7 @@ def test_fp8_linear_computes_vllms_fp8_gemm_exactly():
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 64, generator=g) * 0.05, torch.randn(48, generator=g)
     x = torch.randn(2, 7, 64, generator=g)
-    scale = channel_scales(weight)
+    scale = row_scales(weight)
     assert torch.equal(scale, weight.abs().amax(dim=1, keepdim=True) / FP8_MAX)
     layer = fp8_linear(weight, scale, bias)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.element_size() == 1
