@@ -108,9 +108,11 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
 
 def describe(error: ValidationError, model: type[BaseModel]) -> str:
     first = error.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else ""
+    if not first["loc"]:  # a check across fields (a model validator): its own message says it all
+        return str(first["msg"]).removeprefix("Value error, ")
+    name = str(first["loc"][0])
     info = model.model_fields.get(name)
-    where = flag_of(name, info) if info is not None else name or model.__name__
+    where = flag_of(name, info) if info is not None else name
     value = first.get("input")
     return f"{where} {value!r}: {first['msg'].lower()}" if value is not None else f"{where}: {first['msg'].lower()}"
 

@@ -48,6 +48,7 @@ def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
         hf_split=s.hf_split,
         seed=s.seed,
         validation_sources=s.validation_sources,
+        source_weights=s.source_weights,
     )
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict[str, Any] = {"prompts": report.to_dict()}
@@ -200,6 +201,7 @@ def regenerate_on_replicas(
                 "sources": [str(folder / "conversations-in.jsonl")],
                 "validation_sources": [],
                 "max_samples": None,
+                "source_weights": None,
                 "output": str(folder),
                 "data_parallel_size": 1,
             }

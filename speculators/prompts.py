@@ -416,6 +416,9 @@ class PrepareReport:
     examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     data_version: str = ""
     sources: list[str] = field(default_factory=list)
+    # per training source: kept, wanted (its share of max_samples, shortfalls of others included),
+    # exhausted (its rows ran out)
+    per_source: list[dict[str, Any]] = field(default_factory=list)
 
     def reject(self, reason: str, location: str) -> None:
         self.rejected[reason] += 1
@@ -433,6 +436,7 @@ class PrepareReport:
             "rejected_total": sum(self.rejected.values()),
             "rejected_examples": {k: v for k, v in sorted(self.examples.items())},
             "data_version": self.data_version,
+            "per_source": self.per_source,
         }
 
     def summary(self) -> str:
@@ -442,6 +446,13 @@ class PrepareReport:
             + f", duplicates {self.duplicates}, "
             f"rejected {sum(self.rejected.values())}; data version {self.data_version}"
         ]
+        if len(self.per_source) > 1 or any(entry["wanted"] and entry["exhausted"] for entry in self.per_source):
+            lines += [
+                f"  {entry['source']}: kept {entry['kept']}"
+                + (f" of {entry['wanted']} wanted" if entry["wanted"] is not None else "")
+                + (" (ran out of rows)" if entry["exhausted"] and entry["wanted"] else "")
+                for entry in self.per_source
+            ]
         lines += [
             f"  rejected {count}: {reason} (e.g. {', '.join(self.examples[reason])})"
             for reason, count in sorted(self.rejected.items())
@@ -459,6 +470,18 @@ def data_version(ids: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def source_quotas(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights`, each share rounded down and the rest handed out by
+    largest remainder (ties to the earlier source), so the quotas sum to `total` exactly."""
+    scale = sum(weights)
+    exact = [total * weight / scale for weight in weights]
+    quotas = [int(share) for share in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (quotas[i] - exact[i], i))
+    for i in by_remainder[: total - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
 def prepare_conversations(
     sources: list[str],
     require_assistant: bool = True,
@@ -467,22 +490,38 @@ def prepare_conversations(
     hf_split: str | None = None,
     seed: int = 0,
     validation_sources: Sequence[str] = (),
+    source_weights: Sequence[float] | None = None,
 ) -> tuple[list[Conversation], PrepareReport]:
     """Conversations from the sources, de-duplicated by content, bad rows counted with their reasons.
 
     Rows of `validation_sources` come first and get ids starting with VALIDATION_PREFIX: training
     scores them only as validation (training_data.is_validation), and a training row with the same
     content is dropped as a duplicate. A row whose own `id` has that prefix (conversations.jsonl of an
-    earlier prepare) stays tagged. `max_samples` counts the training sources' rows only.
+    earlier prepare) stays tagged. `max_samples` counts the training sources' kept rows only and is
+    shared among them by `source_weights` (default: equal shares); a source that runs out before its
+    share leaves the rest to the sources that still have rows, by their weights.
     """
+    if source_weights is not None and len(source_weights) != len(sources):
+        raise SpeculatorsError(
+            f"{len(source_weights)} source weights were given for {len(sources)} sources; give one weight per source"
+        )
+    if source_weights is not None and (max_samples is None or min(source_weights) <= 0):
+        raise SpeculatorsError(
+            f"source weights {list(source_weights)} need a max samples count to share and must all be positive"
+        )
     report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
     conversations: list[Conversation] = []
-    splits = [(source, True) for source in validation_sources] + [(source, False) for source in sources]
-    for source, for_validation in splits:
-        for location, row, base_dir in iter_source_rows(source, hf_subset, hf_split, seed):
-            if not for_validation and max_samples is not None and len(conversations) - report.validation >= max_samples:
-                break
+
+    def take(rows: Iterator[tuple[str, Any, Path | None]], quota: int | None, for_validation: bool) -> tuple[int, bool]:
+        """Reads rows until `quota` conversations are kept from them (None: all); returns how many were
+        kept and whether the rows ran out."""
+        kept = 0
+        while quota is None or kept < quota:
+            item = next(rows, None)
+            if item is None:
+                return kept, True
+            location, row, base_dir = item
             report.rows_read += 1
             try:
                 if isinstance(row, RowRejected):
@@ -501,6 +540,35 @@ def prepare_conversations(
             tagged = for_validation or (isinstance(row, dict) and str(row.get("id", "")).startswith(VALIDATION_PREFIX))
             conversations.append(Conversation(VALIDATION_PREFIX + key if tagged else key, messages))
             report.validation += tagged
+            kept += 1
+        return kept, False
+
+    for source in validation_sources:
+        take(iter_source_rows(source, hf_subset, hf_split, seed), None, True)
+    streams = [iter_source_rows(source, hf_subset, hf_split, seed) for source in sources]
+    weights = list(source_weights or [1.0] * len(sources))
+    kept, wanted, exhausted = [0] * len(sources), [0] * len(sources), [False] * len(sources)
+    remaining = max_samples
+    while remaining is None or remaining > 0:
+        open_sources = [i for i in range(len(sources)) if not exhausted[i]]
+        if not open_sources:
+            break
+        quotas: list[int | None] = (
+            [None] * len(open_sources)
+            if remaining is None
+            else list(source_quotas(remaining, [weights[i] for i in open_sources]))
+        )
+        for i, quota in zip(open_sources, quotas, strict=True):
+            wanted[i] += quota or 0
+            taken, exhausted[i] = take(streams[i], quota, False)
+            kept[i] += taken
+        if max_samples is None:
+            break
+        remaining = max_samples - sum(kept)
+    report.per_source = [
+        {"source": source, "kept": kept[i], "wanted": wanted[i] if max_samples else None, "exhausted": exhausted[i]}
+        for i, source in enumerate(sources)
+    ]
     report.kept = len(conversations)
     report.data_version = data_version(c.id for c in conversations)
     return conversations, report

@@ -15,7 +15,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 # A file or folder: the Python API may pass a Path, the model keeps its text.
@@ -76,7 +76,25 @@ class PromptSources(BaseModel):
         "samples, never trains on them; repeatable",
         json_schema_extra={"flag": "validation_source", "repeat": True},
     )
-    max_samples: int | None = Field(None, gt=0, description="keep at most this many conversations")
+    max_samples: int | None = Field(
+        None, gt=0, description="keep at most this many training conversations, shared among the sources"
+    )
+    source_weights: list[Annotated[float, Field(gt=0)]] | None = Field(
+        None,
+        description="each --source's share of --max-samples, in order (default: equal shares); a source that "
+        "runs out leaves the rest to the others",
+        json_schema_extra={"example": "3,1"},
+    )
+
+    @model_validator(mode="after")
+    def one_weight_per_source(self) -> PromptSources:
+        if self.source_weights is not None and len(self.source_weights) != len(self.sources):
+            raise ValueError(
+                f"{len(self.source_weights)} source weights for {len(self.sources)} sources: give one weight per source"
+            )
+        if self.source_weights is not None and self.max_samples is None:
+            raise ValueError("source weights share max_samples among the sources: set max_samples (--max-samples) too")
+        return self
 
 
 class RegenerationSettings(VerifierCompute):

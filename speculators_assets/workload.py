@@ -150,7 +150,10 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     v, out = step.variant, step.dir("raw_prompts")
     fingerprints = source_fingerprints(v)
     fingerprint = key_of(fingerprints)  # what the retraining schedule compares
-    key = key_of(fingerprints, v.prompts.model_dump())
+    # source_weights joined the settings later: a one-source variant without them keeps its key (its
+    # rows are what they were); several sources now share max_samples, so their keys change.
+    unchanged = v.prompts.source_weights is None and len(v.prompts.sources) == 1
+    key = key_of(fingerprints, v.prompts.model_dump(exclude={"source_weights"} if unchanged else set()))
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
     if not reused:
@@ -169,6 +172,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
         "data_version": report["data_version"],
         "source_fingerprint": fingerprint,
         "sources": {"raw_value": fingerprints, "type": "json"},
+        "kept_per_source": {"raw_value": report.get("per_source", []), "type": "json"},
         "path": path_value(out / "conversations.jsonl"),
     }
     return metadata, report["data_version"]
@@ -205,6 +209,7 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
         sources=p.sources,
         validation_sources=p.validation_sources,
         max_samples=p.max_samples,
+        source_weights=p.source_weights,
         output=str(out),
         require_assistant=not v.datagen.regenerate,
     )

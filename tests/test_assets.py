@@ -102,6 +102,10 @@ def test_shipped_variants_carry_the_published_facts():
         ({"training": {"epochs": 1, "learning_rate": 1}}, "training.learning_rate: Extra inputs are not permitted"),
         ({"compute": {"train": {"gpus": 1}}}, "compute has unknown steps ['train']"),
         ({"name": "other"}, "names variant 'other'; the name must equal the file name"),
+        (
+            {"prompts": {"sources": ["demo:train"], "max_samples": 9, "source_weights": [1, 2]}},
+            "2 source weights for 1 sources: give one weight per source",
+        ),
     ],
 )
 def test_a_bad_variant_file_is_one_clear_error(tmp_path, change, message):
@@ -368,3 +372,17 @@ def test_every_check_the_workload_reports_is_declared_for_its_step():
     assert set(reported) <= set(ASSETS), "only step functions report checks"
     for step in STEPS:
         assert reported.get(step.name, set()) == {check.name for check in step.checks}, step.name
+
+
+def test_a_variants_source_weights_reach_prepare_and_its_key(tmp_path):
+    """The GPU variants' two prompt sets share max_samples equally (prepare's default); weights set in
+    a variant reach `prepare`."""
+    from speculators_assets.workload import prompts_command
+
+    variants = load_variants()
+    llama = variants["llama3_1_8b"]
+    assert llama.prompts.sources == ["hf:ultrachat", "hf:sharegpt"] and llama.prompts.source_weights is None
+    weighted = llama.model_copy(update={"prompts": llama.prompts.model_copy(update={"source_weights": [3.0, 1.0]})})
+    command = prompts_command(weighted, tmp_path)
+    assert command[command.index("--source-weights") + 1] == "3.0,1.0"
+    assert "--source-weights" not in prompts_command(llama, tmp_path)

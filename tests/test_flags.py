@@ -33,6 +33,8 @@ def changed_value(name: str, info) -> object:
         return not default
     if typing.get_origin(kind) is typing.Literal:
         return next(choice for choice in reversed(typing.get_args(kind)) if choice != default)
+    if name == "source_weights":  # one per source (the two below)
+        return [3.0, 1.0]
     if typing.get_origin(kind) is list:
         return [f"{name}-a", f"{name}-b"] if typing.get_args(kind)[0] is str else [3, 5, 7]
     if kind is int:

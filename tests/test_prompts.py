@@ -601,3 +601,70 @@ def test_demo_vl_source_names_and_fingerprints():
     assert isinstance(load_prompts("demo:eval", max_prompts=1)[0].messages[0]["content"], str)  # demo: is text
     fingerprints = {s: source_fingerprint(s) for s in ("demo-vl:eval", "demo-vl:train", "demo:eval")}
     assert len(set(fingerprints.values())) == 3 and source_fingerprint("demo-vl:eval") == fingerprints["demo-vl:eval"]
+
+
+def test_max_samples_is_shared_among_sources_by_weight_and_a_short_source_leaves_its_rest(tmp_path):
+    from speculators.prompts import source_quotas
+
+    assert source_quotas(10, [1, 1, 1]) == [4, 3, 3] and source_quotas(7, [3, 1]) == [5, 2]
+    assert sum(source_quotas(1_000_003, [0.7, 0.2, 0.1])) == 1_000_003
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": f"big {i}"} for i in range(50)])
+    small = write_jsonl(tmp_path / "small.jsonl", [{"prompt": f"small {i}"} for i in range(3)] + ["{not json"])
+    on_disk = write_jsonl(tmp_path / "disk.jsonl", [{"prompt": f"disk {i}"} for i in range(40)])
+
+    def texts(conversations):
+        return [c.messages[0]["content"] for c in conversations]
+
+    # Equal shares by default: both sources are represented (not the first source alone).
+    conversations, report = prepare_conversations([big, on_disk], require_assistant=False, max_samples=10)
+    assert texts(conversations) == [f"big {i}" for i in range(5)] + [f"disk {i}" for i in range(5)]
+    assert report.per_source == [
+        {"source": big, "kept": 5, "wanted": 5, "exhausted": False},
+        {"source": on_disk, "kept": 5, "wanted": 5, "exhausted": False},
+    ]
+    # Weights 3:1 of 8 -> 6 and 2.
+    conversations, _ = prepare_conversations(
+        [big, on_disk], require_assistant=False, max_samples=8, source_weights=[3, 1]
+    )
+    assert texts(conversations) == [f"big {i}" for i in range(6)] + ["disk 0", "disk 1"]
+    # A source with fewer usable rows than its share (3 of 6 wanted; its bad row counted) leaves the
+    # rest to the others by their weights: 18 in all.
+    conversations, report = prepare_conversations(
+        [big, small, on_disk], require_assistant=False, max_samples=18, source_weights=[1, 1, 1]
+    )
+    assert report.kept == 18 and texts(conversations).count("small 0") == 1
+    assert [entry["kept"] for entry in report.per_source] == [8, 3, 7]
+    assert report.per_source[1] == {"source": small, "kept": 3, "wanted": 6, "exhausted": True}
+    assert sum(report.rejected.values()) == 1
+    assert f"{small}: kept 3 of 6 wanted (ran out of rows)" in report.summary()
+    # Not enough rows anywhere: everything is kept, each short source says so.
+    conversations, report = prepare_conversations([small, on_disk], require_assistant=False, max_samples=100)
+    assert report.kept == 43 and all(entry["exhausted"] for entry in report.per_source)
+    # Without max_samples every row of every source is kept, in source order.
+    conversations, report = prepare_conversations([small, on_disk], require_assistant=False)
+    assert texts(conversations)[:4] == ["small 0", "small 1", "small 2", "disk 0"] and report.kept == 43
+
+
+def test_bad_source_weights_are_one_clear_error(tmp_path, capsys):
+    from speculators.cli import main
+
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a"}])
+    two = write_jsonl(tmp_path / "two.jsonl", [{"prompt": "b"}])
+    with pytest.raises(SpeculatorsError, match="3 source weights were given for 2 sources"):
+        prepare_conversations([one, two], max_samples=2, source_weights=[1, 1, 1])
+    with pytest.raises(SpeculatorsError, match=r"source weights \[1, 1\] need a max samples count"):
+        prepare_conversations([one, two], source_weights=[1, 1])
+    base = ["prepare", "--source", one, "--source", two, "--output", str(tmp_path / "out")]
+    for extra, message in (
+        (["--max-samples", "2", "--source-weights", "1,2,3"], "3 source weights for 2 sources"),
+        (["--source-weights", "1,1"], "set max_samples (--max-samples) too"),
+        (["--max-samples", "2", "--source-weights", "1,0"], "greater than 0"),
+        (["--max-samples", "2", "--source-weights", "1,x"], "'1,x' is not a comma-separated list of float"),
+    ):
+        try:
+            code = main([*base, *extra])
+        except SystemExit as exit_info:  # argparse's own type errors
+            code = exit_info.code
+        error = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and message in error[-1], (extra, error)
+    assert not (tmp_path / "out" / "conversations.jsonl").exists()
