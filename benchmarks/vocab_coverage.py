@@ -21,7 +21,7 @@ def main() -> None:
 
     from speculators.hidden_state_store import HiddenStateStore
     from speculators.training_data import is_validation
-    from speculators.vocab import select_draft_vocab
+    from speculators.vocab import count_supervised_tokens, select_draft_vocab
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
@@ -29,16 +29,15 @@ def main() -> None:
     args = parser.parse_args()
 
     store = HiddenStateStore(args.store)
-    manifest = store.manifest()
-    vocab_size = int(manifest["verifier"]["vocab_size"])
-    answers, prompts, held_out = (torch.zeros(vocab_size, dtype=torch.long) for _ in range(3))
+    answers, manifest = count_supervised_tokens(args.store)  # what `speculators vocab` counts
+    vocab_size = answers.numel()
+    prompts, held_out = (torch.zeros(vocab_size, dtype=torch.long) for _ in range(2))
     for entry in manifest["samples"]:
         ids, mask = store.read_tokens(entry)
         mask = mask.bool()
         if is_validation(entry["id"], 0.0):
             held_out += torch.bincount(ids[mask], minlength=vocab_size)
         else:
-            answers += torch.bincount(ids[mask], minlength=vocab_size)
             prompts += torch.bincount(ids[~mask], minlength=vocab_size)
     total = int(held_out.sum())
     unseen = int(held_out[answers == 0].sum())

@@ -501,14 +501,11 @@ def prepare_conversations(
     shared among them by `source_weights` (default: equal shares); a source that runs out before its
     share leaves the rest to the sources that still have rows, by their weights.
     """
-    if source_weights is not None and len(source_weights) != len(sources):
-        raise SpeculatorsError(
-            f"{len(source_weights)} source weights were given for {len(sources)} sources; give one weight per source"
-        )
-    if source_weights is not None and (max_samples is None or min(source_weights) <= 0):
-        raise SpeculatorsError(
-            f"source weights {list(source_weights)} need a max samples count to share and must all be positive"
-        )
+    from speculators.settings import source_weights_problem
+
+    problem = source_weights_problem(len(sources), source_weights, max_samples)
+    if problem:
+        raise SpeculatorsError(problem)
     report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
     conversations: list[Conversation] = []
@@ -548,25 +545,27 @@ def prepare_conversations(
     streams = [iter_source_rows(source, hf_subset, hf_split, seed) for source in sources]
     weights = list(source_weights or [1.0] * len(sources))
     kept, wanted, exhausted = [0] * len(sources), [0] * len(sources), [False] * len(sources)
-    remaining = max_samples
-    while remaining is None or remaining > 0:
-        open_sources = [i for i in range(len(sources)) if not exhausted[i]]
-        if not open_sources:
-            break
-        quotas: list[int | None] = (
-            [None] * len(open_sources)
-            if remaining is None
-            else list(source_quotas(remaining, [weights[i] for i in open_sources]))
-        )
-        for i, quota in zip(open_sources, quotas, strict=True):
-            wanted[i] += quota or 0
-            taken, exhausted[i] = take(streams[i], quota, False)
-            kept[i] += taken
-        if max_samples is None:
-            break
-        remaining = max_samples - sum(kept)
+    if max_samples is None:
+        for i, stream in enumerate(streams):
+            kept[i], exhausted[i] = take(stream, None, False)
+    else:
+        # What is still wanted is shared among the sources that still have rows, until none is wanted or none has.
+        while (remaining := max_samples - sum(kept)) > 0:
+            open_sources = [i for i, ran_out in enumerate(exhausted) if not ran_out]
+            if not open_sources:
+                break
+            quotas = source_quotas(remaining, [weights[i] for i in open_sources])
+            for i, quota in zip(open_sources, quotas, strict=True):
+                wanted[i] += quota
+                taken, exhausted[i] = take(streams[i], quota, False)
+                kept[i] += taken
     report.per_source = [
-        {"source": source, "kept": kept[i], "wanted": wanted[i] if max_samples else None, "exhausted": exhausted[i]}
+        {
+            "source": source,
+            "kept": kept[i],
+            "wanted": None if max_samples is None else wanted[i],
+            "exhausted": exhausted[i],
+        }
         for i, source in enumerate(sources)
     ]
     report.kept = len(conversations)

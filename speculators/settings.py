@@ -12,6 +12,7 @@ serialises a model into the command it runs. Import-light: pydantic only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from os import PathLike
 from typing import Annotated, Any, Literal
 
@@ -88,13 +89,24 @@ class PromptSources(BaseModel):
 
     @model_validator(mode="after")
     def one_weight_per_source(self) -> PromptSources:
-        if self.source_weights is not None and len(self.source_weights) != len(self.sources):
-            raise ValueError(
-                f"{len(self.source_weights)} source weights for {len(self.sources)} sources: give one weight per source"
-            )
-        if self.source_weights is not None and self.max_samples is None:
-            raise ValueError("source weights share max_samples among the sources: set max_samples (--max-samples) too")
+        problem = source_weights_problem(len(self.sources), self.source_weights, self.max_samples)
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+def source_weights_problem(sources: int, weights: Sequence[float] | None, max_samples: int | None) -> str | None:
+    """What is wrong with `weights` for that many prompt sources, or None: the one rule for the
+    settings (flags, variants) and for `prompts.prepare_conversations`' Python callers."""
+    if weights is None:
+        return None
+    if len(weights) != sources:
+        return f"{len(weights)} source weights for {sources} sources: give one weight per source"
+    if max_samples is None:
+        return "source weights share max_samples among the sources: set max_samples (--max-samples) too"
+    if min(weights) <= 0:
+        return f"source weights must all be positive, not {list(weights)}"
+    return None
 
 
 class RegenerationSettings(VerifierCompute):

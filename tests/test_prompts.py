@@ -650,10 +650,12 @@ def test_bad_source_weights_are_one_clear_error(tmp_path, capsys):
 
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a"}])
     two = write_jsonl(tmp_path / "two.jsonl", [{"prompt": "b"}])
-    with pytest.raises(SpeculatorsError, match="3 source weights were given for 2 sources"):
+    with pytest.raises(SpeculatorsError, match="3 source weights for 2 sources: give one weight per source"):
         prepare_conversations([one, two], max_samples=2, source_weights=[1, 1, 1])
-    with pytest.raises(SpeculatorsError, match=r"source weights \[1, 1\] need a max samples count"):
+    with pytest.raises(SpeculatorsError, match=r"source weights share max_samples among the sources: set max_samples"):
         prepare_conversations([one, two], source_weights=[1, 1])
+    with pytest.raises(SpeculatorsError, match=r"source weights must all be positive, not \[1, 0\]"):
+        prepare_conversations([one, two], max_samples=2, source_weights=[1, 0])
     base = ["prepare", "--source", one, "--source", two, "--output", str(tmp_path / "out")]
     for extra, message in (
         (["--max-samples", "2", "--source-weights", "1,2,3"], "3 source weights for 2 sources"),
