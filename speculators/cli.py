@@ -424,9 +424,10 @@ def runs_vllm(args: argparse.Namespace) -> bool:
 
 
 def compute_device(args: argparse.Namespace) -> str:
-    """Where a command computes, for what `--dtype auto` means: vLLM runs on a GPU when there is one."""
+    """Where a command computes, for what `--dtype auto` means: vLLM's commands where the installed vLLM
+    computes (asked without touching CUDA, whose engines then fork cleanly: vllm_engine)."""
     if runs_vllm(args):
-        return "auto"
+        return "vllm"
     return getattr(args, "device", None) or "auto"
 
 

@@ -141,7 +141,7 @@ def make_capture_fn(
         from speculators.vllm_capture import VllmCapture
 
         # A batch (at most a window: plan_batches) in one engine step where the activations allow; a
-        # longer one is prefilled in chunks, in submission order, which the capture checks.
+        # longer one is prefilled in chunks (rows keyed by request and position: vllm_capture).
         return VllmCapture(
             verifier.name_or_path,
             capture_ids,
@@ -313,12 +313,13 @@ def run_datagen(
 def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, str]]:
     """Per replica, the environment that gives it its own GPUs (CUDA_VISIBLE_DEVICES) or, on a CPU,
     its own cores for vLLM's CPU build (VLLM_CPU_OMP_THREADS_BIND, one '|'-separated list per TP rank)."""
-    import torch
+    from speculators.vllm_engine import gpu_count
 
     need = replicas * tensor_parallel_size
-    if torch.cuda.is_available():
+    count = gpu_count()
+    if count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ranks = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        ranks = visible.split(",") if visible else [str(i) for i in range(count)]
         if len(ranks) < need:
             raise SpeculatorsError(
                 f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} GPUs but {len(ranks)} are "

@@ -30,9 +30,14 @@ def cpu_has_bf16() -> bool:
 
 
 def native_bf16(device: str = "cpu") -> bool:
-    """bf16 is native on `device` ("cpu", "cuda", "cuda:N" or "auto": a GPU when there is one)."""
+    """bf16 is native on `device` ("cpu", "cuda", "cuda:N", "auto": a GPU when there is one, or "vllm":
+    where the installed vLLM computes, decided without touching CUDA: vllm_engine.engine_native_bf16)."""
     import torch
 
+    if device == "vllm":
+        from speculators.vllm_engine import engine_native_bf16
+
+        return engine_native_bf16()
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return cpu_has_bf16()

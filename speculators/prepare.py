@@ -164,7 +164,7 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
             generate,
             output / "samples.partial.jsonl",
             settings.max_length,
-            batch_size=settings.batch_size,
+            batch_size=requests_in_flight(settings),
             image_inputs=images,
         )
     details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
@@ -230,6 +230,15 @@ def regenerate_on_replicas(
     return write_samples(output, samples, details)
 
 
+def requests_in_flight(settings: PrepareSettings) -> int:
+    """Conversations regenerated at once: `batch_size` per engine, so a server with data-parallel
+    replicas gets that many per replica (with only `batch_size` in flight, each of N replicas ran a
+    batch of batch_size / N)."""
+    if settings.backend != "vllm":
+        return settings.batch_size
+    return settings.batch_size * settings.data_parallel_size
+
+
 def answer_generator(
     settings: PrepareSettings, output: Path, images: ImageInputs | None = None
 ) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
@@ -291,7 +300,7 @@ def answer_generator(
             s.seed,
             ends,
             model=model,
-            concurrency=s.batch_size,
+            concurrency=requests_in_flight(s),
             api_key=os.environ.get("VLLM_API_KEY"),
         )
 
@@ -301,6 +310,7 @@ def answer_generator(
     # Data-parallel replicas: vLLM's server runs one engine per replica behind one API (the offline
     # engine cannot for dense models); requests go to it concurrently.
     from speculators.serve import ServerSettings, VllmServer
+    from speculators.vllm_engine import decoding_enforce_eager
 
     server = VllmServer(
         ServerSettings(
@@ -309,7 +319,7 @@ def answer_generator(
             dtype=s.dtype,
             quantization=s.quantization,
             seed=s.seed,
-            enforce_eager=True,
+            enforce_eager=decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
             max_model_len=max_model_len,
             tensor_parallel_size=s.tensor_parallel_size,
             log_path=output / "regeneration-vllm.log",

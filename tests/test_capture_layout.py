@@ -1,0 +1,145 @@
+"""Capture's keying of vLLM's forward rows by request and position (speculators/vllm_capture.py), fed
+rows the way CUDA vLLM 0.32's Model Runner V2 lays them out, and the engine start paths with torch.cuda
+forbidden (CUDA vLLM forks its engines unless CUDA is initialised; asking torch.cuda poisons fork)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from speculators import vllm_capture, vllm_engine
+from speculators.errors import SpeculatorsError
+
+from .engine_probe import forbid_cuda_in_this_process
+
+IDS = [0, 2, 5]
+HIDDEN = 4
+
+
+def reference_states(prompts: list[list[int]]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(len(p), len(IDS), HIDDEN, generator=generator) for p in prompts]
+
+
+def v2_records(prompts, references, budget, padding=3, decode_after=()):
+    """Forward records of a chunked-prefill scheduler with `budget` tokens a step (first come, first
+    served, as vLLM's scheduler), each step's requests in Model Runner V2's row order (vLLM's own
+    sort_batch_req_ids: by scheduled token count), CUDA-graph padding rows at the end; requests in
+    `decode_after` run one decode row after their prefill (a sampled token's position)."""
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    done = {f"req-{i}-x7": 0 for i in range(len(prompts))}
+    index = {req: i for i, req in enumerate(done)}
+    records = []
+    while any(done[r] < len(prompts[index[r]]) + (index[r] in decode_after) for r in done):
+        left, scheduled = budget, {}
+        for req in done:
+            total = len(prompts[index[req]]) + (index[req] in decode_after)
+            if left and done[req] < total:
+                scheduled[req] = min(left, total - done[req])
+                left -= scheduled[req]
+        order = sort_batch_req_ids(scheduled, {}, 1)
+        rows_ids, rows_states = [], []
+        for req in order:
+            i, start, count = index[req], done[req], scheduled[req]
+            prompt = prompts[i] + [7]  # the decode row's token, when there is one
+            rows_ids.append(torch.tensor(prompt[start : start + count]))
+            states = torch.cat([references[i], torch.full((1, len(IDS), HIDDEN), 99.0)])  # 99: past the prompt
+            rows_states.append(states[start : start + count])
+        rows_ids.append(torch.zeros(padding, dtype=torch.long))
+        rows_states.append(torch.full((padding, len(IDS), HIDDEN), -5.0))
+        ids, states = torch.cat(rows_ids), torch.cat(rows_states)
+        layout = vllm_capture.batch_layout(order, [done[r] for r in order], [scheduled[r] for r in order])
+        records.append({"layout": layout, "input_ids": ids, **{i: states[:, k] for k, i in enumerate(IDS)}})
+        for req, count in scheduled.items():
+            done[req] += count
+    return records
+
+
+PROMPTS = [list(range(10, 10 + n)) for n in (37, 5, 20, 37, 12)]
+
+
+def test_rows_permuted_and_chunked_as_model_runner_v2_does_assemble_to_each_prompts_states():
+    references = reference_states(PROMPTS)
+    records = v2_records(PROMPTS, references, budget=16, decode_after={2})
+    # The layout really is out of submission order (what the old order check refused) and chunked.
+    submitted = torch.cat([torch.tensor(p) for p in PROMPTS])
+    rows = torch.cat([r["input_ids"][: sum(r["layout"]["counts"])] for r in records])
+    assert len(records) > 5 and not torch.equal(rows[: len(submitted)], submitted)
+    records.insert(2, {"layout": None, "input_ids": torch.zeros(4, dtype=torch.long)})  # a dummy batch
+    states = vllm_capture.assemble_states(records, PROMPTS, IDS)
+    for got, want in zip(states, references, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_identical_prompts_each_get_their_states_and_a_recomputed_position_keeps_its_later_row():
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 9]]
+    references = reference_states(prompts)
+    references[1] = references[0].clone()  # identical prompts: identical states
+    records = v2_records(prompts, references, budget=3)
+    again = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in records[0].items()}
+    for i in IDS:
+        again[i][:] = 1.5  # the same rows recomputed later (after a preemption): the later ones win
+    states = vllm_capture.assemble_states([*records, again], prompts, IDS)
+    assert records[0]["layout"] == {"req_ids": ["req-0-x7"], "starts": [0], "counts": [3]}  # the budget: 3 tokens
+    recomputed = references[0].clone()
+    recomputed[:3] = 1.5
+    assert torch.equal(states[0], recomputed)  # the first twin's request, rows 0-2 recomputed
+    assert torch.equal(states[1], references[1]) and torch.equal(states[2], references[2])
+
+
+def test_a_prompt_whose_rows_are_incomplete_is_refused_with_one_line():
+    references = reference_states(PROMPTS[:2])
+    records = v2_records(PROMPTS[:2], references, budget=16)
+    with pytest.raises(SpeculatorsError, match=r"no complete run of prompt 0 \(37 tokens\)"):
+        vllm_capture.assemble_states(records[1:], PROMPTS[:2], IDS)
+
+
+def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny_verifier_dir, monkeypatch):
+    """What the library runs in the parent before vLLM starts an engine or a server, with every torch.cuda
+    entry point raising (PYTORCH_NVML_BASED_CUDA_CHECK unset: as before `import vllm`)."""
+    from speculators.datagen import replica_devices
+    from speculators.precision import resolve_dtype
+    from speculators.quantization import cpu_build_refusal, vllm_dtype, vllm_quantization_args
+    from speculators.serve import ServerSettings, VllmServer
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.setenv(name, os.environ.get(name, "x"))  # restored after the test
+    forbid_cuda_in_this_process(monkeypatch.setattr)
+    with pytest.raises(AssertionError, match=r"torch\.cuda\.is_available"):
+        torch.cuda.is_available()  # the guard is on
+    verifier = str(tiny_verifier_dir("llama"))
+    assert resolve_dtype("auto", "vllm") == "float32"  # this CPU has no native bf16
+    assert vllm_dtype("float16", None) == "float16" and vllm_dtype("auto", "fp8_per_channel") == "bfloat16"
+    assert vllm_quantization_args("fp8_per_channel") == ["--quantization", "fp8_per_channel"]
+    assert cpu_build_refusal("fp8_per_tensor") is not None
+    vllm_capture.configure_cpu_build(1)
+    assert vllm_capture.cpu_rotary_workaround(verifier) == {}
+    assert [list(env) for env in replica_devices(2, 1)] == [["VLLM_CPU_OMP_THREADS_BIND"]] * 2
+    command = VllmServer(ServerSettings(verifier=verifier, dtype="float16")).command()
+    assert command[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def test_on_the_cuda_build_engines_spawn_decode_with_cuda_graphs_and_servers_start_with_vllm_serve(
+    tiny_verifier_dir, monkeypatch
+):
+    """The CUDA build's choices, read here through its distribution metadata (faked: vllm-cpu is installed)."""
+    from speculators.serve import ServerSettings, VllmServer
+
+    monkeypatch.setattr(
+        vllm_engine, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
+    )
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    assert not vllm_engine.on_cpu_build() and not vllm_engine.decoding_enforce_eager()
+    vllm_engine.prepare_engine_environment()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    vllm_engine.prepare_engine_environment()  # an explicit setting wins
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    verifier = str(tiny_verifier_dir("llama"))
+    command = VllmServer(ServerSettings(verifier=verifier, dtype="float16")).command()
+    assert command[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", verifier]
+    assert "--enforce-eager" not in command
