@@ -163,41 +163,59 @@ def warm_up(url: str, model: str, requests: int = 2) -> None:
         post_chat(url, body)
 
 
+JUDGE_TOP_LOGITS = 20  # vLLM's default --max-logprobs
+
+
 def greedy_outputs(
-    url: str, model: str, prompts_file: Path, output_tokens: int, limit: int | None = None
+    url: str, model: str, prompts_file: Path, output_tokens: int, limit: int | None = None, top_logits: int = 0
 ) -> list[dict[str, Any]]:
     """Each prompt (the first `limit`) once, alone, at temperature 0, with the exact token ids the server
     produced (prompt and output). The lossless comparison uses these rather than GuideLLM's records,
-    which keep text only and are not guaranteed to hold every prompt exactly once."""
+    which keep text only and are not guaranteed to hold every prompt exactly once. With `top_logits`,
+    each position's largest logits too, as [[token id, logit], ...] (a server started with
+    --logprobs-mode raw_logits reports the verifier's own logits): what the judge reads."""
     outputs = []
     for line in prompts_file.read_text().splitlines()[:limit]:  # the file holds every prompt twice
         messages = json.loads(line)["messages"]
-        reply = post_chat(
-            url,
-            {
-                "model": model,
-                "messages": messages,
-                "max_tokens": output_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-        )
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if top_logits:
+            body.update(logprobs=True, top_logprobs=top_logits, return_tokens_as_token_ids=True)
+        reply = post_chat(url, body)
         choice = reply["choices"][0]
         if choice.get("token_ids") is None or reply.get("prompt_token_ids") is None:
             raise SpeculatorsError(
                 f"the vLLM server at {url} returned no token ids (return_token_ids); "
                 f"use a vLLM version that supports it"
             )
-        outputs.append(
-            {
-                "messages": messages,
-                "prompt_token_ids": reply["prompt_token_ids"],
-                "token_ids": choice["token_ids"],
-                "text": choice["message"]["content"],
-            }
-        )
+        output = {
+            "messages": messages,
+            "prompt_token_ids": reply["prompt_token_ids"],
+            "token_ids": choice["token_ids"],
+            "text": choice["message"]["content"],
+        }
+        if top_logits:
+            output["top_logits"] = served_top_logits(choice, url)
+        outputs.append(output)
     return outputs
+
+
+def served_top_logits(choice: dict[str, Any], url: str) -> list[list[list[float]]]:
+    """Per output position, [[token id, value], ...] largest first, from a chat choice's logprobs
+    (tokens as "token_id:N": return_tokens_as_token_ids)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        raise SpeculatorsError(f"the vLLM server at {url} returned no logprobs; use a vLLM version that supports them")
+    return [
+        [[int(top["token"].removeprefix("token_id:")), float(top["logprob"])] for top in position["top_logprobs"]]
+        for position in content
+    ]
 
 
 # ----- reading GuideLLM's report -------------------------------------------------------------------
@@ -225,14 +243,19 @@ SERVED_TIE_ULPS = 8  # two implementations (vLLM's kernels, transformers') each 
 
 
 class OutputJudge:
-    """Why two served outputs for one prompt differ. At the first differing token id, the verifier
-    (transformers, the bench's dtype) is run on the served prompt ids plus the common prefix: if both
-    tokens' logits are within the tie tolerance of its top logit, the flip is a numerical near-tie
-    (lossless as the evaluator defines it); otherwise the outputs diverged. The default tolerance is
-    SERVED_TIE_ULPS ulps of the top logit: the servers' logits and this check's come from different
+    """Why two served outputs for one prompt differ. At the first differing token id, the verifier's
+    logits there decide: if both tokens' logits are within the tie tolerance of its top logit, the flip
+    is a numerical near-tie (lossless as the evaluator defines it); otherwise the outputs diverged. The
+    logits come from the baseline server itself where it reported them (`served_top`: its raw logits at
+    that position, whose context is the common prefix), so no copy of the verifier is loaded: a 70B-675B
+    verifier fits only the GPUs its servers ran on. Where they cannot decide (the other token is not
+    among the reported ones and the last of them lies within the tolerance; an FP8 verifier's split
+    beyond it, which needs its evaluation-order noise, quantization.path_noise), or without them, the
+    verifier is run in transformers on the served prompt ids plus the common prefix, on the GPUs when
+    there are any (the servers have stopped by then) or the CPU. The default tolerance is
+    SERVED_TIE_ULPS ulps of the top logit: the servers' logits and a re-score's come from different
     kernels, so their rounding errors add up (measured: up to 5 bf16 ulps on SmolLM2). With an FP8
-    verifier the check runs the same FP8 arithmetic, and a split beyond that tolerance is measured
-    against the verifier's own evaluation-order noise at that context (quantization.path_noise)."""
+    verifier the re-score runs the same FP8 arithmetic."""
 
     def __init__(
         self,
@@ -255,8 +278,10 @@ class OutputJudge:
         baseline_ids: list[int],
         speculator_ids: list[int],
         messages: list[dict[str, Any]] | None = None,
+        served_top: list[list[list[float]]] | None = None,
     ) -> dict[str, Any]:
-        """`messages`: the request's, whose images (image_url data URLs) a vision-language verifier sees."""
+        """`messages`: the request's, whose images (image_url data URLs) a vision-language verifier sees;
+        `served_top`: the baseline server's largest logits per output position (greedy_outputs)."""
         import torch
 
         from speculators.evaluate import default_tie_tolerance, pixel_inputs, top_two
@@ -266,9 +291,15 @@ class OutputJudge:
         position = next((i for i, (a, b) in enumerate(zip(baseline_ids, speculator_ids, strict=False)) if a != b), None)
         if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
             return {"status": "diverged", "position": min(len(baseline_ids), len(speculator_ids))}
+        if served_top is not None and position < len(served_top):
+            verdict = self.from_served_logits(served_top[position], baseline_ids, speculator_ids, position)
+            if verdict is not None:
+                return verdict
         if self.verifier is None:
             try:
-                self.verifier = load_verifier(self.source, dtype=self.dtype, quantization=self.quantization)
+                self.verifier = load_verifier(
+                    self.source, dtype=self.dtype, device="auto", quantization=self.quantization
+                )
             except SpeculatorsError as error:  # an FP8 verifier transformers cannot reproduce (an MoE family)
                 if not self.quantization:
                     raise
@@ -276,7 +307,10 @@ class OutputJudge:
         with torch.inference_mode():
             context = [*prompt_ids, *baseline_ids[:position]]
             vision = pixel_inputs(self.verifier, context, request_images(messages or []))
-            logits = self.verifier.model(input_ids=torch.tensor([context]), **(vision or {})).logits[0, -1:].float()
+            device = self.verifier.model.device
+            vision = {k: v.to(device) for k, v in (vision or {}).items()}
+            logits = self.verifier.model(input_ids=torch.tensor([context], device=device), **vision).logits[0, -1:]
+            logits = logits.float().cpu()
         top, top_logit, second, _ = top_two(logits)[0]
         # How far each served token's logit lies below the verifier's top one (0 for the top token itself).
         served = (baseline_ids[position], speculator_ids[position])
@@ -301,6 +335,60 @@ class OutputJudge:
             "baseline_token": baseline_ids[position],
             "speculator_token": speculator_ids[position],
             "verifier_top_two": [top, second],
+            "judged_from": "transformers re-score",
+        }
+
+    def tolerance_at(self, top_logit: float) -> float:
+        import torch
+
+        from speculators.evaluate import default_tie_tolerance
+
+        if self.tie_tolerance is not None:
+            return self.tie_tolerance
+        return default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
+
+    def from_served_logits(
+        self, top: list[list[float]], baseline_ids: list[int], speculator_ids: list[int], position: int
+    ) -> dict[str, Any] | None:
+        """The verdict from the baseline server's largest logits at the split, or None where they cannot
+        give it (see the class)."""
+        logits = {int(token): value for token, value in top}
+        top_logit, top_two = top[0][1], [int(token) for token, _ in top[:2]]
+        tolerance = self.tolerance_at(top_logit)
+        served = (baseline_ids[position], speculator_ids[position])
+        if served[0] not in logits:  # the baseline's own greedy token is always among them
+            return None
+        below_top = [top_logit - logits[served[0]]]
+        if served[1] in logits:
+            below_top.append(top_logit - logits[served[1]])
+        elif top_logit - top[-1][1] <= tolerance:
+            return None  # somewhere below the last reported logit, which is itself within the tolerance
+        else:
+            return {
+                "status": "diverged",
+                "position": position,
+                "below_top": [below_top[0], None],  # the speculator's token: below every reported logit
+                "below_top_at_least": top_logit - top[-1][1],
+                "tolerance": tolerance,
+                "baseline_token": served[0],
+                "speculator_token": served[1],
+                "verifier_top_two": top_two,
+                "judged_from": "served logits",
+            }
+        near_tie = max(below_top) <= tolerance
+        if not near_tie and self.quantization:
+            return None  # beyond the tolerance an FP8 verifier's own noise decides: a re-score
+        return {
+            "status": "near_tie" if near_tie else "diverged",
+            "position": position,
+            "margin": abs(below_top[0] - below_top[1]),
+            "below_top": below_top,
+            "tolerance": tolerance,
+            "path_noise": None,
+            "baseline_token": served[0],
+            "speculator_token": served[1],
+            "verifier_top_two": top_two,
+            "judged_from": "served logits",
         }
 
 
@@ -326,7 +414,9 @@ def compare_outputs(
             continue
         verdict: dict[str, Any] = {"status": "diverged", "reason": "the servers tokenized the prompt differently"}
         if base["prompt_token_ids"] == spec["prompt_token_ids"]:
-            verdict = judge(base["prompt_token_ids"], base["token_ids"], spec["token_ids"], base["messages"])
+            verdict = judge(
+                base["prompt_token_ids"], base["token_ids"], spec["token_ids"], base["messages"], base.get("top_logits")
+            )
         content = base["messages"][-1]["content"]
         text = content if isinstance(content, str) else " ".join(p.get("text", "[image]") for p in content)
         differences.append({"prompt": text[:80], **verdict})
@@ -397,6 +487,9 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
         log_path=role_dir / "vllm.log",
         startup_timeout=settings.startup_timeout,
         extra_args=settings.vllm_args,
+        # The baseline reports the verifier's raw logits where asked (the lossless judge reads them);
+        # requests that ask for none, GuideLLM's, run as without it.
+        logprobs_mode="raw_logits" if role == "baseline" else None,
     )
     results: dict[str, Any] = {"profiles": {}}
     started = time.perf_counter()
@@ -453,7 +546,12 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
         started_outputs = time.perf_counter()
         compared = min(settings.lossless_prompts or settings.requests, settings.requests)
         results["outputs"] = greedy_outputs(
-            server.url, server.model_name, folder / "prompts.jsonl", settings.output_tokens, compared
+            server.url,
+            server.model_name,
+            folder / "prompts.jsonl",
+            settings.output_tokens,
+            compared,
+            top_logits=JUDGE_TOP_LOGITS if role == "baseline" else 0,
         )
         write_text_atomic(
             role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in results["outputs"])

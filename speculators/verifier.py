@@ -644,7 +644,16 @@ def load_verifier(
             check_transformers_fp8(config.model_type, quantization)
         # transformers maps vision-language models to image-text-to-text only (not to causal LM).
         auto = AutoModelForImageTextToText if adapter_for(config.model_type).vision_language else AutoModelForCausalLM
-        model = auto.from_pretrained(location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code)
+        placement = {}
+        if device == "auto":  # every GPU there is (a large verifier spreads over them), else the CPU
+            import torch
+
+            device = "cpu"
+            if torch.cuda.is_available():
+                placement, device = {"device_map": "auto"}, ""
+        model = auto.from_pretrained(
+            location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
+        )
     except OSError as error:
         if kind == "hub":
             raise SpeculatorsError(
@@ -653,7 +662,8 @@ def load_verifier(
             ) from None
         raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
-    model = model.to(device)  # type: ignore[arg-type]
+    if device:  # (placed by device_map otherwise)
+        model = model.to(device)  # type: ignore[arg-type]
     if quantization:
         quantize_verifier(model, config.model_type, quantization)
     verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source), quantization=quantization)

