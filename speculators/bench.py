@@ -458,8 +458,11 @@ def hardware() -> dict[str, Any]:
     try:
         import torch
 
-        if torch.cuda.is_available():
-            facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        from speculators.vllm_engine import gpu_count
+
+        count = gpu_count()  # NVML; the names below initialise CUDA, after every server has stopped
+        if count:
+            facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(count)]
     except ImportError:
         pass
     return facts

@@ -342,3 +342,32 @@ def test_a_rerun_regenerates_only_new_conversations_and_equals_a_fresh_run(tiny_
     # Other settings (a longer budget) make earlier answers unusable: everything is regenerated.
     common[common.index("--max-new-tokens") + 1] = "16"
     assert run("incremental", PROMPTS[:5])["regenerated"] == 5
+
+
+def test_a_data_parallel_regeneration_server_gets_a_batch_per_replica_and_cuda_graphs_on_gpus(
+    tiny_verifier_dir, tmp_path, monkeypatch
+):
+    """With N data-parallel replicas behind one vLLM server, `--batch-size` requests per replica are in
+    flight (before: one batch shared by all replicas); the server decodes in eager mode on the CPU
+    build (as always here) and with CUDA graphs on the CUDA build (read through its metadata, faked)."""
+    from speculators import vllm_engine
+    from speculators.prepare import answer_generator, requests_in_flight
+    from speculators.settings import PrepareSettings
+
+    settings = PrepareSettings(
+        sources=["demo:train"],
+        output=str(tmp_path),
+        verifier=str(tiny_verifier_dir("llama")),
+        regenerate=True,
+        backend="vllm",
+        batch_size=8,
+        data_parallel_size=4,
+    )
+    assert requests_in_flight(settings) == 32
+    assert requests_in_flight(settings.model_copy(update={"backend": "transformers"})) == 8
+    _, _, server = answer_generator(settings, tmp_path)  # the server is built, not started
+    assert server.settings.enforce_eager and server.settings.extra_args == ["--data-parallel-size", "4"]
+    cuda = {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: cuda)
+    _, _, server = answer_generator(settings, tmp_path)
+    assert not server.settings.enforce_eager
