@@ -266,7 +266,12 @@ def full(out: Path, device: str) -> None:
     seconds["serve the drafter (32 prompts x 128 tokens)"] = time.perf_counter() - started
 
     ids = [*map(str, AUX), "N"]
-    rows = [("regeneration tokens/s (vLLM, CUDA graphs; none when reused)", f"{regeneration.get('tokens_per_second')}")]
+    rows = [
+        (
+            "regeneration tokens/s (vLLM, CUDA graphs; 0 when every answer was reused)",
+            f"{regeneration.get('tokens_per_second')}",
+        )
+    ]
     for name, store in stores.items():
         worst = largest_differences(store, reference)
         rows.append((f"{name} vs transformers, max abs diff per id {'/'.join(ids)}", fmt([a for a, _ in worst])))
