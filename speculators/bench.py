@@ -284,7 +284,7 @@ class OutputJudge:
         `served_top`: the baseline server's largest logits per output position (greedy_outputs)."""
         import torch
 
-        from speculators.evaluate import default_tie_tolerance, pixel_inputs, top_two
+        from speculators.evaluate import pixel_inputs, top_two
         from speculators.verifier import load_verifier
         from speculators.vision import request_images
 
@@ -315,28 +315,14 @@ class OutputJudge:
         # How far each served token's logit lies below the verifier's top one (0 for the top token itself).
         served = (baseline_ids[position], speculator_ids[position])
         below_top = [top_logit - logits[0, token].item() for token in served]
-        tolerance = self.tie_tolerance
-        if tolerance is None:
-            tolerance = default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
+        tolerance = self.tolerance_at(top_logit)
         noise = None
         if self.quantization and max(below_top) > tolerance:  # an FP8 verifier's own noise at this point
             from speculators.quantization import path_noise
 
             noise = path_noise(self.verifier.model, context)
             tolerance = max(tolerance, noise)
-        near_tie = max(below_top) <= tolerance
-        return {
-            "status": "near_tie" if near_tie else "diverged",
-            "position": position,
-            "margin": abs(below_top[0] - below_top[1]),
-            "below_top": below_top,
-            "tolerance": tolerance,
-            "path_noise": noise,
-            "baseline_token": baseline_ids[position],
-            "speculator_token": speculator_ids[position],
-            "verifier_top_two": [top, second],
-            "judged_from": "transformers re-score",
-        }
+        return split_verdict(position, served, below_top, tolerance, [top, second], "transformers re-score", noise)
 
     def tolerance_at(self, top_logit: float) -> float:
         import torch
@@ -375,21 +361,33 @@ class OutputJudge:
                 "verifier_top_two": top_two,
                 "judged_from": "served logits",
             }
-        near_tie = max(below_top) <= tolerance
-        if not near_tie and self.quantization:
+        if max(below_top) > tolerance and self.quantization:
             return None  # beyond the tolerance an FP8 verifier's own noise decides: a re-score
-        return {
-            "status": "near_tie" if near_tie else "diverged",
-            "position": position,
-            "margin": abs(below_top[0] - below_top[1]),
-            "below_top": below_top,
-            "tolerance": tolerance,
-            "path_noise": None,
-            "baseline_token": served[0],
-            "speculator_token": served[1],
-            "verifier_top_two": top_two,
-            "judged_from": "served logits",
-        }
+        return split_verdict(position, served, below_top, tolerance, top_two, "served logits")
+
+
+def split_verdict(
+    position: int,
+    served: tuple[int, int],
+    below_top: list[float],
+    tolerance: float,
+    top_two: list[int],
+    judged_from: str,
+    noise: float | None = None,
+) -> dict[str, Any]:
+    """A near-tie when both served tokens lie within `tolerance` of the verifier's top logit, else diverged."""
+    return {
+        "status": "near_tie" if max(below_top) <= tolerance else "diverged",
+        "position": position,
+        "margin": abs(below_top[0] - below_top[1]),
+        "below_top": below_top,
+        "tolerance": tolerance,
+        "path_noise": noise,
+        "baseline_token": served[0],
+        "speculator_token": served[1],
+        "verifier_top_two": top_two,
+        "judged_from": judged_from,
+    }
 
 
 def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:
