@@ -85,7 +85,7 @@ def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation
     from speculators.verifier import load_verifier_config
 
     config, location = load_verifier_config(str(settings.verifier))
-    tokenizer = AutoTokenizer.from_pretrained(location)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     images = verifier_image_inputs(config, location)
     samples, rejected = [], Counter[str]()
     for conversation in conversations:
@@ -275,7 +275,7 @@ def answer_generator(
     from speculators.verifier import load_verifier_config
 
     _, location = load_verifier_config(str(s.verifier))  # a GGUF file becomes its cached directory
-    tokenizer = AutoTokenizer.from_pretrained(location)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     ends = turn_end_ids(tokenizer)
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):

@@ -171,8 +171,10 @@ def convert_gguf_to_hf(gguf_path: str | Path, output_dir: str | Path | None = No
     if (output_dir / "config.json").is_file() and (output_dir / "model.safetensors").is_file():
         return output_dir
     print(f"converting {gguf_path.name} to a Hugging Face directory at {output_dir} (once)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16, trust_remote_code=False
+    )
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # shared with the embeddings; safetensors stores it once
@@ -268,8 +270,14 @@ def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
     try:
-        config = AutoConfig.from_pretrained(location)
+        # Never a verifier directory's own Python (auto_map), and never a prompt asking to run it.
+        config = AutoConfig.from_pretrained(location, trust_remote_code=False)
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise SpeculatorsError(
+                f"verifier '{source}' needs the Python code in its own directory (its config's auto_map), which "
+                f"this project never runs; use a checkpoint of a supported family ({', '.join(sorted(ADAPTERS))})"
+            ) from None
         raise SpeculatorsError(
             f"could not read the verifier config of '{source}': {str(error).splitlines()[0]}"
         ) from None

@@ -206,7 +206,7 @@ class ImageInputs:
 
         self.tokens = VisionTokens.from_config(config)
         try:
-            self.processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+            self.processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil", trust_remote_code=False)
         except (OSError, ValueError) as error:
             raise SpeculatorsError(
                 f"verifier {model_dir} has no usable image processor ({str(error).splitlines()[0][:160]}); "

@@ -203,3 +203,51 @@ def test_the_checkpoint_names_a_portable_verifier(tiny_verifier_dir, tmp_path, m
     assert Path(snapshot_download("acme/tiny", cache_dir=str(tmp_path / "hub"))) == snapshot
     with pytest.raises(SpeculatorsError, match="'not a hub id' is not a hub id of the form org/name"):
         cache_as_hub_model(local, "not a hub id")
+
+
+def test_a_verifier_directory_with_custom_code_loads_without_running_it_or_asking(
+    tiny_verifier_dir, tmp_path, monkeypatch, capsys
+):
+    """A config and tokenizer config with an `auto_map` (custom Python beside the weights) load as the
+    built-in family: the directory's code never runs and nothing asks whether to run it (transformers
+    prompts when trust_remote_code is left unset). No flag opts in to remote code."""
+    import builtins
+    import json
+    import shutil
+
+    from speculators.cli import main
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_dir("llama"), verifier)
+    marker = tmp_path / "custom-code-ran"
+    (verifier / "custom_llama.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
+        "class CustomConfig(LlamaConfig): pass\n"
+        "class CustomModel(LlamaForCausalLM): pass\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast): pass\n"
+    )
+    for name, auto_map in (
+        (
+            "config.json",
+            {"AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomModel"},
+        ),
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "custom_llama.CustomTokenizer"]}),
+    ):
+        data = json.loads((verifier / name).read_text())
+        (verifier / name).write_text(json.dumps({**data, "auto_map": auto_map}))
+
+    def no_prompt(*args, **kwargs):
+        raise AssertionError("asked whether to run the verifier's custom code")
+
+    monkeypatch.setattr(builtins, "input", no_prompt)
+    assert main(["verifier", str(verifier)]) == 0
+    assert not marker.exists()
+    # A model type only the directory's code defines: refused in one line, the code still not run, nobody asked.
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "model_type": "custom_llama"}))
+    capsys.readouterr()
+    assert main(["verifier", str(verifier)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: verifier ") and "never runs" in line and "llama" in line
+    assert not marker.exists()
