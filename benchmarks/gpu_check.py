@@ -29,6 +29,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 AUX = [2, 15, 27]  # SmolLM2's (speculators_assets/variants/smollm2_135m.yaml)
 
@@ -50,6 +54,11 @@ def run(label: str, command: list[str], log: Path, env: dict[str, str] | None = 
     return time.perf_counter() - started
 
 
+def largest_relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per id of [T, ids, H] states: the largest difference of a token's state relative to the reference's norm."""
+    return ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp(min=1e-6)).amax(dim=0)
+
+
 def largest_differences(store: Path, reference: Path) -> list[tuple[float, float]]:
     """Per aux id, then for the last state (id N): (largest absolute difference, largest difference
     relative to the reference state's norm) over every token of every sample."""
@@ -67,7 +76,7 @@ def largest_differences(store: Path, reference: Path) -> list[tuple[float, float
         xs = torch.cat([x.aux_hidden_states.float(), x.target_hidden_states.float()[:, None]], dim=1)
         ys = torch.cat([y.aux_hidden_states.float(), y.target_hidden_states.float()[:, None]], dim=1)
         absolute = (xs - ys).abs().amax(dim=(0, 2))
-        relative = ((xs - ys).norm(dim=-1) / ys.norm(dim=-1).clamp(min=1e-6)).amax(dim=0)
+        relative = largest_relative(xs, ys)
         pairs = list(zip(absolute.tolist(), relative.tolist(), strict=True))
         worst = pairs if not worst else [(max(a, c), max(b, d)) for (a, b), (c, d) in zip(worst, pairs, strict=True)]
     return worst
@@ -92,7 +101,7 @@ def chunked_capture(verifier: str, samples: Path, reference: Path, out: Path, dt
     for row, got in zip(rows, states, strict=True):
         want = store.read_sample(entries[row.id])
         ys = torch.cat([want.aux_hidden_states.float(), want.target_hidden_states.float()[:, None]], dim=1)
-        relative = ((got.float() - ys).norm(dim=-1) / ys.norm(dim=-1).clamp(min=1e-6)).amax(dim=0)
+        relative = largest_relative(got, ys)
         worst = [max(a, b) for a, b in zip(worst, relative.tolist(), strict=True)]
     out.write_text(json.dumps(worst))
 
@@ -120,11 +129,7 @@ def extract_hidden_states(verifier: str, samples: Path, reference: Path, out: Pa
     wanted = [store.read_sample(entries[r.id]).aux_hidden_states.float() for r in rows]
 
     def worst(states: list[torch.Tensor]) -> list[float]:
-        errors = [
-            ((g.float() - w).norm(dim=-1) / w.norm(dim=-1).clamp(min=1e-6)).amax(dim=0)
-            for g, w in zip(states, wanted, strict=True)
-        ]
-        return torch.stack(errors).amax(dim=0).tolist()
+        return torch.stack([largest_relative(g, w) for g, w in zip(states, wanted, strict=True)]).amax(dim=0).tolist()
 
     result: dict[str, object] = {}
     capture = VllmCapture(verifier, AUX, dtype, max_model_len=2049, max_batch_tokens=16 * 2049)

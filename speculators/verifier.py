@@ -658,7 +658,7 @@ def load_verifier(
 
             device = "cpu"
             if torch.cuda.is_available():
-                placement, device = {"device_map": "auto"}, ""
+                placement = {"device_map": "auto"}
         model = auto.from_pretrained(
             location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
         )
@@ -670,7 +670,7 @@ def load_verifier(
             ) from None
         raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
-    if device:  # (placed by device_map otherwise)
+    if not placement:  # (device_map placed it otherwise)
         model = model.to(device)  # type: ignore[arg-type]
     if quantization:
         quantize_verifier(model, config.model_type, quantization)

@@ -239,9 +239,7 @@ def assemble_states(
     so either may take either). A row past a prompt's end (a decode step) is ignored."""
     import torch
 
-    tokens: dict[str, torch.Tensor] = {}
-    states: dict[str, torch.Tensor] = {}
-    filled: dict[str, torch.Tensor] = {}
+    runs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # request -> (start, ids, states)
     for record in records:
         layout = record.get("layout")
         if layout is None:  # a batch the runner made up (profiling, a dummy run): no request's rows
@@ -249,23 +247,20 @@ def assemble_states(
         row = 0
         for req, start, count in zip(layout["req_ids"], layout["starts"], layout["counts"], strict=True):
             chunk = torch.stack([record[i][row : row + count] for i in capture_ids], dim=1)
-            ids = record["input_ids"][row : row + count]
-            end = start + count
-            if req not in tokens or len(tokens[req]) < end:  # grow the request's buffers to `end` positions
-                grown = max(end, 2 * len(tokens.get(req, ())))
-                old = len(tokens.get(req, ()))
-                new_tokens = torch.full((grown,), -1, dtype=ids.dtype)
-                new_states = chunk.new_zeros((grown, *chunk.shape[1:]))
-                new_filled = torch.zeros(grown, dtype=torch.bool)
-                if old:
-                    new_tokens[:old], new_states[:old], new_filled[:old] = tokens[req], states[req], filled[req]
-                tokens[req], states[req], filled[req] = new_tokens, new_states, new_filled
-            tokens[req][start:end], states[req][start:end], filled[req][start:end] = ids, chunk, True
+            runs.setdefault(req, []).append((start, record["input_ids"][row : row + count], chunk))
             row += count
-    by_tokens: dict[tuple[int, ...], list[str]] = {}
-    for req, done in filled.items():
-        length = int(done.long().cumprod(0).sum())  # positions computed from 0 without a gap
-        by_tokens.setdefault(tuple(tokens[req][:length].tolist()), []).append(req)
+    states: dict[str, torch.Tensor] = {}
+    by_tokens: dict[tuple[int, ...], list[str]] = {}  # a request's tokens from position 0 without a gap
+    for req, parts in runs.items():
+        length = max(start + len(ids) for start, ids, _ in parts)
+        tokens = torch.full((length,), -1, dtype=parts[0][1].dtype)
+        filled = torch.zeros(length, dtype=torch.bool)
+        states[req] = parts[0][2].new_zeros((length, *parts[0][2].shape[1:]))
+        for start, ids, chunk in parts:  # in forward order: a recomputed position keeps its later row
+            end = start + len(ids)
+            tokens[start:end], states[req][start:end], filled[start:end] = ids, chunk, True
+        complete = int(filled.long().cumprod(0).sum())
+        by_tokens.setdefault(tuple(tokens[:complete].tolist()), []).append(req)
     out = []
     for index, prompt in enumerate(prompts):
         key = tuple(prompt)
