@@ -101,7 +101,7 @@ def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny
     """What the library runs in the parent before vLLM starts an engine or a server, with every torch.cuda
     entry point raising (PYTORCH_NVML_BASED_CUDA_CHECK unset: as before `import vllm`)."""
     from speculators.datagen import replica_devices
-    from speculators.precision import resolve_dtype
+    from speculators.precision import cpu_has_bf16, resolve_dtype
     from speculators.quantization import cpu_build_refusal, vllm_dtype, vllm_quantization_args
     from speculators.serve import ServerSettings, VllmServer
 
@@ -112,7 +112,8 @@ def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny
     with pytest.raises(AssertionError, match=r"torch\.cuda\.is_available"):
         torch.cuda.is_available()  # the guard is on
     verifier = str(tiny_verifier_dir("llama"))
-    assert resolve_dtype("auto", "vllm") == "float32"  # this CPU has no native bf16
+    # (the CPU's flags decide: fp32 on an AVX2-only CPU, bf16 with AVX-512 BF16 or AMX)
+    assert resolve_dtype("auto", "vllm") == ("bfloat16" if cpu_has_bf16() else "float32")
     assert vllm_dtype("float16", None) == "float16" and vllm_dtype("auto", "fp8_per_channel") == "bfloat16"
     assert vllm_quantization_args("fp8_per_channel") == ["--quantization", "fp8_per_channel"]
     assert cpu_build_refusal("fp8_per_tensor") is not None
