@@ -58,6 +58,25 @@ def comma_list(kind: Any, what: str, example: str) -> Any:
     return parse
 
 
+def number(kind: type[int] | type[float], low: float | None = None, high: float | None = None) -> Any:
+    """An argparse type: a finite number within [low, high], else one error naming the range (argparse
+    names the flag in front of it)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or value in (float("inf"), float("-inf")):  # (NaN is unequal to itself)
+            raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"at least {low:g}" if high is None else f"in {low:g}..{high:g}"
+            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+        return value
+
+    return parse
+
+
 def default_text(info: FieldInfo) -> str:
     if info.is_required():
         return ""
@@ -114,7 +133,10 @@ def describe(error: ValidationError, model: type[BaseModel]) -> str:
     info = model.model_fields.get(name)
     where = flag_of(name, info) if info is not None else name
     value = first.get("input")
-    return f"{where} {value!r}: {first['msg'].lower()}" if value is not None else f"{where}: {first['msg'].lower()}"
+    message = str(first["msg"])
+    # A field validator's own sentence stands as written; pydantic's built-in messages read lower-cased.
+    message = message.removeprefix("Value error, ") if message.startswith("Value error, ") else message.lower()
+    return f"{where} {value!r}: {message}" if value is not None else f"{where}: {message}"
 
 
 def build(model: type[BaseModel], values: dict[str, Any]) -> Any:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from os import PathLike
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 # A file or folder: the Python API may pass a Path, the model keeps its text.
@@ -30,15 +30,47 @@ VerifierQuantization = Literal["fp8_per_channel", "fp8_per_tensor"]
 # ----- shared parts --------------------------------------------------------------------------------
 
 
-class VerifierCompute(BaseModel):
+class Settings(BaseModel):
+    """Every settings model: a float flag must be a number (`--lr inf` or `nan` would train a
+    non-finite drafter)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+def aux_layer_ids_problem(ids: Sequence[int]) -> str | None:
+    """What is wrong with EAGLE-3 aux layer ids in themselves (the verifier's depth is checked where it
+    is known), or None: the one rule for flags, variants and checkpoint configs."""
+    if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0:
+        return f"aux layer ids {list(ids)} must be 3 distinct non-negative layer ids, e.g. 2,15,27"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """What is wrong with a --device value in itself (whether this machine has it is checked where it is
+    used), or None."""
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        return f"device '{device}' is not auto, cpu, cuda or cuda:N"
+    return None
+
+
+class VerifierCompute(Settings):
     """Where and in what dtype the verifier computes."""
 
     backend: Backend = Field("transformers", description="transformers, or vLLM's engine")
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
     device: str = Field("cpu", description="the transformers backend's device (vLLM picks its own)")
 
+    @field_validator("device")
+    @classmethod
+    def known_device(cls, value: str) -> str:
+        problem = device_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
-class QuantizedVerifier(BaseModel):
+
+class QuantizedVerifier(Settings):
     """The verifier's quantization: a variant sets it once (`verifier_quantization`) for every step."""
 
     quantization: VerifierQuantization | None = Field(
@@ -49,7 +81,7 @@ class QuantizedVerifier(BaseModel):
     )
 
 
-class Parallelism(BaseModel):
+class Parallelism(Settings):
     """vLLM's sharding of the verifier: in a variant these come from the step's compute profile."""
 
     tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs (or CPU ranks) per verifier replica")
@@ -64,7 +96,7 @@ class Parallelism(BaseModel):
 # ----- prepare -------------------------------------------------------------------------------------
 
 
-class PromptSources(BaseModel):
+class PromptSources(Settings):
     sources: list[str] = Field(
         min_length=1,
         description="a .jsonl/.json/.parquet file or folder, hf:<preset|dataset id>, demo:train, demo:eval, "
@@ -85,6 +117,12 @@ class PromptSources(BaseModel):
         description="each --source's share of --max-samples, in order (default: equal shares); a source that "
         "runs out leaves the rest to the others",
         json_schema_extra={"example": "3,1"},
+    )
+    image_roots: list[PathText] = Field(
+        default_factory=list,
+        description="a folder local images may also come from (by default an image must lie inside its data "
+        "file's folder; for hf: rows, the working directory); repeatable",
+        json_schema_extra={"flag": "image_root", "repeat": True},
     )
 
     @model_validator(mode="after")
@@ -135,7 +173,7 @@ class PrepareSettings(PromptSources, RegenerationSettings, QuantizedVerifier, Pa
 # ----- datagen -------------------------------------------------------------------------------------
 
 
-class StoreFormat(BaseModel):
+class StoreFormat(Settings):
     storage: Literal["bfloat16", "float32", "fp8_e4m3"] = Field("bfloat16", description="dtype of the stored states")
 
 
@@ -147,12 +185,25 @@ class CaptureSettings(StoreFormat, VerifierCompute, QuantizedVerifier, Paralleli
         None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra={"example": "2,15,27"}
     )
     batch_size: int = Field(4, gt=0, description="samples per forward")
+    overwrite: bool = Field(
+        False,
+        description="capture into a store made for another verifier, aux layers or storage (by default refused): "
+        "its manifest then lists this run's samples; the other shards stay, keyed by content",
+    )
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def three_distinct(cls, value: list[int] | None) -> list[int] | None:
+        problem = None if value is None else aux_layer_ids_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 # ----- train ---------------------------------------------------------------------------------------
 
 
-class TrainRecipe(BaseModel):
+class TrainRecipe(Settings):
     """How a drafter is trained: what a variant's `training:` section may set (the flags of
     `speculators train` come from these fields and TrainConfig's)."""
 
@@ -178,6 +229,14 @@ class TrainRecipe(BaseModel):
     fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
     device: str = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
 
+    @field_validator("device")
+    @classmethod
+    def known_device(cls, value: str) -> str:
+        problem = device_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
 
 class TrainConfig(TrainRecipe):
     """One training run: the recipe, its inputs and outputs, and the drafter's shape."""
@@ -198,7 +257,7 @@ class TrainConfig(TrainRecipe):
 # ----- bench ---------------------------------------------------------------------------------------
 
 
-class BenchProfile(BaseModel):
+class BenchProfile(Settings):
     """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
 
     requests: int = Field(32, gt=0, description="requests per profile")

@@ -35,8 +35,12 @@ def changed_value(name: str, info) -> object:
         return next(choice for choice in reversed(typing.get_args(kind)) if choice != default)
     if name == "source_weights":  # one per source (the two below)
         return [3.0, 1.0]
+    if name == "device":  # a device the settings accept: auto, cpu, cuda or cuda:N
+        return "cuda:1"
     if typing.get_origin(kind) is list:
-        return [f"{name}-a", f"{name}-b"] if typing.get_args(kind)[0] is str else [3, 5, 7]
+        item = typing.get_args(kind)[0]
+        item = typing.get_args(item)[0] if typing.get_origin(item) is typing.Annotated else item
+        return [f"{name}-a", f"{name}-b"] if item is str else [3, 5, 7]
     if kind is int:
         return (default or 1) + 2
     if kind is float:
