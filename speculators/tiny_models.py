@@ -358,8 +358,10 @@ def make_tiny_verifier(
     vocab_size: int = 512,
     dtype: str = "float32",
     initializer_range: float = 0.02,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a random-weight verifier of `family` (model + tokenizer) to `directory`.
+    """Write a random-weight verifier of `family` (model + tokenizer) to `directory` (an earlier tiny
+    verifier there is replaced; any other non-empty folder only with `overwrite`).
 
     A larger `initializer_range` gives peaked, model-like next-token distributions (random weights at
     the default 0.02 predict almost uniformly, so a drafter has nothing to learn).
@@ -383,7 +385,7 @@ def make_tiny_verifier(
     auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     model = auto.from_config(config, dtype=getattr(torch, dtype))
     directory = Path(directory)
-    with atomic_directory(directory) as tmp:
+    with atomic_directory(directory, lambda old: (old / "tiny_verifier.json").is_file(), overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if vision_language:

@@ -23,11 +23,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from speculators.atomic_io import atomic_directory, holds_json_key
 from speculators.config import DraftLayerConfig, Eagle3Config
 from speculators.errors import SpeculatorsError
 from speculators.ttt import later_steps_needed
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def is_speculator_checkpoint(folder: Path) -> bool:
+    """A folder holding a speculators checkpoint (config.json with speculators_model_type): what an
+    output may replace without --overwrite."""
+    return holds_json_key(folder, "config.json", "speculators_model_type")
 
 
 class RMSNorm(nn.Module):
@@ -556,26 +563,21 @@ class Eagle3Drafter(nn.Module):
             tensors[name] = tensor.detach().contiguous().cpu()
         return tensors
 
-    def save_pretrained(self, directory: str | Path, dtype: str | None = None) -> Path:
-        """Write config.json + model.safetensors (each to a temporary name, then renamed)."""
+    def save_pretrained(self, directory: str | Path, dtype: str | None = None, overwrite: bool = False) -> Path:
+        """Write config.json + model.safetensors as one folder, swapped into place whole
+        (atomic_io.atomic_directory: an existing checkpoint is replaced, a user's other folder refused)."""
         from safetensors.torch import save_file
-
-        from speculators.atomic_io import write_with
 
         dtype_name = dtype or self.config.dtype
         if dtype_name not in TORCH_DTYPES:
             raise SpeculatorsError(f"dtype '{dtype_name}' is not one of {', '.join(TORCH_DTYPES)}")
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         tensors = self.checkpoint_tensors(TORCH_DTYPES[dtype_name])
-        write_with(
-            directory / "model.safetensors",
-            lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
-        )
         layer = layer_config_as_saved(self.config.transformer_layer_config)
         config = self.config.model_copy(update={"dtype": dtype_name, "transformer_layer_config": layer})
-        config.save(directory)
-        return directory
+        with atomic_directory(directory, is_speculator_checkpoint, overwrite) as tmp:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config.save(tmp)
+        return Path(directory)
 
     @classmethod
     def from_pretrained(
