@@ -54,7 +54,11 @@ def init_distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     if config.device == "auto":
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(config.device)
+        from speculators.precision import check_cuda_device
+
+        check_cuda_device(config.device)
+        # --device cuda: this process's GPU (set_device needs an index)
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if config.device == "cuda" else config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -272,7 +276,7 @@ def save_checkpoint(
                 else:
                     scalars[name] = float(value)
         groups.append(optimizer_state["param_groups"])
-    with atomic_directory(directory) as tmp:
+    with atomic_directory(directory, lambda old: (old / "trainer_state.json").is_file()) as tmp:
         drafter.save_pretrained(tmp / "drafter", dtype="float32")
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         trainer_state = {**state, "optimizer_scalars": scalars, "optimizer_param_groups": groups}
@@ -640,10 +644,12 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
     for optimizer in run.optimizers:
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr_at(step, run.total_steps, config)
+    losses: list[tuple[torch.Tensor, list[int], Pack]] = []
     for micro in range(config.grad_accumulation):
         pack_index = (in_epoch * config.grad_accumulation + micro) * world + run.rank
         # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
-        pack = to_device(run.train_packs.load_pack(plan[pack_index % len(plan)]), run.device)
+        entries = plan[pack_index % len(plan)]
+        pack = to_device(run.train_packs.load_pack(entries), run.device)
         if config.aux_noise:  # seeded by the pack's place in the run: a resumed run draws the same
             draw = (step * config.grad_accumulation + micro) * world + run.rank
             pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
@@ -657,10 +663,60 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
             )
             (loss / config.grad_accumulation).backward()
         window.add(sums, pack.num_tokens)
-    torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], config.grad_clip)
+        losses.append((loss.detach(), entries, pack))
+    norm = torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], config.grad_clip)
+    stop_if_not_finite(run, step, norm, losses)
     for optimizer in run.optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def stop_if_not_finite(
+    run: Run, step: int, norm: torch.Tensor, losses: list[tuple[torch.Tensor, list[int], Pack]]
+) -> None:
+    """Stop at the first step whose loss or gradient is not finite, before the optimizer applies it:
+    one NaN would otherwise spread through every weight and train a drafter of NaNs. Every rank
+    decides alike (one flag all-reduced: one synchronisation per step), and the error names the
+    samples whose stored states are not finite, or says that the weights diverged."""
+    import torch
+
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (an FSDP2 DTensor)
+    finite = torch.isfinite(norm) & torch.stack([torch.isfinite(loss) for loss, _, _ in losses]).all()
+    bad = (~finite).to(torch.float32).reshape(1)
+    if run.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return
+    entries = run.train_packs.entries
+    broken = [
+        entries[index]["id"]
+        for _, indices, pack in losses
+        for document, index in enumerate(indices)
+        if not pack_document_finite(pack, document)
+    ]
+    where = f"training stopped at step {step + 1}: the loss or its gradient is not finite (gradient norm {norm.item()})"
+    if broken:
+        raise SpeculatorsError(
+            f"{where}; the stored hidden states of sample(s) {', '.join(broken[:5])} are not finite: check the store "
+            f"with 'speculators verify-store {run.config.store}' and re-run datagen for them"
+        )
+    samples = ", ".join(entries[index]["id"] for _, indices, _ in losses for index in indices[:5])
+    raise SpeculatorsError(
+        f"{where} on samples whose stored states are finite ({samples}): the weights diverged; lower --lr "
+        f"(now {run.config.lr:g}) or --grad-clip (now {run.config.grad_clip:g})"
+    )
+
+
+def pack_document_finite(pack: Pack, document: int) -> bool:
+    import torch
+
+    rows = pack.document_ids[0] == document
+    return bool(
+        torch.isfinite(pack.aux_hidden_states[0, rows]).all()
+        and torch.isfinite(pack.target_hidden_states[0, rows]).all()
+    )
 
 
 def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, clock: WallClock) -> None:
@@ -704,16 +760,21 @@ def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, cl
 
 def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) -> dict[str, Any]:
     """The final drafter (validated), summary.json and the curves; the summary (empty off rank 0)."""
+    from speculators.atomic_io import atomic_directory
+    from speculators.models.eagle3 import is_speculator_checkpoint
     from speculators.validation import validate_checkpoint
 
     model_state, _ = gather_full_state(run.model, [])  # (collective)
     if run.rank != 0:
         return {}
     output = run.output
-    drafter_from_state(run.drafter.config, model_state).save_pretrained(output / "drafter", dtype="bfloat16")
-    report = validate_checkpoint(output / "drafter", verifier=run.config.verifier)
-    if not report.ok:
-        raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
+    # Validated before it is swapped into place: a drafter that fails (non-finite weights included) is
+    # never published.
+    with atomic_directory(output / "drafter", is_speculator_checkpoint) as staged:
+        drafter_from_state(run.drafter.config, model_state).save_pretrained(staged, dtype="bfloat16")
+        report = validate_checkpoint(staged, verifier=run.config.verifier)
+        if not report.ok:
+            raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
     last_train = [json.loads(x) for x in log_path.read_text().splitlines() if '"train"' in x][-1]
     summary = {
         "steps": state["step"],
@@ -738,6 +799,17 @@ def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) ->
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
+    """Train, holding the run folder's lock on rank 0: a second `train` into the same folder waits,
+    then resumes from the first's last checkpoint (nothing is trained twice)."""
+    from speculators.atomic_io import exclusive_lock
+
+    if int(os.environ.get("RANK", "0")) != 0:  # (the other ranks follow rank 0 through the collectives)
+        return train_run(config)
+    with exclusive_lock(config.output, "training run"):
+        return train_run(config)
+
+
+def train_run(config: TrainConfig) -> dict[str, Any]:
     run = start_run(config)
     state: dict[str, Any] = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
     last = run.output / "checkpoints" / "last"

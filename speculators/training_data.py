@@ -66,6 +66,7 @@ class PackedStore:
         self.dtype = dtype
         entries = [e for e in self.manifest["samples"] if e["num_tokens"] >= 3 and e["supervised_tokens"] > 0]
         self.entries = [e for e in entries if is_validation(e["id"], validation_share) == (split == "validation")]
+        self.verified: set[str] = set()  # shards whose checksum this run has checked
         if split == "train" and not self.entries:
             raise SpeculatorsError(
                 f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
@@ -96,7 +97,11 @@ class PackedStore:
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
         room = self.token_budget
         for doc, index in enumerate(indices):
-            sample = self.store.read_sample(self.entries[index], verify=False, dtype=self.dtype)
+            # Each shard's checksum is checked at its first read in a run (a bit flip is named, never
+            # trained on); later epochs re-read it without hashing it again.
+            entry = self.entries[index]
+            sample = self.store.read_sample(entry, verify=entry["key"] not in self.verified, dtype=self.dtype)
+            self.verified.add(entry["key"])
             length = min(sample.input_ids.numel() - 1, room)
             room -= length
             parts["ids"].append(sample.input_ids[1 : length + 1])
