@@ -155,6 +155,28 @@ def make_capture_fn(
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
 
+def check_store_holds(
+    store: HiddenStateStore, verifier: VerifierFacts, aux_ids: list[int], storage: str, overwrite: bool
+) -> None:
+    """Refuse to capture into a store made for another verifier, aux layers or storage format (unless
+    `overwrite`): its manifest would be rewritten to this run's samples and its states orphaned. A
+    folder whose manifest.json is not a store's is refused in any case."""
+    if not store.manifest_path.exists():
+        return
+    manifest = store.manifest()  # (one error if it is not a store manifest)
+    held = manifest["verifier"]
+    then = (held["fingerprint"], held.get("quantization"), manifest["aux_layer_ids"], manifest["storage"])
+    now = (verifier.fingerprint, verifier.quantization, aux_ids, storage)
+    if then == now or overwrite:
+        return
+    raise SpeculatorsError(
+        f"store {store.root} holds the states of verifier {held['name_or_path']} (fingerprint {then[0]}"
+        f"{', ' + str(then[1]) if then[1] else ''}, aux layers {then[2]}, {then[3]}), not of {verifier.name_or_path} "
+        f"(fingerprint {now[0]}{', ' + str(now[1]) if now[1] else ''}, aux layers {now[2]}, {now[3]}); write to "
+        f"a new --output, or pass --overwrite to re-point this store (its shards stay, keyed by content)"
+    )
+
+
 def run_datagen(
     samples: list[TokenizedSample],
     verifier: VerifierFacts,
@@ -167,6 +189,7 @@ def run_datagen(
     progress: bool = True,
     tensor_parallel_size: int = 1,
     replica: tuple[int, int] | None = None,
+    overwrite: bool = False,
 ) -> DatagenReport:
     """Capture the samples' states into the store and write its manifest. `verifier` is a loaded
     `Verifier` (transformers backend) or `VerifierFacts` (vllm backend: vLLM loads the weights).
@@ -186,15 +209,16 @@ def run_datagen(
     verifier.check_layer_ids(capture_ids)
     vocab = verifier.vocab_size
     for sample in samples:
-        if max(sample.input_ids) >= vocab:
+        if min(sample.input_ids) < 0 or max(sample.input_ids) >= vocab:
             raise SpeculatorsError(
-                f"sample {sample.id} has token id {max(sample.input_ids)} outside the verifier vocab {vocab}; "
+                f"sample {sample.id} has token ids outside the verifier vocab 0..{vocab - 1}; "
                 f"prepare the data with this verifier's tokenizer"
             )
     if backend not in ("transformers", "vllm"):
         raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
     capture: CaptureFn | None = None  # built on first need: a fully reused store starts no engine
     store = HiddenStateStore(store_dir)
+    check_store_holds(store, verifier, aux_ids, storage, overwrite)
     previous = store.previous_entries()
     fingerprint = verifier.states_fingerprint
     if not verifier.is_vision_language and any(s.images for s in samples):
@@ -373,6 +397,7 @@ def run_datagen_replicas(
     capture_ids = [*aux_ids, verifier.num_layers]
     verifier.check_layer_ids(capture_ids)
     store = HiddenStateStore(store_dir)
+    check_store_holds(store, verifier, aux_ids, storage, settings.overwrite)
     keys = sample_keys(verifier.states_fingerprint, capture_ids, storage, samples)
     started = time.perf_counter()
     missing = [i for i, key in enumerate(keys) if not store.has(key)]
@@ -415,6 +440,7 @@ def run_datagen_replicas(
         backend="vllm",
         data_version=data_version,
         progress=False,
+        overwrite=settings.overwrite,
     )
     report.computed, report.reused, report.seconds = missing_before, len(samples) - missing_before, seconds
     report.computed_tokens = missing_tokens
@@ -423,7 +449,19 @@ def run_datagen_replicas(
 
 def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = None) -> DatagenReport:
     """`speculators datagen`: the samples' hidden states into the store, datagen_report.json beside
-    them (the last run's counts). `replica` (INDEX, COUNT): one of run_datagen_replicas' processes."""
+    them (the last run's counts). `replica` (INDEX, COUNT): one of run_datagen_replicas' processes.
+
+    The store's lock is held throughout: a second datagen into the same store waits, then finds every
+    shard written and computes none (replicas run under their parent's lock)."""
+    from speculators.atomic_io import exclusive_lock
+
+    if replica is not None:
+        return capture_into_store(settings, replica)
+    with exclusive_lock(settings.output, "hidden-state store"):
+        return capture_into_store(settings, None)
+
+
+def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | None) -> DatagenReport:
     import json
 
     from speculators.atomic_io import write_text_atomic
@@ -443,6 +481,7 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
         batch_size=s.batch_size,
         storage=s.storage,
         data_version=data_version,
+        overwrite=s.overwrite,
     )
     if s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)

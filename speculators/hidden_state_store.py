@@ -141,9 +141,19 @@ class HiddenStateStore:
             raise SpeculatorsError(
                 f"{self.root} is not a hidden-state store (no manifest.json); run 'speculators datagen'"
             )
-        manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        if manifest.get("format") != STORE_FORMAT or manifest.get("version") != STORE_VERSION:
-            raise SpeculatorsError(f"{self.manifest_path} is not a version-{STORE_VERSION} hidden-state store manifest")
+        try:
+            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            manifest = None
+        if (
+            not isinstance(manifest, dict)
+            or manifest.get("format") != STORE_FORMAT
+            or manifest.get("version") != STORE_VERSION
+        ):
+            raise SpeculatorsError(
+                f"{self.manifest_path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
+                f"folder (or a new one for datagen)"
+            )
         return manifest
 
     def previous_entries(self) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
+from speculators.hidden_state_store import HiddenStateStore
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +71,6 @@ def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, dict[s
     validation source are left out (their answers must not shape the vocabulary they are scored with)."""
     import torch
 
-    from speculators.hidden_state_store import HiddenStateStore
     from speculators.prompts import VALIDATION_PREFIX
 
     store = HiddenStateStore(store_dir)
@@ -86,6 +86,16 @@ def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, dict[s
 
 
 def build_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVocab:
+    """The draft vocabulary of a store, written beside it under the store's lock (a datagen writing the
+    store meanwhile is waited for)."""
+    from speculators.atomic_io import exclusive_lock
+
+    HiddenStateStore(store_dir).manifest()  # (one error, before a lock file is made, if it is no store)
+    with exclusive_lock(store_dir, "hidden-state store"):
+        return write_store_vocab(store_dir, draft_vocab_size)
+
+
+def write_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVocab:
     from safetensors.torch import save_file
 
     from speculators.atomic_io import write_text_atomic, write_with

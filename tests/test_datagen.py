@@ -75,8 +75,11 @@ def test_incremental_run_computes_only_new_samples(llama, tmp_path):
     assert report.computed_tokens == sum(len(s.input_ids) for s in new)
     again = run_datagen(first + new, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     assert again.computed == 0
-    # Other aux ids are other content: nothing reused.
-    other = run_datagen(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False)
+    # Other aux ids are other content: refused into this store (its manifest would be replaced), and with
+    # overwrite nothing is reused.
+    with pytest.raises(SpeculatorsError, match=r"holds the states of .* aux layers \[1, 4, 6\].*--overwrite"):
+        run_datagen(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False)
+    other = run_datagen(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False, overwrite=True)
     assert other.computed == 18
 
 
@@ -108,7 +111,7 @@ def test_fp8_storage_halves_bytes_and_stays_close(llama, tmp_path):
 
 def test_clear_errors(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 2)
-    with pytest.raises(SpeculatorsError, match="outside the verifier vocab 512"):
+    with pytest.raises(SpeculatorsError, match=r"outside the verifier vocab 0\.\.511"):
         run_datagen([TokenizedSample("bad", [1, 2, 900], [0, 1, 1])], llama, tmp_path / "s", aux_layer_ids=AUX)
     with pytest.raises(SpeculatorsError, match=r"\[9\] are outside 0..8"):
         run_datagen(samples, llama, tmp_path / "s", aux_layer_ids=[1, 4, 9])
