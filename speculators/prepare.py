@@ -34,7 +34,15 @@ if TYPE_CHECKING:
 
 
 def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
-    """Conversations, then (with a verifier) samples; returns prepare_report.json's content."""
+    """Conversations, then (with a verifier) samples; returns prepare_report.json's content. The output
+    folder's lock is held throughout: a second prepare into it waits, then reuses the first's answers."""
+    from speculators.atomic_io import exclusive_lock
+
+    with exclusive_lock(settings.output, "prepared data"):
+        return prepare_into(settings)
+
+
+def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
     from speculators.atomic_io import write_jsonl_atomic, write_text_atomic
     from speculators.prompts import prepare_conversations
 
@@ -49,6 +57,7 @@ def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
         seed=s.seed,
         validation_sources=s.validation_sources,
         source_weights=s.source_weights,
+        image_roots=s.image_roots,
     )
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict[str, Any] = {"prompts": report.to_dict()}
@@ -188,9 +197,13 @@ def regenerate_on_replicas(
     from speculators.atomic_io import write_jsonl_atomic
     from speculators.datagen import Replica, raise_for_failed_replicas, replica_devices, start_replica
     from speculators.flags import to_argv
+    from speculators.prompts import source_image_root
     from speculators.tokenization import read_samples
 
     s, replicas = settings, settings.data_parallel_size
+    # The replicas re-read conversations whose images lie in the sources' folders (or the user's roots).
+    sources = [*s.validation_sources, *s.sources]
+    roots = list(dict.fromkeys([*s.image_roots, *(str(source_image_root(source)) for source in sources)]))
     folders = [output / "replicas" / str(index) for index in range(replicas)]
     processes: list[Replica] = []
     for index, (folder, env) in enumerate(zip(folders, replica_devices(replicas, s.tensor_parallel_size), strict=True)):
@@ -204,6 +217,7 @@ def regenerate_on_replicas(
                 "source_weights": None,
                 "output": str(folder),
                 "data_parallel_size": 1,
+                "image_roots": roots,
             }
         )
         command = [sys.executable, "-m", "speculators.cli", "prepare", *to_argv(one)]

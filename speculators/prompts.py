@@ -12,22 +12,40 @@ Hugging Face datasets:
   with no placeholder at all the images open the first user turn
 
 An image is a local path (relative to the source file's folder), a file:// URL or a
-data:image/...;base64 URL; `vision.image_part` checks it decodes. A message with images has
-`content` = a list of text parts and image parts in order (see speculators.vision); a text-only
-message keeps a plain string, so text-only conversations and their ids are what they were.
+data:image/...;base64 URL; `vision.image_part` checks it decodes. A local image must lie inside the
+folder of the data file that names it (the working directory for hf: rows) or inside a folder given
+with `--image-root` (`image_roots`); see speculators.vision for its other limits. A message with
+images has `content` = a list of text parts and image parts in order (see speculators.vision); a
+text-only message keeps a plain string, so text-only conversations and their ids are what they were.
 
 Every row read ends as kept, duplicate, or rejected with a reason; nothing is dropped silently.
+
+Hostile or careless files cost bounded work and memory per row:
+- a JSONL line longer than MAX_ROW_BYTES (8 MiB) is a rejected row ("row larger than 8 MiB"), read in
+  chunks and skipped to its newline without ever being held;
+- a .json file is read element by element, never whole: a top-level list, or an object holding
+  exactly one list of rows (another member is skipped; a second list is an error when it is
+  reached). An element over MAX_ROW_BYTES is a rejected row and the elements after it are read; a
+  file that ends inside its list (a truncated download) gives its complete rows and then one
+  rejected row "truncated JSON at end of file". An element that is not valid JSON but whose
+  brackets and strings close is a rejected row ("malformed JSON (...)"); text between elements that
+  is not a comma, or a stray bracket, is one error naming the file and line (nothing to
+  resynchronise on);
+- a source path that is not a regular file (a FIFO, a device such as /dev/zero, a socket) is one
+  error naming it, checked before it is opened.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NoReturn
 
 from speculators import vision
 from speculators.errors import SpeculatorsError
@@ -49,6 +67,9 @@ HF_PRESETS = {
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", None, "train_sft"),
 }
 EXAMPLES_PER_REASON = 5
+MAX_ROW_BYTES = 8 * 1024 * 1024  # a JSONL line or .json element longer than this is a rejected row
+READ_CHUNK_BYTES = 1 << 20  # source files are read in pieces of this size
+TRUNCATED_JSON = "truncated JSON at end of file"
 
 
 class RowRejected(Exception):
@@ -178,8 +199,11 @@ def fill_slots(messages: list[tuple[str, list[Any]]], images: list[str]) -> None
         pieces[:] = [{"ref": next(remaining)} if piece is SLOT else piece for piece in pieces]
 
 
-def normalised_content(pieces: list[Any], base_dir: Path | None) -> str | list[dict[str, Any]]:
-    """Text pieces merged where adjacent and stripped, images checked: a string when there is no image."""
+def normalised_content(
+    pieces: list[Any], base_dir: Path | None, image_roots: Sequence[str | Path] = ()
+) -> str | list[dict[str, Any]]:
+    """Text pieces merged where adjacent and stripped, images checked (inside `base_dir` or
+    `image_roots`): a string when there is no image."""
     parts: list[dict[str, Any]] = []
     text: list[str] = []
 
@@ -197,7 +221,7 @@ def normalised_content(pieces: list[Any], base_dir: Path | None) -> str | list[d
         if not isinstance(piece["ref"], str):
             raise RowRejected(NOT_A_REFERENCE)
         try:
-            parts.append(vision.image_part(piece["ref"], base_dir))
+            parts.append(vision.image_part(piece["ref"], base_dir, image_roots))
         except vision.ImageRejected as reason:
             raise RowRejected(str(reason)) from None
     flush()
@@ -212,6 +236,7 @@ def normalise_messages(
     content_key: str,
     images: Sequence[str] = (),
     base_dir: Path | None = None,
+    image_roots: Sequence[str | Path] = (),
 ) -> list[dict[str, Any]]:
     """Messages with known roles and normalised content; `images` are the row's own (LLaVA `image`)."""
     if not isinstance(raw_messages, list):
@@ -230,22 +255,25 @@ def normalise_messages(
             raise RowRejected(f"image in {'an assistant' if role == 'assistant' else 'a system'} turn")
     messages = []
     for role, pieces in pending:
-        content = normalised_content(pieces, base_dir)
+        content = normalised_content(pieces, base_dir, image_roots)
         if content:
             messages.append({"role": role, "content": content})
     return messages
 
 
-def parse_row(row: Any, require_assistant: bool, base_dir: Path | None = None) -> list[dict[str, Any]]:
+def parse_row(
+    row: Any, require_assistant: bool, base_dir: Path | None = None, image_roots: Sequence[str | Path] = ()
+) -> list[dict[str, Any]]:
     """One source row -> normalised messages, or RowRejected with the reason. Relative image paths
-    resolve against `base_dir` (the source file's folder; the working directory when None)."""
+    resolve against `base_dir` (the source file's folder; the working directory when None), and every
+    local image must lie inside it or one of `image_roots`."""
     if not isinstance(row, dict):
         raise RowRejected("row is not an object")
     images = row_images(row)
     if "conversations" in row:
-        messages = normalise_messages(row["conversations"], "from", "value", images, base_dir)
+        messages = normalise_messages(row["conversations"], "from", "value", images, base_dir, image_roots)
     elif "messages" in row:
-        messages = normalise_messages(row["messages"], "role", "content", images, base_dir)
+        messages = normalise_messages(row["messages"], "role", "content", images, base_dir, image_roots)
     elif "prompt" in row:
         messages = normalise_messages(
             [{"role": "user", "content": row["prompt"]}]
@@ -254,6 +282,7 @@ def parse_row(row: Any, require_assistant: bool, base_dir: Path | None = None) -
             "content",
             images,
             base_dir,
+            image_roots,
         )
     else:
         raise RowRejected("unrecognised shape (no conversations, messages or prompt)")
@@ -274,8 +303,9 @@ def parse_row(row: Any, require_assistant: bool, base_dir: Path | None = None) -
 
 
 def iter_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, row) for each row of a JSONL / JSON / Parquet file; bad JSON lines yield a RowRejected.
-    A file that cannot be read at all is one error naming it."""
+    """(location, row) for each row of a JSONL / JSON / Parquet file; a row that is not JSON, is larger
+    than MAX_ROW_BYTES or is cut off by the end of the file is a RowRejected. A file that cannot be read
+    at all (not a regular file, not UTF-8, not JSON between its rows) is one error naming it."""
     try:
         yield from read_file_rows(path)
     except UnicodeDecodeError:
@@ -289,30 +319,23 @@ def iter_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
 def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
+        with open_source_file(path) as handle:
+            for number, line in jsonl_lines(handle):
+                location = f"{path.name}:{number}"
+                if line is None:
+                    yield location, RowRejected(row_too_large())
                     continue
-                try:
-                    yield f"{path.name}:{number}", json.loads(line)
-                except json.JSONDecodeError as error:
-                    yield f"{path.name}:{number}", RowRejected(f"malformed JSON ({error.msg})")
+                text = line.decode("utf-8")
+                if text.strip():
+                    yield location, decoded_row(text)
     elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise SpeculatorsError(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
-        if isinstance(data, dict):
-            lists = [value for value in data.values() if isinstance(value, list)]
-            if len(lists) != 1:
-                raise SpeculatorsError(f"{path} is a JSON object without exactly one list of rows; pass a list")
-            data = lists[0]
-        for index, row in enumerate(data):
-            yield f"{path.name}[{index}]", row
+        with open_source_file(path) as handle:
+            yield from json_rows(handle, path)
     elif suffix == ".parquet":
         import datasets
         import pyarrow.parquet
 
+        open_source_file(path).close()  # (pyarrow opens it by name: a FIFO must not get that far)
         try:  # checked by pyarrow first: datasets would log its own line about a broken file
             pyarrow.parquet.ParquetFile(str(path))
             table = datasets.Dataset.from_parquet(str(path))
@@ -323,6 +346,276 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path.name}[{index}]", row
     else:
         raise SpeculatorsError(f"{path} is not .jsonl, .json or .parquet; convert it or pass a dataset name")
+
+
+def open_source_file(path: Path) -> IO[bytes]:
+    """A source file opened for reading, or one error naming it when it is not a regular file (a FIFO
+    would block the run, /dev/zero would fill memory)."""
+    try:
+        return vision.open_regular_file(path)
+    except vision.NotARegularFile as error:
+        raise SpeculatorsError(
+            f"prompt source {path} is {error.kind}, not a regular file; pass a .jsonl, .json or .parquet file "
+            f"or a folder of them"
+        ) from None
+
+
+def row_too_large() -> str:
+    return f"row larger than {vision.size_text(MAX_ROW_BYTES)}"
+
+
+def decoded_row(text: str) -> Any:
+    """One row's JSON text -> its value, or a RowRejected saying why it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        return RowRejected(f"malformed JSON ({error.msg})")
+    except ValueError as error:  # e.g. an integer longer than Python converts
+        return RowRejected(f"malformed JSON ({str(error).splitlines()[0][:80]})")
+    except RecursionError:
+        return RowRejected("malformed JSON (nested too deeply)")
+
+
+def jsonl_lines(handle: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) of each line, None for a line over MAX_ROW_BYTES: read in chunks, so an
+    oversized line is skipped to its newline without ever being held."""
+    number, pending, oversized = 0, bytearray(), False
+    while chunk := handle.read(READ_CHUNK_BYTES):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            number += 1
+            if oversized or len(pending) + end - start > MAX_ROW_BYTES:
+                yield number, None
+            elif pending:
+                pending += chunk[start:end]
+                yield number, bytes(pending)
+            else:
+                yield number, chunk[start:end]
+            pending.clear()
+            oversized, start = False, end + 1
+        if not oversized and len(pending) + len(chunk) - start > MAX_ROW_BYTES:
+            pending.clear()
+            oversized = True
+        elif not oversized:
+            pending += chunk[start:]
+    if pending or oversized:
+        yield number + 1, None if oversized else bytes(pending)
+
+
+# .json files, element by element: bytes are scanned for the structure (JSON's structural characters
+# are ASCII, never part of a UTF-8 sequence) and each complete element is decoded on its own.
+STRUCTURE = re.compile(rb'["\[\]{}]')
+STRING_STOP = re.compile(rb'["\\]')
+SCALAR_END = re.compile(rb"[\s,\]}]")
+NOT_WHITESPACE = re.compile(rb"\S")
+QUOTE, BACKSLASH = ord('"'), ord("\\")
+COMMA, COLON = ord(","), ord(":")
+OPEN_LIST, CLOSE_LIST, OPEN_OBJECT, CLOSE_OBJECT = ord("["), ord("]"), ord("{"), ord("}")
+
+
+class ValueScanner:
+    """Where one JSON value ends, in bytes given piece by piece: tracks strings, escapes and nesting
+    depth only (whether the value is valid is json.loads' to say)."""
+
+    def __init__(self, first: int):
+        self.scalar = first not in (QUOTE, OPEN_LIST, OPEN_OBJECT)
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def scan(self, data: bytearray, pos: int) -> int | None:
+        """The index just past the value's end, scanning from `pos`; None when it goes on past `data`."""
+        if self.scalar:
+            match = SCALAR_END.search(data, pos)
+            return match.start() if match else None
+        while True:
+            if self.in_string:
+                if self.escaped:
+                    if pos >= len(data):
+                        return None
+                    pos, self.escaped = pos + 1, False
+                match = STRING_STOP.search(data, pos)
+                if match is None:
+                    return None
+                pos = match.end()
+                if data[match.start()] == BACKSLASH:
+                    self.escaped = True
+                    continue
+                self.in_string = False
+                if self.depth == 0:
+                    return pos
+                continue
+            match = STRUCTURE.search(data, pos)
+            if match is None:
+                return None
+            pos = match.end()
+            byte = data[match.start()]
+            if byte == QUOTE:
+                self.in_string = True
+            elif byte in (OPEN_LIST, OPEN_OBJECT):
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return pos
+
+
+class JsonStream:
+    """A JSON file read in chunks: a buffer that holds at most one element (or a chunk), the position
+    in it, and the line that position is on (for errors)."""
+
+    def __init__(self, handle: IO[bytes], path: Path):
+        self.handle, self.path = handle, path
+        self.buffer = bytearray()
+        self.pos = 0
+        self.lines_dropped = 0
+
+    def more(self) -> bool:
+        """Drops what is before the position and reads the next chunk; False at the end of the file."""
+        self.lines_dropped += self.buffer.count(b"\n", 0, self.pos)
+        del self.buffer[: self.pos]
+        self.pos = 0
+        chunk = self.handle.read(READ_CHUNK_BYTES)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def peek(self) -> int | None:
+        """The next byte that is not whitespace (the position moves to it); None at the end of the file."""
+        while True:
+            match = NOT_WHITESPACE.search(self.buffer, self.pos)
+            if match:
+                self.pos = match.start()
+                return self.buffer[self.pos]
+            self.pos = len(self.buffer)
+            if not self.more():
+                return None
+
+    def fail(self, problem: str) -> NoReturn:
+        line = self.lines_dropped + self.buffer.count(b"\n", 0, self.pos) + 1
+        raise SpeculatorsError(f"{self.path} is not valid JSON (line {line}: {problem}); fix or re-export it")
+
+    def value(self) -> tuple[bytes | None, bool]:
+        """The bytes of the JSON value at the position, or None when it is longer than MAX_ROW_BYTES (then
+        skipped as it is scanned, never held); and False when the file ends inside it."""
+        first = self.buffer[self.pos]
+        if first in (COMMA, COLON, CLOSE_LIST, CLOSE_OBJECT):
+            self.fail(f"unexpected '{chr(first)}'")
+        scanner, start, scanned, skipped = ValueScanner(first), self.pos, self.pos, False
+        while True:
+            end = scanner.scan(self.buffer, scanned)
+            if end is not None:
+                self.pos = end
+                return (None if skipped or end - start > MAX_ROW_BYTES else bytes(self.buffer[start:end])), True
+            scanned = len(self.buffer)
+            skipped = skipped or scanned - start > MAX_ROW_BYTES
+            self.pos = scanned if skipped else start  # what more() may drop
+            kept_from = self.pos
+            if not self.more():
+                return None, False
+            start, scanned = start - kept_from, scanned - kept_from
+
+
+def json_rows(handle: IO[bytes], path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, row) of a .json file: a list of rows, or an object holding exactly one list of rows."""
+    stream = JsonStream(handle, path)
+    first = stream.peek()
+    if first == codecs.BOM_UTF8[0] and stream.buffer.startswith(codecs.BOM_UTF8):
+        stream.pos += len(codecs.BOM_UTF8)
+        first = stream.peek()
+    if first == OPEN_LIST:
+        truncated = yield from json_list_rows(stream, path.name)
+    elif first == OPEN_OBJECT:
+        truncated = yield from json_object_rows(stream, path.name)
+    elif first is None:
+        raise SpeculatorsError(f"{path} is empty; pass a JSON list of rows")
+    else:
+        raise SpeculatorsError(f"{path} is not a JSON list of rows or an object holding one; pass a list")
+    if not truncated and stream.peek() is not None:
+        stream.fail("more data after the rows")
+
+
+def json_list_rows(stream: JsonStream, name: str) -> Generator[tuple[str, Any], None, bool]:
+    """The rows of the list at the position; returns whether the file ended inside it (then the last
+    row yielded is the one TRUNCATED_JSON rejection)."""
+    stream.pos += 1
+    index, following = 0, stream.peek()
+    if following == CLOSE_LIST:
+        stream.pos += 1
+        return False
+    while True:
+        if following is None:
+            yield f"{name}[{index}]", RowRejected(TRUNCATED_JSON)
+            return True
+        data, complete = stream.value()
+        if not complete:
+            yield f"{name}[{index}]", RowRejected(TRUNCATED_JSON)
+            return True
+        yield f"{name}[{index}]", RowRejected(row_too_large()) if data is None else decoded_row(data.decode("utf-8"))
+        index, following = index + 1, stream.peek()
+        if following == CLOSE_LIST:
+            stream.pos += 1
+            return False
+        if following == COMMA:
+            stream.pos += 1
+            following = stream.peek()
+            if following == CLOSE_LIST:
+                stream.fail("a comma before ']'")
+        elif following is not None:
+            stream.fail(f"expected ',' or ']' after row {index - 1}")
+
+
+def json_object_rows(stream: JsonStream, name: str) -> Generator[tuple[str, Any], None, bool]:
+    """The rows of the one list among the members of the object at the position (other members are
+    skipped unread); returns whether the file ended inside the object."""
+    stream.pos += 1
+    lists, following = 0, stream.peek()
+    while following != CLOSE_OBJECT:
+        if following is None:
+            break
+        if following != QUOTE:
+            stream.fail("expected a member name")
+        if not stream.value()[1] or not step_over(stream, COLON, "expected ':' after a member name"):
+            break
+        following = stream.peek()
+        if following == OPEN_LIST:
+            lists += 1
+            if lists > 1:
+                raise SpeculatorsError(one_list_problem(stream.path))
+            if (yield from json_list_rows(stream, name)):
+                return True
+        elif following is None or not stream.value()[1]:  # another member's value, skipped
+            break
+        following = stream.peek()
+        if following == COMMA:
+            stream.pos += 1
+            following = stream.peek()
+            if following == CLOSE_OBJECT:
+                stream.fail("a comma before '}'")
+        elif following not in (CLOSE_OBJECT, None):
+            stream.fail("expected ',' or '}' after a member")
+    else:
+        stream.pos += 1
+        if lists != 1:
+            raise SpeculatorsError(one_list_problem(stream.path))
+        return False
+    yield f"{name} (end of file)", RowRejected(TRUNCATED_JSON)
+    return True
+
+
+def step_over(stream: JsonStream, byte: int, problem: str) -> bool:
+    """Moves past `byte`, the next byte that is not whitespace; False at the end of the file, the
+    error `problem` for any other byte."""
+    following = stream.peek()
+    if following is None:
+        return False
+    if following != byte:
+        stream.fail(problem)
+    stream.pos += 1
+    return True
+
+
+def one_list_problem(path: Path) -> str:
+    return f"{path} is a JSON object without exactly one list of rows; pass a list"
 
 
 def iter_hf_rows(name: str, subset: str | None, split: str | None) -> Iterator[tuple[str, Any]]:
@@ -394,6 +687,22 @@ def iter_source_rows(
         base_dir = file.parent.resolve()
         for location, row in iter_file_rows(file):
             yield location, row, base_dir
+
+
+def is_local_source(source: str) -> bool:
+    """Whether a source names a local file or folder (not hf:, demo, demo-vl or a built-in file)."""
+    return source not in BUILTIN_SOURCES and not source.startswith(("hf:", "demo"))
+
+
+def source_image_root(source: str) -> Path:
+    """The folder a source's rows may name local images in without --image-root: a file source's
+    folder, a folder source itself, the working directory for hf: and generated rows."""
+    if source in BUILTIN_SOURCES:
+        return BUILTIN_SOURCES[source].parent
+    if not is_local_source(source):
+        return Path.cwd().resolve()
+    path = Path(source).expanduser().resolve()
+    return path if path.is_dir() else path.parent
 
 
 def demo_vl_split(source: str) -> str:
@@ -491,6 +800,7 @@ def prepare_conversations(
     seed: int = 0,
     validation_sources: Sequence[str] = (),
     source_weights: Sequence[float] | None = None,
+    image_roots: Sequence[str | Path] = (),
 ) -> tuple[list[Conversation], PrepareReport]:
     """Conversations from the sources, de-duplicated by content, bad rows counted with their reasons.
 
@@ -499,13 +809,18 @@ def prepare_conversations(
     content is dropped as a duplicate. A row whose own `id` has that prefix (conversations.jsonl of an
     earlier prepare) stays tagged. `max_samples` counts the training sources' kept rows only and is
     shared among them by `source_weights` (default: equal shares); a source that runs out before its
-    share leaves the rest to the sources that still have rows, by their weights.
+    share leaves the rest to the sources that still have rows, by their weights. A local image must
+    lie inside the folder of the file that names it (the working directory for hf: rows) or inside
+    one of `image_roots`.
     """
     from speculators.settings import source_weights_problem
 
     problem = source_weights_problem(len(sources), source_weights, max_samples)
     if problem:
         raise SpeculatorsError(problem)
+    for root in image_roots:
+        if not Path(root).expanduser().is_dir():
+            raise SpeculatorsError(f"image root {root} is not a folder; pass an existing folder to --image-root")
     report = PrepareReport(sources=[*validation_sources, *sources])
     seen: set[str] = set()
     conversations: list[Conversation] = []
@@ -523,7 +838,7 @@ def prepare_conversations(
             try:
                 if isinstance(row, RowRejected):
                     raise row
-                messages = parse_row(row, require_assistant, base_dir)
+                messages = parse_row(row, require_assistant, base_dir, image_roots)
             except RowRejected as reason:
                 report.reject(str(reason), location)
                 continue
@@ -619,7 +934,7 @@ def source_fingerprint(source: str) -> str:
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
             digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-            with open(file, "rb") as handle:
+            with open_source_file(file) as handle:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]

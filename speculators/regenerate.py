@@ -4,7 +4,13 @@ Re-rendering generated text through the chat template changes ids (measured: 13%
 responses) and adds end-of-turn tokens to truncated answers, so a sample is assembled from the
 template's prompt ids plus the generated ids. Later turns of a multi-turn conversation are
 generated after the earlier generated ones; the template text between turns (the next user turn)
-is tokenized on its own. A turn cut by the token limit ends its conversation there.
+is tokenized on its own. A turn cut by the token limit ends its conversation there, and so does a
+conversation whose ids reach the token limit (nothing generated after it would be kept).
+
+The text the template and tokenizer see is bounded as in speculators.tokenization: a first prompt
+whose text alone passes `text_limit` is rejected as over-length without being tokenized, and later
+user turns are clipped there (the source's assistant text, replaced by generated text, is not
+counted).
 
 Backends: `transformers` (batched, KV cache, CPU or GPU) and `vllm` (offline engine, the CUDA or
 CPU build). Resumable: finished samples are appended to `<output>.partial` and skipped on a rerun.
@@ -22,7 +28,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from speculators.errors import SpeculatorsError
 from speculators.prompts import Conversation
-from speculators.tokenization import TokenizedSample, render_ids, render_text, turn_end_ids
+from speculators.tokenization import (
+    TokenizedSample,
+    clip_messages,
+    over_length,
+    render_ids,
+    render_text,
+    text_length,
+    text_limit,
+    turn_end_ids,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -326,8 +341,12 @@ def continuation_ids(
     return list(tokenizer(following[cut:], add_special_tokens=False)["input_ids"])
 
 
-def start_state(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> ConversationState | None:
-    """The first prompt of a conversation (images: one placeholder each, as the template renders)."""
+def start_state(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int
+) -> ConversationState | None:
+    """The first prompt of a conversation (images: one placeholder each, as the template renders), its
+    later turns clipped to what `max_length` tokens can hold; a state rejected as over-length, never
+    tokenized, when the prompt's text alone is past that."""
     messages = conversation.messages
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first is None:
@@ -335,7 +354,13 @@ def start_state(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) 
     # Generate in place of the assistant turn after each user turn; prompt = everything before it.
     next_assistant = next((i for i in range(first + 1, len(messages)) if messages[i]["role"] == "assistant"), None)
     upto = next_assistant if next_assistant is not None else len(messages)
-    prompt = messages[:upto]
+    limit = text_limit(tokenizer, max_length)
+    if upto > max_length or sum(text_length(m["content"]) for m in messages[:upto]) > limit:
+        return ConversationState(conversation, [], [], [], upto, done=True, rejected=over_length(max_length))
+    clipped = clip_messages(messages, limit, max_length, uncounted=("assistant",))
+    if clipped is not messages:
+        conversation = Conversation(conversation.id, clipped)
+    prompt = clipped[:upto]
     ids = render_ids(tokenizer, prompt, add_generation_prompt=True)
     return ConversationState(conversation, ids, [0] * len(ids), list(prompt), upto)
 
@@ -378,6 +403,7 @@ def advance(
     state.mask += [0] * len(suffix)
     state.history = upto
     state.next_message = next_assistant
+    state.done = len(state.ids) >= max_length  # an answer from here on would be cut off the sample
 
 
 def read_partial(path: Path) -> dict[str, TokenizedSample]:
@@ -427,7 +453,7 @@ def regenerate(
         for offset in range(0, len(todo), batch_size):
             states = []
             for conversation in todo[offset : offset + batch_size]:
-                state = start_state(tokenizer, conversation)
+                state = start_state(tokenizer, conversation, max_length)
                 if state is None:
                     report.rejected["no user turn"] += 1
                 else:
@@ -436,9 +462,9 @@ def regenerate(
                 if image_inputs is None and image_parts(state.conversation.messages):
                     state.done = True
                     state.rejected = "images in a conversation for a text-only verifier"
-                elif len(state.ids) >= max_length:
+                elif state.rejected is None and len(state.ids) >= max_length:
                     state.done = True
-                    state.rejected = f"over-length (the prompt alone exceeds max length {max_length})"
+                    state.rejected = over_length(max_length)
             active = [s for s in states if not s.done]
             while active:
                 if image_inputs is None:

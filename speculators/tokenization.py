@@ -5,11 +5,22 @@ again with the turn; the tokens between the two are the turn (what the model wou
 including template tokens such as a channel header), cut after its end-of-turn token. Templates
 that rewrite earlier turns once a later one exists (e.g. reasoning stripped from history) fall back
 to locating each assistant text by character offsets.
+
+Work per conversation is bounded before the chat template and the tokenizer see it: no token of the
+verifier's tokenizer covers more than L characters (L = its longest token string, added tokens
+included; a byte-level vocabulary spells one byte per character), so message text past
+`max_length * L` characters can never be inside the first `max_length` tokens. `clip_messages` cuts
+the messages there plus TEXT_MARGIN_CHARS (so the words the cut splits lie past those tokens) and
+keeps at most `max_length` messages (each renders at least one token); a conversation within that
+bound is tokenized exactly as it would be whole. (The bound assumes the chat template renders each
+message's text; a template that drops earlier text, such as reasoning in history, can only lose
+conversations longer than the bound.) Regeneration applies the same bound to the prompt turns.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -32,6 +43,10 @@ END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end_of_text|>",
 )
+# Characters kept past max_length * (longest token): the tokens a clip changes lie beyond max_length.
+TEXT_MARGIN_CHARS = 1024
+# tokenizer -> its longest token string's length (computed once per tokenizer; entries go with it)
+LONGEST_TOKEN_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -130,6 +145,69 @@ def mask_by_offsets(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     return ids, mask
 
 
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token of `tokenizer` covers: its longest token string, added tokens
+    included (cached per tokenizer: reading a 150k vocabulary takes tens of milliseconds)."""
+    known = LONGEST_TOKEN_CHARS.get(tokenizer)
+    if known is not None:
+        return known
+    added = [getattr(token, "content", str(token)) for token in tokenizer.added_tokens_decoder.values()]
+    longest = max(map(len, [*tokenizer.get_vocab(), *added]), default=1)
+    LONGEST_TOKEN_CHARS[tokenizer] = longest
+    return longest
+
+
+def text_limit(tokenizer: PreTrainedTokenizerBase, max_length: int) -> int:
+    """Characters of message text past which nothing can be inside the first `max_length` tokens."""
+    return max_length * longest_token_chars(tokenizer) + TEXT_MARGIN_CHARS
+
+
+def text_length(content: Any) -> int:
+    """Characters of text in a normalised message's content (a string, or parts whose images have none)."""
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text", "")) for part in content if part.get("type") == "text")
+
+
+def clip_content(content: Any, room: int) -> Any:
+    """A message's content cut after `room` characters of text (image parts after the cut dropped)."""
+    if isinstance(content, str):
+        return content[:room]
+    parts = []
+    for part in content:
+        if room <= 0:
+            break
+        if part.get("type") == "text":
+            part = {**part, "text": part["text"][:room]}
+            room -= len(part["text"])
+        parts.append(part)
+    return parts
+
+
+def clip_messages(
+    messages: list[dict[str, Any]], limit: int, max_messages: int, uncounted: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """The messages cut where their text passes `limit` characters (later messages dropped), at most
+    `max_messages` of them; `messages` itself when nothing is cut. Messages of the `uncounted` roles
+    are kept whole without counting (regeneration replaces the assistant turns' text)."""
+    kept: list[dict[str, Any]] = []
+    used = 0
+    for message in messages[:max_messages]:
+        size = 0 if message["role"] in uncounted else text_length(message["content"])
+        if used + size > limit:
+            content = clip_content(message["content"], limit - used)
+            if content:
+                kept.append({**message, "content": content})
+            return kept
+        kept.append(message)
+        used += size
+    return messages if len(kept) == len(messages) else kept
+
+
+def over_length(max_length: int) -> str:
+    return f"over-length (the prompt alone exceeds max length {max_length})"
+
+
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase,
     sample_id: str,
@@ -139,12 +217,17 @@ def tokenize_conversation(
 ) -> TokenizedSample:
     """Token ids and assistant-only loss mask, clipped to `max_length`; RowRejected if nothing is
     supervised. Conversations with images need the verifier's `image_inputs`: each image's
-    placeholder is expanded to its token count (never supervised)."""
+    placeholder is expanded to its token count (never supervised). Text past what `max_length` tokens
+    can hold is clipped before the template renders it (see the module's docstring)."""
     from speculators.vision import image_parts
 
-    images = image_parts(messages)
-    if images and image_inputs is None:
+    if image_inputs is None and image_parts(messages):
         raise RowRejected("images in a conversation for a text-only verifier")
+    clipped = clip_messages(messages, text_limit(tokenizer, max_length), max_length)
+    if not any(m["role"] == "assistant" for m in clipped) and any(m["role"] == "assistant" for m in messages):
+        raise RowRejected(over_length(max_length))
+    messages = clipped
+    images = image_parts(messages)
     full = render_ids(tokenizer, messages, add_generation_prompt=False)
     mask = mask_by_prefixes(tokenizer, messages, full)
     if mask is None:
@@ -158,7 +241,7 @@ def tokenize_conversation(
         return expand_images(image_inputs, TokenizedSample(sample_id, full, mask, images), max_length)
     first_supervised = mask.index(1)
     if first_supervised >= max_length:
-        raise RowRejected(f"over-length (the prompt alone exceeds max length {max_length})")
+        raise RowRejected(over_length(max_length))
     return TokenizedSample(sample_id, full[:max_length], mask[:max_length])
 
 
@@ -183,25 +266,50 @@ def expand_images(image_inputs: ImageInputs, sample: TokenizedSample, max_length
             break
         kept, position = kept + 1, end
     if 1 not in mask[:length]:
-        raise RowRejected(f"over-length (the prompt alone exceeds max length {max_length})")
+        raise RowRejected(over_length(max_length))
     return TokenizedSample(sample.id, ids[:length], mask[:length], sample.images[:kept])
 
 
 def read_samples(path: str | Path) -> list[TokenizedSample]:
     path = Path(path)
     if not path.is_file():
-        raise SpeculatorsError(f"{path} does not exist; run 'speculators prepare --verifier ...' first")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise SpeculatorsError(
+            f"{path} {what}; pass the samples.jsonl that 'speculators prepare --verifier ...' writes"
+        )
     samples = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             try:
-                sample = TokenizedSample.from_row(json.loads(line))
-            except (json.JSONDecodeError, KeyError):
-                raise SpeculatorsError(f"{path}:{number} is not a tokenized sample; re-run prepare") from None
-            if len(sample.input_ids) != len(sample.loss_mask):
-                raise SpeculatorsError(f"{path}:{number} has {len(sample.input_ids)} ids but a longer/shorter mask")
-            samples.append(sample)
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            problem = sample_row_problem(row)
+            if problem:
+                raise SpeculatorsError(f"{path}:{number} is not a tokenized sample ({problem}); re-run prepare")
+            samples.append(TokenizedSample.from_row(row))
     return samples
+
+
+def sample_row_problem(row: Any) -> str | None:
+    """What makes a samples.jsonl row unusable, or None: the capture would otherwise index the verifier's
+    embeddings with it (a negative id reads the wrong row, a string is a list of characters)."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    ids, mask = row.get("input_ids"), row.get("loss_mask")
+    if not isinstance(row.get("id"), str):
+        return "no string 'id'"
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        return "'input_ids' is not a non-empty list of integers"
+    if min(ids) < 0:
+        return f"token id {min(ids)} is negative"
+    if not isinstance(mask, list) or not all(m in (0, 1) and type(m) in (int, bool) for m in mask):
+        return "'loss_mask' is not a list of 0/1"
+    if len(mask) != len(ids):
+        return f"{len(ids)} input_ids but {len(mask)} loss_mask entries"
+    if not isinstance(row.get("images") or [], list):
+        return "'images' is not a list"
+    return None
 
 
 def token_statistics(samples: list[TokenizedSample]) -> dict[str, Any]:

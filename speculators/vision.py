@@ -8,6 +8,17 @@ next to text parts {"type": "text", "text": ...}; Qwen3-VL's chat template rende
 `<|vision_start|><|image_pad|><|vision_end|>`. The digest makes conversation ids and hidden-state
 keys follow the image's content, not its path.
 
+What an image may be (hostile or careless data must never hang, exhaust memory or escape its folder):
+- a local image is read only from a regular file (a FIFO would block, a device such as /dev/zero
+  would read forever; both are refused before and after opening) of at most MAX_IMAGE_BYTES
+  (32 MiB), with a bounded read; a data: URL's payload has the same limit;
+- its pixel count is held to PIL's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`): an image
+  above it, even in the band where PIL only warns, is rejected;
+- from a data file, a local image (relative path, absolute path or file:// URL), symlinks resolved,
+  must lie inside an allowed root: the data file's folder (the working directory for dataset rows)
+  or a folder named with `--image-root`.
+A rejected image rejects its row (counted with the reason); `load_image` raises one SpeculatorsError.
+
 The model inputs are built here, not by transformers' `Qwen3VLProcessor`: that class cannot be
 constructed without torchvision (its video processor is checked against a torchvision-only base
 class), and torchvision has no build for the CPU torch 2.13.0 wheel this project installs. The
@@ -21,9 +32,13 @@ import base64
 import binascii
 import hashlib
 import io
+import os
+import stat
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 
@@ -34,38 +49,115 @@ if TYPE_CHECKING:
 VISION_LANGUAGE_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 MAX_IMAGES_PER_PROMPT = 4  # what vLLM's engine is profiled for (limit_mm_per_prompt)
 DATA_URL_PREFIX = "data:image/"
+MAX_IMAGE_BYTES = 32 * 1024 * 1024  # an encoded image (file or data: URL payload) larger than this is refused
+# Rejection reasons (report keys; the row's location goes to the examples).
+NOT_A_REGULAR_FILE = "image is not a regular file"
+TOO_MANY_PIXELS = "image has more pixels than PIL's decompression-bomb limit"
+OUTSIDE_ROOTS = "image outside the data folder (allow its folder with --image-root)"
 
 
 class ImageRejected(Exception):
     """An image reference that cannot be used; the message is the reason shown in the report."""
 
 
+class NotARegularFile(OSError):
+    """A path that is a FIFO, device, directory or socket; `kind` says which."""
+
+    def __init__(self, path: Path, kind: str):
+        super().__init__(f"{path} is {kind}, not a regular file")
+        self.kind = kind
+
+
+def file_kind(mode: int) -> str | None:
+    """What a non-regular file is (None for a regular file)."""
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def open_regular_file(path: Path) -> IO[bytes]:
+    """`path` opened for reading only if it is a regular file: checked before opening (opening a FIFO
+    blocks until a writer comes) and again on the open descriptor (non-blocking, so a file swapped for
+    a FIFO in between cannot hang). NotARegularFile otherwise; other OSErrors pass through."""
+    kind = file_kind(os.stat(path).st_mode)
+    if kind:
+        raise NotARegularFile(path, kind)
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        kind = file_kind(os.fstat(descriptor).st_mode)
+        if kind:
+            raise NotARegularFile(path, kind)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def size_text(count: int) -> str:
+    """A byte count as the limits are written: 32 MiB, 4 KiB, 100 bytes."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size and count % size == 0:
+            return f"{count // size} {unit}"
+    return f"{count} bytes"
+
+
+def too_large() -> str:
+    return f"image larger than {size_text(MAX_IMAGE_BYTES)}"
+
+
 def image_bytes(reference: str) -> bytes:
-    """The encoded bytes of an image given as an absolute path, a file:// URL or a data: URL."""
+    """The encoded bytes of an image given as an absolute path, a file:// URL or a data: URL, read only
+    from a regular file and never more than MAX_IMAGE_BYTES."""
     if reference.startswith(DATA_URL_PREFIX):
         header, _, payload = reference.partition(",")
         if not header.endswith(";base64"):
             raise ImageRejected("image data URL is not base64 (expected data:image/<type>;base64,...)")
+        if len(payload) // 4 * 3 > MAX_IMAGE_BYTES:  # (the decoded size, within padding)
+            raise ImageRejected(too_large())
         try:
-            return base64.b64decode(payload, validate=True)
+            data = base64.b64decode(payload, validate=True)
         except binascii.Error:
             raise ImageRejected("image data URL has invalid base64") from None
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ImageRejected(too_large())
+        return data
     path = Path(reference.removeprefix("file://"))
     try:
-        return path.read_bytes()
+        with open_regular_file(path) as handle:
+            data = handle.read(MAX_IMAGE_BYTES + 1)
     except FileNotFoundError:
         raise ImageRejected(f"image {path} does not exist") from None
+    except NotARegularFile:
+        raise ImageRejected(NOT_A_REGULAR_FILE) from None
     except OSError as error:
         raise ImageRejected(f"image {path} cannot be read ({error.strerror or error})") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageRejected(too_large())
+    return data
 
 
 def decode_image(data: bytes, label: str) -> Image.Image:
+    """The RGB image of encoded bytes. PIL's decompression-bomb check is an error here in its warning
+    band too (between MAX_IMAGE_PIXELS and twice that PIL only warns, and would decode it)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return image.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+                return image.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageRejected(TOO_MANY_PIXELS) from None
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise ImageRejected(f"image {label} is not a readable image ({str(error).splitlines()[0][:120]})") from None
 
@@ -86,21 +178,41 @@ def resolve_reference(raw: Any, base_dir: Path | None) -> str:
     return str(path.resolve())
 
 
-def image_part(raw: Any, base_dir: Path | None = None) -> dict[str, str]:
-    """The normalised content part of one image, checked to decode; ImageRejected with the reason."""
+def check_inside_roots(reference: str, base_dir: Path | None, roots: Sequence[str | Path]) -> None:
+    """ImageRejected unless a resolved local reference lies inside `base_dir` (the working directory
+    when None) or one of `roots`: a data file must not reach a file elsewhere on disk by `../` or an
+    absolute path unless the user allowed that folder."""
+    if reference.startswith(DATA_URL_PREFIX):
+        return
+    path = Path(reference)
+    allowed = [base_dir or Path.cwd(), *map(Path, roots)]
+    if not any(path.is_relative_to(Path(root).expanduser().resolve()) for root in allowed):
+        raise ImageRejected(OUTSIDE_ROOTS)
+
+
+def image_part(raw: Any, base_dir: Path | None = None, roots: Sequence[str | Path] = ()) -> dict[str, str]:
+    """The normalised content part of one image, checked to lie inside `base_dir` or `roots` and to
+    decode; ImageRejected with the reason."""
     reference = resolve_reference(raw, base_dir)
+    check_inside_roots(reference, base_dir, roots)
     data = image_bytes(reference)
     decode_image(data, reference if not reference.startswith(DATA_URL_PREFIX) else "(data URL)")
     return {"type": "image", "image": reference, "sha256": hashlib.sha256(data).hexdigest()[:16]}
 
 
 def load_image(part: dict[str, str]) -> Image.Image:
-    """The RGB image of a normalised image part (re-checked: the file may have changed since prepare)."""
+    """The RGB image of a normalised image part, re-checked (the file may have changed since prepare) with
+    prepare's file, size and pixel checks (its folder was checked then); one SpeculatorsError if unusable."""
     reference = part["image"]
-    data = image_bytes(reference)
-    if hashlib.sha256(data).hexdigest()[:16] != part.get("sha256"):
-        raise SpeculatorsError(f"image {reference[:80]} changed since the data were prepared; run prepare again")
-    return decode_image(data, reference[:80])
+    label = reference[:80]
+    try:
+        data = image_bytes(reference)
+        if hashlib.sha256(data).hexdigest()[:16] != part.get("sha256"):
+            raise SpeculatorsError(f"image {label} changed since the data were prepared; run prepare again")
+        return decode_image(data, label)
+    except ImageRejected as reason:
+        text = str(reason) if label in str(reason) else f"image {label} cannot be used ({reason})"
+        raise SpeculatorsError(f"{text}; restore it or run prepare again") from None
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

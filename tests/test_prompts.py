@@ -515,7 +515,7 @@ def test_prepared_image_conversations_read_back_unchanged(tmp_path):
     written = tmp_path / "out" / "conversations.jsonl"
     written.parent.mkdir()
     written.write_text("".join(c.to_json() + "\n" for c in conversations))
-    again, report = prepare_conversations([str(written)])
+    again, report = prepare_conversations([str(written)], image_roots=[tmp_path])  # (the images' folder)
     assert report.kept == 1 and [(c.id, c.messages) for c in again] == [(c.id, c.messages) for c in conversations]
 
 

@@ -1,0 +1,551 @@
+"""Hostile and careless input to the prompt-reading stage: oversized rows, truncated or broken JSON, text
+longer than any sample can hold, FIFOs, devices, decompression bombs and images outside the data folder
+must end as counted rejections or one clear error, never a hang, a memory blow-up or a traceback.
+
+The byte limits are monkeypatched down to a few KiB, so no test writes more than a megabyte.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from speculators import prompts, tokenization, vision
+from speculators.errors import SpeculatorsError
+from speculators.prompts import Conversation, prepare_conversations
+
+ANSWER = {"role": "assistant", "content": "fine"}
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def single(prompt: str, response: str = "ok") -> dict:
+    return {"prompt": prompt, "response": response}
+
+
+def png(path: Path, size: tuple[int, int] = (16, 16), colour: tuple[int, int, int] = (200, 0, 0)) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path, format="PNG")
+    return path
+
+
+def image_row(reference: str) -> dict:
+    """A row whose user turn shows one image (by path, file:// URL or data URL)."""
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": reference}, {"type": "text", "text": "What?"}]},
+            ANSWER,
+        ]
+    }
+
+
+@pytest.fixture
+def small_rows(monkeypatch):
+    """Rows over 2 KiB are oversized; files are read 512 bytes at a time."""
+    monkeypatch.setattr(prompts, "MAX_ROW_BYTES", 2048)
+    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 512)
+    return "row larger than 2 KiB"
+
+
+def peak_bytes(function) -> int:
+    """The most memory Python allocated while `function` ran."""
+    tracemalloc.start()
+    try:
+        function()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+# ----- bounded rows: JSONL --------------------------------------------------------------------------------
+
+
+def test_an_oversized_jsonl_line_is_a_counted_row_and_the_rows_around_it_are_kept(tmp_path, small_rows):
+    rows = [single("first"), single("big", "a" * 5000), single("third"), single("tail", "b" * 3000)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))  # the oversized last line has no newline
+    conversations, report = prepare_conversations([str(path)])
+    assert [c.messages[0]["content"] for c in conversations] == ["first", "third"]
+    assert report.rows_read == 4 and report.rejected == {small_rows: 2}
+    assert report.examples[small_rows] == ["rows.jsonl:2", "rows.jsonl:4"]
+    # a line of exactly the limit is a row like any other
+    exact = json.dumps(single("x", ""))
+    exact = json.dumps(single("x", "y" * (2048 - len(exact))))
+    assert len(exact) == 2048
+    _, report = prepare_conversations([write_jsonl(tmp_path / "exact.jsonl", [exact])])
+    assert report.kept == 1 and not report.rejected
+
+
+def test_an_oversized_jsonl_line_is_never_held_in_memory(tmp_path, small_rows):
+    path = tmp_path / "huge.jsonl"
+    with open(path, "w") as handle:
+        for index in range(3):
+            handle.write(json.dumps(single(f"p{index}", "z" * 400_000)) + "\n")
+        handle.write(json.dumps(single("small")) + "\n")
+    rows: list = []
+    peak = peak_bytes(lambda: rows.extend(prompts.iter_file_rows(path)))
+    assert [type(row).__name__ for _, row in rows] == ["RowRejected"] * 3 + ["dict"]
+    assert peak < 100_000, peak  # one line is 400 KB: read and skipped in 512-byte pieces
+
+
+# ----- bounded rows: .json ---------------------------------------------------------------------------------
+
+
+def test_json_elements_are_read_one_by_one_an_oversized_one_counted_and_the_rest_kept(tmp_path, small_rows):
+    rows = [single("one"), single("big", "x" * 5000), single("three"), [1, 2], "text"]
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=1))
+    conversations, report = prepare_conversations([str(tmp_path / "rows.json")])
+    assert [c.messages[0]["content"] for c in conversations] == ["one", "three"]
+    assert report.rejected == {small_rows: 1, "row is not an object": 2}
+    assert report.examples[small_rows] == ["rows.json[1]"]
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps([single("a", "q" * 600_000), single("b")]))
+    rows_read: list = []
+    peak = peak_bytes(lambda: rows_read.extend(prompts.iter_file_rows(big)))
+    assert [type(row).__name__ for _, row in rows_read] == ["RowRejected", "dict"] and peak < 100_000, peak
+
+
+def test_a_truncated_json_file_gives_its_complete_rows_then_one_counted_row(tmp_path, small_rows):
+    whole = json.dumps([single(f"prompt {i}", 'answer with "quotes" and \\ slashes') for i in range(6)])
+    for cut in (whole.index('{"prompt": "prompt 4"') + 30, whole.index('{"prompt": "prompt 4"') - 2, len(whole) - 1):
+        (tmp_path / "cut.json").write_text(whole[:cut])
+        _, report = prepare_conversations([str(tmp_path / "cut.json")])
+        assert report.kept == (4 if cut < len(whole) - 1 else 6), cut
+        assert report.rejected == {prompts.TRUNCATED_JSON: 1}
+        assert report.examples[prompts.TRUNCATED_JSON] == [f"cut.json[{report.kept}]"]
+    (tmp_path / "object.json").write_text(json.dumps({"data": [single("a"), single("b")]})[:-30])
+    _, report = prepare_conversations([str(tmp_path / "object.json")])
+    assert report.kept == 1 and report.rejected == {prompts.TRUNCATED_JSON: 1}
+
+
+def test_a_json_object_holding_one_list_is_read_and_other_shapes_are_one_error(tmp_path, small_rows):
+    holder = {"meta": {"rows": "not these", "nested": [1, 2]}, "data": [single("a"), single("b")], "n": "x" * 5000}
+    (tmp_path / "object.json").write_text(json.dumps(holder))
+    conversations, report = prepare_conversations([str(tmp_path / "object.json")])
+    assert [c.messages[0]["content"] for c in conversations] == ["a", "b"] and not report.rejected
+    problems = {
+        "two.json": ('{"a": [], "b": []}', "is a JSON object without exactly one list of rows; pass a list"),
+        "none.json": ('{"a": 1}', "is a JSON object without exactly one list of rows; pass a list"),
+        "scalar.json": ("42", "is not a JSON list of rows or an object holding one"),
+        "empty.json": ("  \n", r"is empty; pass a JSON list of rows"),
+        "glued.json": ('[{"prompt": "a"}\n {"prompt": "b"}]', r"line 2: expected ',' or '\]' after row 0"),
+        "stray.json": ('[{"prompt": "a"}, ]', r"line 1: a comma before '\]'"),
+        "more.json": ('[{"prompt": "a"}] []', r"line 1: more data after the rows"),
+    }
+    for name, (text, message) in problems.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SpeculatorsError, match=message) as error:
+            prepare_conversations([str(tmp_path / name)])
+        assert str(tmp_path / name) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_malformed_json_element_whose_brackets_close_is_a_counted_row(tmp_path, monkeypatch):
+    deep = "[" * 3000 + "]" * 3000  # valid JSON nested deeper than Python decodes
+    text = '[{"prompt": "a", "response": "b"}, {"prompt": "bad",}, ' + deep + ', {"prompt": "c", "response": "d"}]'
+    (tmp_path / "rows.json").write_text(text)
+    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 512)
+    conversations, report = prepare_conversations([str(tmp_path / "rows.json")])
+    assert [c.messages[0]["content"] for c in conversations] == ["a", "c"]
+    assert report.rejected == {
+        "malformed JSON (Expecting property name enclosed in double quotes)": 1,
+        "malformed JSON (nested too deeply)": 1,
+    }
+    assert report.examples["malformed JSON (nested too deeply)"] == ["rows.json[2]"]
+
+
+def test_json_strings_with_escapes_and_brackets_split_across_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 3)
+    rows = [single('a \\" ] } [ { \\\\', 'b "]}"'), single("\\", '\\\\"'), single("é 漢字 \u2028", "ok")]
+    for name, data in (("list.json", rows), ("object.json", {"rows": rows})):
+        (tmp_path / name).write_text("\ufeff" + json.dumps(data, ensure_ascii=False))
+        got = [row for _, row in prompts.iter_file_rows(tmp_path / name)]
+        assert got == rows
+
+
+# ----- bounded text before the tokenizer ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_verifier_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_verifier_dir("llama"))
+
+
+def spy_templates(monkeypatch, tokenizer, uncounted: tuple[str, ...] = ()) -> list[int]:
+    """The message text (characters; messages of the `uncounted` roles left out) of every chat-template
+    call on `tokenizer`, recorded: all the text the tokenizer is given comes through there."""
+    seen: list[int] = []
+    original = tokenizer.apply_chat_template
+
+    def spy(messages, *args, **kwargs):
+        seen.append(sum(tokenization.text_length(m["content"]) for m in messages if m["role"] not in uncounted))
+        return original(messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+    return seen
+
+
+def unclipped(monkeypatch):
+    """Tokenization without the bound (as before it existed): no token is shorter than a billion chars."""
+    monkeypatch.setattr(tokenization, "longest_token_chars", lambda tokenizer: 10**9)
+
+
+PROSE = (
+    "The verifier checks every drafted token in one forward pass, and the drafter proposes the next few. "
+    "When they agree the output moves ahead by several tokens at once; when they differ, nothing is lost. "
+    "Numbers like 1234567 and symbols such as {[(<>)]} appear too, with\nnew lines and\ttabs between words. "
+)
+
+
+def test_the_longest_token_bounds_the_text_and_is_measured_once(tokenizer, monkeypatch):
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    assert tokenization.longest_token_chars(tokenizer) == longest >= len("<|start_header_id|>")
+    assert tokenization.text_limit(tokenizer, 100) == 100 * longest + tokenization.TEXT_MARGIN_CHARS
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: pytest.fail("the vocabulary was read again"))
+    assert tokenization.longest_token_chars(tokenizer) == longest
+
+
+def test_a_long_conversation_reaches_the_tokenizer_clipped_with_the_same_first_tokens(tokenizer, monkeypatch):
+    max_length = 96
+    limit = tokenization.text_limit(tokenizer, max_length)
+    messages = [
+        {"role": "user", "content": "Summarise this: " + PROSE[:60]},
+        {"role": "assistant", "content": PROSE * 40},  # ~12k characters, far past the limit
+        {"role": "user", "content": "And again?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    seen = spy_templates(monkeypatch, tokenizer)
+    clipped = tokenization.tokenize_conversation(tokenizer, "x", messages, max_length)
+    assert seen and max(seen) <= limit < sum(tokenization.text_length(m["content"]) for m in messages)
+    unclipped(monkeypatch)
+    whole = tokenization.tokenize_conversation(tokenizer, "x", messages, max_length)
+    assert len(whole.input_ids) == max_length and max(seen) > limit  # (the reference saw everything)
+    assert (clipped.input_ids, clipped.loss_mask) == (whole.input_ids, whole.loss_mask)
+
+
+def test_conversations_within_the_bound_tokenize_exactly_as_before(tokenizer, monkeypatch):
+    conversations = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": PROSE},
+            {"role": "assistant", "content": PROSE[:150]},
+            {"role": "user", "content": "More?"},
+            {"role": "assistant", "content": PROSE[150:]},
+        ],
+        [{"role": "user", "content": PROSE * 3}, {"role": "assistant", "content": PROSE * 3}],
+    ]
+    for max_length in (16, 64, 512):
+        bounded = []
+        for index, messages in enumerate(conversations):
+            try:
+                bounded.append(tokenization.tokenize_conversation(tokenizer, str(index), messages, max_length))
+            except prompts.RowRejected as reason:
+                bounded.append(str(reason))
+        with monkeypatch.context() as patch:
+            unclipped(patch)
+            before = []
+            for index, messages in enumerate(conversations):
+                try:
+                    before.append(tokenization.tokenize_conversation(tokenizer, str(index), messages, max_length))
+                except prompts.RowRejected as reason:
+                    before.append(str(reason))
+        assert bounded == before, max_length
+
+
+def test_an_answer_clipped_away_is_still_rejected_as_over_length(tokenizer, monkeypatch):
+    seen = spy_templates(monkeypatch, tokenizer)
+    messages = [{"role": "user", "content": "x" * 200_000}, {"role": "assistant", "content": "late"}]
+    with pytest.raises(prompts.RowRejected, match=r"^over-length \(the prompt alone exceeds max length 32\)$"):
+        tokenization.tokenize_conversation(tokenizer, "x", messages, 32)
+    assert max(seen, default=0) <= tokenization.text_limit(tokenizer, 32)
+
+
+def test_regeneration_rejects_a_prompt_past_the_bound_without_tokenizing_it(tokenizer, monkeypatch, tmp_path):
+    from speculators.regenerate import regenerate
+
+    end = sorted(tokenization.turn_end_ids(tokenizer))[0]
+    prompted: list[int] = []
+
+    def generate(batch):
+        prompted.extend(len(ids) for ids in batch)
+        return [[5, 6, end] for _ in batch]
+
+    seen = spy_templates(monkeypatch, tokenizer, uncounted=("assistant",))  # (generated answers are not clipped)
+    max_length = 64
+    limit = tokenization.text_limit(tokenizer, max_length)
+    huge = Conversation("huge", [{"role": "user", "content": "y" * (limit + 1)}])
+    later = Conversation(
+        "later",
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "old answer " * 5000},  # replaced, not counted
+            {"role": "user", "content": "z " * 100_000},
+        ],
+    )
+    short = Conversation("short", [{"role": "user", "content": "Hello"}])
+    samples, report = regenerate([huge, later, short], tokenizer, generate, tmp_path / "p.jsonl", max_length, 4, False)
+    assert report.rejected == {"over-length (the prompt alone exceeds max length 64)": 1}
+    assert [s.id for s in samples] == ["later", "short"]
+    assert max(seen) <= limit  # the huge prompt never reached the template or the tokenizer
+    assert max(prompted) < max_length  # no generation from a prompt already past the sample's end
+    assert all(len(s.input_ids) <= max_length for s in samples)
+
+
+# ----- images: regular files of bounded size ---------------------------------------------------------------
+
+
+def test_a_decompression_bomb_rejects_its_row_and_the_next_row_is_kept(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    png(tmp_path / "warned.png", (40, 40))  # 1600 pixels: PIL only warns between the limit and twice it
+    png(tmp_path / "bomb.png", (64, 64))  # 4096 pixels: PIL raises
+    png(tmp_path / "fine.png", (20, 20))
+    rows = [image_row("warned.png"), image_row("bomb.png"), image_row("fine.png")]
+    conversations, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", rows)])
+    assert report.kept == 1 and conversations[0].messages[0]["content"][0]["image"] == str(tmp_path / "fine.png")
+    assert report.rejected == {vision.TOO_MANY_PIXELS: 2}
+    assert report.examples[vision.TOO_MANY_PIXELS] == ["a.jsonl:1", "a.jsonl:2"]
+    digest = hashlib.sha256((tmp_path / "bomb.png").read_bytes()).hexdigest()[:16]
+    with pytest.raises(SpeculatorsError) as error:
+        vision.load_image({"type": "image", "image": str(tmp_path / "bomb.png"), "sha256": digest})
+    assert vision.TOO_MANY_PIXELS in str(error.value) and "\n" not in str(error.value)
+
+
+def test_images_over_the_size_limit_are_refused_as_files_and_as_data_urls(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(vision, "MAX_IMAGE_BYTES", 1024)
+    noise = Image.frombytes("RGB", (64, 64), os.urandom(64 * 64 * 3))
+    noise.save(tmp_path / "big.png")
+    buffer = io.BytesIO()
+    noise.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    png(tmp_path / "small.png", (8, 8))
+    rows = [image_row("big.png"), image_row(url), image_row("small.png")]
+    _, report = prepare_conversations([write_jsonl(tmp_path / "a.jsonl", rows)])
+    assert report.kept == 1 and report.rejected == {"image larger than 1 KiB": 2}
+    part = {"image": str(tmp_path / "big.png"), "sha256": hashlib.sha256(b"").hexdigest()[:16]}
+    with pytest.raises(
+        SpeculatorsError, match=r"big.png cannot be used \(image larger than 1 KiB\); restore it or run prepare again$"
+    ):
+        vision.load_image(part)
+
+
+def test_dev_zero_is_refused_as_an_image_and_as_a_source(tmp_path):
+    rows = [image_row("/dev/zero"), image_row(str(png(tmp_path / "ok.png")))]
+    source = write_jsonl(tmp_path / "a.jsonl", rows)
+    _, report = prepare_conversations([source])  # outside the data folder, before anything is read
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 1} and report.kept == 1
+    _, report = prepare_conversations([source], image_roots=["/dev"])
+    assert report.rejected == {vision.NOT_A_REGULAR_FILE: 1} and report.kept == 1
+    with pytest.raises(SpeculatorsError, match="is not a regular file") as error:
+        vision.load_image({"image": "/dev/zero", "sha256": "0" * 16})
+    assert "/dev/zero" in str(error.value)
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    for name in ("zero.jsonl", "zero.json"):
+        with pytest.raises(SpeculatorsError, match=r"is a character device, not a regular file; pass a") as error:
+            prepare_conversations([str(tmp_path / name)])
+        assert str(tmp_path / name) in str(error.value)
+    with pytest.raises(SpeculatorsError, match=r"^/dev/zero is not \.jsonl, \.json or \.parquet"):
+        prepare_conversations(["/dev/zero"])
+
+
+def test_a_source_without_read_permission_is_one_error(tmp_path, monkeypatch):
+    source = Path(write_jsonl(tmp_path / "locked.jsonl", [single("a")]))
+    original = os.open
+
+    def denied(path, *args, **kwargs):  # (root reads anything: the refusal is simulated)
+        if Path(path) == source:
+            raise PermissionError(13, "Permission denied", str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(SpeculatorsError, match=r"locked.jsonl cannot be read \(Permission denied\); check the path"):
+        prepare_conversations([str(source)])
+
+
+FIFO_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+from speculators import vision
+from speculators.errors import SpeculatorsError
+from speculators.prompts import prepare_conversations, source_fingerprint
+
+folder = Path(sys.argv[1])
+os.mkfifo(folder / "pipe.jsonl")
+os.mkfifo(folder / "pipe.png")
+question = [{"type": "image", "image": "pipe.png"}, {"type": "text", "text": "?"}]
+row = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "x"}]}
+(folder / "rows.jsonl").write_text(json.dumps(row) + "\\n" + json.dumps({"prompt": "a", "response": "b"}) + "\\n")
+results = {}
+for name, call in (
+    ("source", lambda: prepare_conversations([str(folder / "pipe.jsonl")])),
+    ("fingerprint", lambda: source_fingerprint(str(folder / "pipe.jsonl"))),
+    ("load_image", lambda: vision.load_image({"image": str(folder / "pipe.png"), "sha256": "0"})),
+):
+    try:
+        call()
+        results[name] = "no error"
+    except SpeculatorsError as error:
+        results[name] = str(error)
+_, report = prepare_conversations([str(folder / "rows.jsonl")])
+results["report"] = [report.kept, dict(report.rejected), dict(report.examples)]
+print(json.dumps(results))
+"""
+
+
+def test_fifos_as_source_or_image_end_at_once_never_hang(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FIFO_SCRIPT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a FIFO opened for reading blocks forever: the timeout fails the test instead
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    pipe = tmp_path / "pipe.jsonl"
+    expected = f"prompt source {pipe} is a FIFO, not a regular file; pass a .jsonl, .json or .parquet file"
+    assert results["source"].startswith(expected) and results["fingerprint"].startswith(expected)
+    assert results["load_image"].startswith(f"image {tmp_path / 'pipe.png'} cannot be used (image is not a regular")
+    assert results["report"] == [1, {vision.NOT_A_REGULAR_FILE: 1}, {vision.NOT_A_REGULAR_FILE: ["rows.jsonl:1"]}]
+
+
+# ----- images: inside the data folder unless allowed --------------------------------------------------------
+
+
+def test_images_outside_the_data_folder_are_rejected_unless_their_folder_is_allowed(tmp_path, monkeypatch):
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    inside = png(data / "pics" / "in.png", colour=(1, 1, 1))
+    outside = png(elsewhere / "out.png", colour=(2, 2, 2))
+    (data / "link.png").symlink_to(outside)  # a symlink inside that resolves outside
+    encoded = base64.b64encode(outside.read_bytes()).decode()
+    rows = [
+        image_row("../elsewhere/out.png"),
+        image_row(str(outside)),
+        image_row(outside.as_uri()),
+        image_row("link.png"),
+        image_row("pics/../pics/in.png"),
+        image_row(str(inside)),
+        image_row("data:image/png;base64," + encoded),  # data URLs are not files: unaffected
+    ]
+    source = write_jsonl(data / "rows.jsonl", rows)
+    monkeypatch.chdir(tmp_path)  # (the working directory holds both folders: it is no root for a file's rows)
+    _, report = prepare_conversations([source], require_assistant=False)
+    assert report.kept == 2 and report.duplicates == 1
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
+    assert report.examples[vision.OUTSIDE_ROOTS] == [f"rows.jsonl:{i}" for i in (1, 2, 3, 4)]
+    _, report = prepare_conversations([source], require_assistant=False, image_roots=[elsewhere])
+    assert report.kept == 2 and report.duplicates == 5 and not report.rejected  # the same two images
+    _, report = prepare_conversations([str(data)], require_assistant=False)  # a folder source: the folder
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
+    with pytest.raises(SpeculatorsError, match=r"image root .*missing is not a folder; pass an existing folder"):
+        prepare_conversations([source], image_roots=[tmp_path / "missing"])
+
+
+def test_dataset_rows_may_name_images_in_the_working_directory_only(tmp_path, monkeypatch):
+    import datasets
+
+    png(tmp_path / "work" / "a.png", colour=(3, 3, 3))
+    png(tmp_path / "b.png", colour=(4, 4, 4))
+    rows = [image_row("a.png"), image_row("../b.png")]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: rows)
+    monkeypatch.chdir(tmp_path / "work")
+    _, report = prepare_conversations(["hf:acme/vl"])
+    assert report.kept == 1 and report.rejected == {vision.OUTSIDE_ROOTS: 1}
+    assert report.examples[vision.OUTSIDE_ROOTS] == ["acme/vl[1]"]
+    _, report = prepare_conversations(["hf:acme/vl"], image_roots=[tmp_path])
+    assert report.kept == 2 and not report.rejected
+
+
+def test_prepared_conversations_are_read_again_with_their_sources_folders_as_roots(tmp_path):
+    """The hidden-state step re-reads raw_prompts' conversations.jsonl from another folder."""
+    png(tmp_path / "src" / "a.png")
+    source = write_jsonl(tmp_path / "src" / "rows.jsonl", [image_row("a.png")])
+    conversations, _ = prepare_conversations([source])
+    written = Path(
+        write_jsonl(tmp_path / "out" / "conversations.jsonl", [json.loads(c.to_json()) for c in conversations])
+    )
+    _, report = prepare_conversations([str(written)])
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 1}
+    root = prompts.source_image_root(source)
+    again, report = prepare_conversations([str(written)], image_roots=[root])
+    assert root == tmp_path / "src" and report.kept == 1
+    assert [(c.id, c.messages) for c in again] == [(c.id, c.messages) for c in conversations]
+    assert prompts.source_image_root(str(tmp_path / "src")) == tmp_path / "src"
+    assert prompts.source_image_root("hf:ultrachat") == Path.cwd().resolve()
+
+
+def test_the_hidden_state_prepare_gets_the_variant_roots_and_its_local_sources_folders(tmp_path):
+    from speculators_assets.variants import PACKAGE_VARIANTS, load_variant
+    from speculators_assets.workload import hidden_state_commands
+
+    plain = load_variant(PACKAGE_VARIANTS / "smollm2_135m.yaml")
+    file_source = write_jsonl(tmp_path / "files" / "rows.jsonl", [single("a")])
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "extra").mkdir()
+    prompts_settings = plain.prompts.model_copy(
+        update={
+            "sources": [file_source, str(tmp_path / "folder"), "demo:train"],
+            "validation_sources": ["natural:validation"],
+            "image_roots": [str(tmp_path / "extra")],
+        }
+    )
+    variant = plain.model_copy(update={"prompts": prompts_settings})
+    prepare = hidden_state_commands(variant, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")[0]
+    roots = [prepare[i + 1] for i, flag in enumerate(prepare) if flag == "--image-root"]
+    assert roots == [str(tmp_path / "extra"), str(tmp_path / "files"), str(tmp_path / "folder")]
+    assert "--image-root" not in hidden_state_commands(plain, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")[0]
+
+
+def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, monkeypatch):
+    import speculators.datagen as datagen
+    from speculators.prepare import regenerate_on_replicas
+    from speculators.settings import PrepareSettings
+
+    started: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def start_replica(label, index, command, env, log):
+        started.append(command)
+        raise Started
+
+    monkeypatch.setattr(datagen, "start_replica", start_replica)
+    monkeypatch.setattr(datagen, "replica_devices", lambda replicas, tp: [{} for _ in range(replicas)])
+    source = write_jsonl(tmp_path / "src" / "rows.jsonl", [single("a")])
+    settings = PrepareSettings(
+        sources=[source], output=str(tmp_path / "o"), verifier="v", data_parallel_size=2, image_roots=[str(tmp_path)]
+    )
+    with pytest.raises(Started):
+        regenerate_on_replicas(settings, [], tmp_path / "o", "key")
+    command = started[0]
+    roots = [command[i + 1] for i, flag in enumerate(command) if flag == "--image-root"]
+    assert roots == [str(tmp_path), str(tmp_path / "src")]
+
+
+def test_evaluation_prompts_with_images_load_with_the_default_roots(tmp_path):
+    png(tmp_path / "a.png")
+    source = write_jsonl(tmp_path / "eval.jsonl", [image_row("a.png"), image_row("../x.png")])
+    loaded = prompts.load_prompts(source)
+    assert len(loaded) == 1 and loaded[0].messages[0]["content"][0]["image"] == str(tmp_path / "a.png")
