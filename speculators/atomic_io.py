@@ -23,6 +23,8 @@ from speculators.errors import SpeculatorsError
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed to `path`."""
     final = Path(path)
+    if final.is_dir():
+        raise SpeculatorsError(f"{final} is a folder; name a file to write")
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)

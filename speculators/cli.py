@@ -166,12 +166,9 @@ def cmd_tiny_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from speculators.atomic_io import exclusive_lock
     from speculators.prepare import run_prepare
 
-    settings = from_args(PrepareSettings, args)
-    with exclusive_lock(settings.output, "prepared data"):  # a second prepare waits, then reuses the answers
-        run_prepare(settings)
+    run_prepare(from_args(PrepareSettings, args))
     return 0
 
 

@@ -200,6 +200,9 @@ def resolve_verifier_source(source: str | Path) -> tuple[str, str]:
     if path.is_file():
         if path.suffix != ".gguf":
             raise SpeculatorsError(f"verifier file {path} is not a .gguf file; pass a GGUF file or a model directory")
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise SpeculatorsError(f"verifier file {path} is not a GGUF file (no GGUF magic bytes); re-download it")
         return "gguf", str(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -686,13 +689,14 @@ def load_verifier(
         model = auto.from_pretrained(
             location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
         )
-    except OSError as error:
+    except (OSError, ValueError) as error:  # missing or unusable files: transformers raises either
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         if kind == "hub":
             raise SpeculatorsError(
-                f"could not load verifier '{location}' from the hub ({str(error).splitlines()[0]}); "
+                f"could not load verifier '{location}' from the hub ({first}); "
                 f"check the id and network, or pass a local directory or GGUF file"
             ) from None
-        raise SpeculatorsError(f"could not load verifier from {location}: {str(error).splitlines()[0]}") from None
+        raise SpeculatorsError(f"could not load verifier from {location}: {first}") from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound method from mypy.
     if not placement:  # (device_map placed it otherwise)
         model = model.to(device)  # type: ignore[arg-type]

@@ -153,7 +153,9 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     # source_weights joined the settings later: a one-source variant without them keeps its key (its
     # rows are what they were); several sources now share max_samples, so their keys change.
     unchanged = v.prompts.source_weights is None and len(v.prompts.sources) == 1
-    key = key_of(fingerprints, v.prompts.model_dump(exclude={"source_weights"} if unchanged else set()))
+    # image_roots joined later too: a variant without them keeps its key.
+    left_out = ({"source_weights"} if unchanged else set()) | (set() if v.prompts.image_roots else {"image_roots"})
+    key = key_of(fingerprints, v.prompts.model_dump(exclude=left_out))
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
     if not reused:
@@ -210,6 +212,7 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
         validation_sources=p.validation_sources,
         max_samples=p.max_samples,
         source_weights=p.source_weights,
+        image_roots=p.image_roots,
         output=str(out),
         require_assistant=not v.datagen.regenerate,
     )
@@ -219,9 +222,16 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
 def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Path) -> list[list[str]]:
     """prepare (tokenize, or regenerate the answers), datagen (capture) and vocab for a variant: the
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
-    data-parallel replicas."""
+    data-parallel replicas. The prepare re-reads raw_prompts' conversations, whose local images lie
+    in the folders of the variant's local sources (or its image roots): those folders are its roots."""
+    from speculators.prompts import is_local_source, source_image_root
     from speculators.settings import CaptureSettings, PrepareSettings
 
+    sources = [*v.prompts.validation_sources, *v.prompts.sources]
+    local = [source_image_root(source) for source in sources if is_local_source(source)]
+    if any(source.startswith("hf:") for source in sources):  # (a dataset row's relative image: the working dir)
+        local.append(Path.cwd())
+    image_roots = list(dict.fromkeys([*v.prompts.image_roots, *(str(folder) for folder in local if folder.is_dir())]))
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
@@ -236,6 +246,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         output=str(data),
         verifier=v.verifier,
         require_assistant=not d.regenerate,
+        image_roots=image_roots,
         **regeneration,
         **(quantized if d.regenerate else {}),  # (tokenizing alone runs no model)
     )
@@ -249,6 +260,9 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         device=d.device,
         backend=d.backend,
         aux_layer_ids=v.drafter.aux_layer_ids,
+        # The store is this asset's own: when the variant's verifier or aux ids change it follows them
+        # (its other shards stay, keyed by content).
+        overwrite=True,
         **({"batch_size": d.batch_size, **parallel} if vllm else {}),
         **quantized,
     )
@@ -467,7 +481,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     out_root = step.dir("speculator_checkpoint")
     target = out_root / current["key"]
     if not (target / "model.safetensors").is_file():
-        with atomic_directory(target) as tmp:
+        with atomic_directory(target, overwrite=True) as tmp:  # (the storage root's own folder)
             for name in ("config.json", "model.safetensors"):
                 shutil.copy2(Path(current["drafter"]) / name, tmp / name)
     report_path = target / "validation.json"
