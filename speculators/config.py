@@ -9,6 +9,7 @@ differ (extra keys such as `auto_map`, flags it leaves out); writing is always t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_h
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators import SPECULATORS_FORMAT_VERSION
-from speculators.errors import CheckpointFormatError, SpeculatorsError
+from speculators.errors import CheckpointFormatError, SpeculatorsError, name_some, shorten
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedConfig
 
 SUPPORTED_ALGORITHMS = ("eagle3",)
@@ -40,6 +42,28 @@ REFERENCE_ONLY_KEYS = (
     "enable_sp_ulysses",
     "transformers_version",
 )
+
+# Bounds on the sizes a config may ask for, checked before anything is built from them: far above any
+# real drafter (Llama 3.1 405B is 16384 wide, the largest vocabularies hold ~262k tokens), far below
+# what would exhaust time or memory on a corrupt or hostile config.json.
+MAX_DRAFT_LAYERS = 32  # EAGLE-3 drafters have 1 to a few; each layer adds a dozen tensors to check
+MAX_WIDTH = 2**20  # hidden_size, intermediate_size, heads, head_dim, target_hidden_size
+MAX_VOCAB_SIZE = 2**22  # verifier vocab (transformer_layer_config.vocab_size) and draft_vocab_size
+MAX_POSITIONS = 2**30  # max_position_embeddings
+MAX_DRAFTER_PARAMETERS = 2**36  # ~69 billion (~137 GB in bf16): no speculator file is larger
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KB
+MAX_REPORTED_ERRORS = 5  # of pydantic's errors for one config (a list of a million bad entries gives a million)
+# transformer_layer_config's integer sizes -> their upper bound (each at least 1).
+LAYER_SIZE_LIMITS = {
+    "hidden_size": MAX_WIDTH,
+    "intermediate_size": MAX_WIDTH,
+    "num_hidden_layers": MAX_DRAFT_LAYERS,
+    "num_attention_heads": MAX_WIDTH,
+    "num_key_value_heads": MAX_WIDTH,
+    "head_dim": MAX_WIDTH,
+    "vocab_size": MAX_VOCAB_SIZE,
+    "max_position_embeddings": MAX_POSITIONS,
+}
 
 
 class ProposalMethod(BaseModel):
@@ -122,6 +146,7 @@ class DraftLayerConfig:
         missing = [name for name in REQUIRED_LAYER_FIELDS if layer.get(name) is None]
         if missing:
             raise missing_layer_fields(missing)
+        check_layer_sizes(layer)
         if layer["model_type"] not in DRAFT_LAYER_TYPES:
             raise SpeculatorsError(
                 f"transformer_layer_config.model_type '{layer['model_type']}' is not a draft layer type; "
@@ -164,15 +189,146 @@ def check_layer_value_types(layer: Mapping[str, Any]) -> None:
             continue
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise SpeculatorsError(
-                f"transformer_layer_config.{name} is {value!r} ({type(value).__name__}), not {KIND_NAMES[kind]}; "
-                f"write it as {KIND_NAMES[kind]} in the speculator's config.json"
+                f"transformer_layer_config.{name} is {shorten(repr(value), 80)} ({type(value).__name__}), not "
+                f"{KIND_NAMES[kind]}; write it as {KIND_NAMES[kind]} in the speculator's config.json"
             )
     rope = layer.get("rope_parameters") or {}
     rope_type, theta = rope.get("rope_type", "default"), rope.get("rope_theta", 10000.0)
-    if not isinstance(rope_type, str) or isinstance(theta, bool) or not isinstance(theta, int | float):
+    if (
+        not isinstance(rope_type, str)
+        or isinstance(theta, bool)
+        or not isinstance(theta, int | float)
+        or not math.isfinite(theta)
+        or theta <= 0
+    ):
         raise SpeculatorsError(
-            f"transformer_layer_config.rope_parameters {rope!r} needs a string rope_type and a numeric rope_theta; "
-            f"fix them in the speculator's config.json"
+            f"transformer_layer_config.rope_parameters {shorten(repr(rope), 120)} needs a string rope_type and a "
+            f"positive rope_theta; fix them in the speculator's config.json"
+        )
+    check_rope_values(rope)
+    eps = layer.get("rms_norm_eps")
+    if isinstance(eps, float) and not (math.isfinite(eps) and 0 <= eps <= 1):
+        raise SpeculatorsError(
+            f"transformer_layer_config.rms_norm_eps {eps} is not a small non-negative number; write the draft "
+            f"layers' norm epsilon (e.g. 1e-06) in the speculator's config.json"
+        )
+
+
+ROPE_LIST_KEYS = ("short_factor", "long_factor", "mrope_section")  # per-dimension lists (longrope, M-RoPE)
+ROPE_BOOL_KEYS = ("truncate", "mrope_interleaved")
+
+
+def check_rope_values(rope: Mapping[str, Any]) -> None:
+    """Every rope parameter a finite number (a few are true/false or lists of numbers): transformers'
+    rope functions compute with whatever the file holds, and log a bad value whole."""
+    for key, value in rope.items():
+        if key in ("rope_type", "type") or value is None:
+            continue
+        if key in ROPE_BOOL_KEYS:
+            ok = isinstance(value, bool)
+        elif key in ROPE_LIST_KEYS:
+            ok = isinstance(value, list) and len(value) <= MAX_WIDTH and all(is_finite_number(v) for v in value)
+        else:
+            ok = is_finite_number(value) and (key != "factor" or value >= 1)  # (a scaling factor stretches)
+        if not ok:
+            expected = "true or false" if key in ROPE_BOOL_KEYS else "a finite number"
+            if key == "factor":
+                expected = "a number >= 1"
+            if key in ROPE_LIST_KEYS:
+                expected = "a list of finite numbers"
+            raise SpeculatorsError(
+                f"transformer_layer_config.rope_parameters.{shorten(str(key), 60)} is {shorten(repr(value), 60)}, "
+                f"not {expected}; fix it in the speculator's config.json"
+            )
+
+
+def is_finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rotary_frequencies(layer: DraftLayerConfig) -> tuple[torch.Tensor, float]:
+    """The draft layers' rotary inverse frequencies and attention scaling, computed as the drafter's
+    RotaryEmbedding computes them (transformers' init function for a non-default rope type)."""
+    import torch
+
+    if layer.rope_type == "default":
+        exponents = torch.arange(0, layer.head_dim, 2, dtype=torch.int64).float() / layer.head_dim
+        return 1.0 / (layer.rope_theta**exponents), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = LlamaConfig(
+        hidden_size=layer.hidden_size,
+        num_attention_heads=layer.num_attention_heads,
+        num_key_value_heads=layer.num_key_value_heads,
+        head_dim=layer.head_dim,
+        max_position_embeddings=layer.max_position_embeddings,
+        rope_parameters=dict(layer.rope_parameters),
+    )
+    return ROPE_INIT_FUNCTIONS[layer.rope_type](hf_config, None)
+
+
+def check_rope_type(rope_type: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if rope_type not in known:
+        raise SpeculatorsError(
+            f"transformer_layer_config.rope_parameters.rope_type {shorten(repr(rope_type), 60)} is not one of "
+            f"{', '.join(known)}; use the verifier's rope type in the speculator's config.json"
+        )
+
+
+def check_draft_layer(layer: DraftLayerConfig) -> None:
+    """Raise a SpeculatorsError where the drafter could not be built from `layer`: an activation
+    transformers does not know, a rope type or parameters its rotary tables cannot be computed from
+    (or are not finite with). Found when the config is read, not as a traceback when a model is built."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    if layer.hidden_act not in ACT2FN:
+        raise SpeculatorsError(
+            f"transformer_layer_config.hidden_act {shorten(repr(layer.hidden_act), 60)} is not an activation "
+            f"transformers knows; use silu (the verifier's, usually) in the speculator's config.json"
+        )
+    check_rope_type(layer.rope_type)
+    rope = shorten(repr(layer.rope_parameters), 160)
+    try:
+        inv_freq, scaling = rotary_frequencies(layer)
+    except Exception as error:  # transformers' rope functions divide and index by the file's values
+        raise SpeculatorsError(
+            f"transformer_layer_config.rope_parameters {rope} cannot make rotary embeddings "
+            f"({type(error).__name__}: {shorten(str(error), 100)}); use the verifier's rope parameters"
+        ) from None
+    if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(float(scaling))):
+        raise SpeculatorsError(
+            f"transformer_layer_config.rope_parameters {rope} make non-finite rotary embeddings; use the "
+            f"verifier's rope parameters"
+        )
+
+
+def check_layer_sizes(layer: Mapping[str, Any]) -> None:
+    """Raise a SpeculatorsError for a size outside 1..its limit (LAYER_SIZE_LIMITS), or attention heads
+    the drafter cannot group: checked before a transformers config or a tensor table is built from them,
+    so an absurd config.json costs milliseconds, not minutes and gigabytes."""
+    for name, limit in LAYER_SIZE_LIMITS.items():
+        value = layer.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= limit:
+            why = " (far more than any drafter has)" if value > limit else ""
+            raise SpeculatorsError(
+                f"transformer_layer_config.{name} is {shorten(str(value), 40)}, outside 1..{limit:,}{why}; "
+                f"fix it in the speculator's config.json"
+            )
+    heads, kv_heads, head_dim = (layer.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise SpeculatorsError(
+            f"transformer_layer_config.num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads}; each key/value head serves a whole group of query heads: fix them in config.json"
+        )
+    if isinstance(head_dim, int) and head_dim % 2:
+        raise SpeculatorsError(
+            f"transformer_layer_config.head_dim {head_dim} is odd; rotary embeddings rotate pairs of "
+            f"dimensions: fix it in the speculator's config.json"
         )
 
 
@@ -193,6 +349,11 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise missing_layer_fields(missing)
     check_layer_value_types(layer_config)  # named here before the transformers class's own, terser check
+    check_layer_sizes(layer_config)  # before transformers builds per-layer lists from them
+    for rope in (layer_config.get("rope_parameters"), layer_config.get("rope_scaling")):
+        if isinstance(rope, dict):  # (the class reads either; a legacy rope_scaling is checked the same way)
+            check_rope_values(rope)
+            check_rope_type(str(rope.get("rope_type", rope.get("type", "default"))))
     from huggingface_hub.errors import StrictDataclassError
     from transformers import LlamaConfig, Qwen3Config
 
@@ -203,9 +364,11 @@ def complete_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     values.setdefault("num_hidden_layers", 1)
     try:
         hf_config = config_class(**values)
-    except StrictDataclassError as error:
+    # The class's own checks of values this file supplies (rope parameters, layer types, ...) raise more
+    # than one kind of error; each is the file's mistake, said in one sentence.
+    except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as error:
         raise ValueError(
-            f"transformer_layer_config is not a valid {config_class.__name__} ({' '.join(str(error).split())}); "
+            f"transformer_layer_config is not a valid {config_class.__name__} ({shorten(str(error), 200)}); "
             f"fix that key in the speculator's config.json"
         ) from None
     check_full_attention(hf_config)
@@ -257,7 +420,7 @@ def ignored_sliding_window(layer_config: dict[str, Any]) -> str | None:
     keys = [k for k in ("sliding_window", "use_sliding_window") if layer_config.get(k)]
     if not keys:
         return None
-    settings = ", ".join(f"{k}={layer_config[k]}" for k in keys)
+    settings = ", ".join(f"{k}={shorten(str(layer_config[k]), 40)}" for k in keys)
     return f"transformer_layer_config sets {settings} but no draft layer is sliding_attention: full attention, as vLLM"
 
 
@@ -269,8 +432,8 @@ class Eagle3Config(BaseModel):
     speculators_model_type: str = "eagle3"
     architectures: list[str] = Field(default_factory=lambda: ["Eagle3Speculator"])
     transformer_layer_config: dict[str, Any]
-    draft_vocab_size: int = Field(gt=0)
-    target_hidden_size: int | None = None
+    draft_vocab_size: int = Field(gt=0, le=MAX_VOCAB_SIZE)
+    target_hidden_size: int | None = Field(None, ge=1, le=MAX_WIDTH)
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     norm_before_residual: bool = True
     norm_before_fc: bool = False
@@ -291,7 +454,8 @@ class Eagle3Config(BaseModel):
     def _complete_layer(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
             completed = complete_layer_config(value)
-            DraftLayerConfig.from_dict(completed)  # the typed view the drafter reads must build
+            # The typed view the drafter reads must build, and so must its activation and rotary tables.
+            check_draft_layer(DraftLayerConfig.from_dict(completed))
         except SpeculatorsError as error:
             raise ValueError(str(error)) from None
         return completed
@@ -311,7 +475,7 @@ class Eagle3Config(BaseModel):
             return None
         if len(value) != 3 or len(set(value)) != 3 or min(value) < 0:
             raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids {value} must be 3 distinct non-negative verifier "
+                f"eagle_aux_hidden_state_layer_ids {shorten(str(value), 80)} must be 3 distinct non-negative verifier "
                 f"layer ids (vLLM's EAGLE-3 fc reads exactly 3 states)"
             )
         return list(value)
@@ -329,6 +493,12 @@ class Eagle3Config(BaseModel):
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} exceeds the verifier vocab "
                 f"{self.verifier_vocab_size} (transformer_layer_config.vocab_size)"
+            )
+        if self.parameter_count > MAX_DRAFTER_PARAMETERS:
+            raise ValueError(
+                f"the sizes in this config make a drafter of {self.parameter_count:.2e} parameters, more than "
+                f"any speculator file holds (at most {MAX_DRAFTER_PARAMETERS:.2e}); check hidden_size, "
+                f"intermediate_size, vocab_size and target_hidden_size"
             )
         return self
 
@@ -361,6 +531,20 @@ class Eagle3Config(BaseModel):
     @property
     def num_aux_states(self) -> int:
         return 3
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the checkpoint this config describes, saved embeddings included (an upper bound
+        for the file: counted from the sizes, without building the tensor table)."""
+        layer, hidden, verifier_hidden = self.layer, self.hidden_size, self.verifier_hidden_size
+        query, key_value = layer.num_attention_heads * layer.head_dim, layer.num_key_value_heads * layer.head_dim
+        total = self.num_aux_states * verifier_hidden * (hidden + 2)  # fc, input_norm or fc_norm
+        for index in range(layer.num_hidden_layers):
+            width = 2 * hidden if index == 0 else hidden
+            attention = (query + 2 * key_value) * (width + 1) + hidden * (query + 1) + 2 * layer.head_dim
+            total += attention + 3 * layer.intermediate_size * (hidden + 1) + 4 * hidden
+        vocab = self.verifier_vocab_size
+        return total + hidden + self.draft_vocab_size * (hidden + 1) + vocab * (hidden + 1)
 
     @property
     def speculative_tokens(self) -> int:
@@ -471,12 +655,16 @@ def build_eagle3_config(
 
 
 def format_validation_error(error: ValidationError) -> list[str]:
-    """pydantic's errors as short sentences: 'field.path: message'."""
+    """pydantic's errors as short sentences: 'field.path: message' (the first few, each bounded)."""
     problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "config"
+    items = error.errors()
+    for item in items[:MAX_REPORTED_ERRORS]:
+        where = ".".join(shorten(str(part), 60) for part in item["loc"]) or "config"
         message = str(item["msg"]).removeprefix("Value error, ")
-        problems.append(f"{where}: {message}")
+        # Our validators' sentences already start with the field they name.
+        problems.append(shorten(message if message.startswith(where) else f"{where}: {message}"))
+    if len(items) > MAX_REPORTED_ERRORS:
+        problems.append(f"and {len(items) - MAX_REPORTED_ERRORS} more invalid values in the config")
     return problems
 
 
@@ -509,7 +697,7 @@ def parse_eagle3_config(raw: dict[str, Any], source: str = "config.json") -> tup
         notes.append(sliding_note)
     ignored = sorted(k for k in raw if k in REFERENCE_ONLY_KEYS)
     if ignored:
-        notes.append(f"reference-library keys ignored: {', '.join(ignored)}")
+        notes.append(f"reference-library keys ignored: {name_some(ignored, len(REFERENCE_ONLY_KEYS))}")
     try:
         config = Eagle3Config(**raw)
     except ValidationError as error:
@@ -517,12 +705,49 @@ def parse_eagle3_config(raw: dict[str, Any], source: str = "config.json") -> tup
     return config, notes
 
 
+# The fix for a damaged file: nothing in it can be trusted.
+RECOVER = "re-download or re-convert the checkpoint"
+
+
+def reject_json_constant(name: str) -> Any:
+    """For json.loads(parse_constant=...): NaN, Infinity and -Infinity are not JSON."""
+    raise ValueError(f"{name} is not a JSON value; write a finite number")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in a checkpoint's `config.json`, or a CheckpointFormatError saying what is wrong
+    with the file (missing, a directory, empty, too large, not UTF-8, not JSON, not an object).
+
+    Strict JSON: NaN and Infinity (which Python's json accepts) would make a non-finite drafter.
+    """
+    if not path.exists():
+        raise CheckpointFormatError([f"no {path.name}; pass a speculator checkpoint directory"], str(path.parent))
+    if not path.is_file():
+        raise CheckpointFormatError([f"{path.name} is not a file; {RECOVER}"], str(path.parent))
+    size = path.stat().st_size
+    if size == 0 or size > MAX_CONFIG_BYTES:
+        what = "empty" if size == 0 else f"{size:,} bytes, more than any speculator config ({MAX_CONFIG_BYTES:,})"
+        raise CheckpointFormatError([f"{path.name} is {what}; {RECOVER}"], str(path.parent))
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8-sig"), parse_constant=reject_json_constant)
+    except OSError as error:
+        raise CheckpointFormatError([f"{path.name} cannot be read ({error.strerror})"], str(path.parent)) from None
+    except UnicodeDecodeError:
+        raise CheckpointFormatError([f"{path.name} is not UTF-8 text; {RECOVER}"], str(path.parent)) from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, a huge integer, nesting too deep
+        detail = "nested too deeply" if isinstance(error, RecursionError) else shorten(str(error), 120)
+        if "integer string conversion" in detail:
+            detail = "an integer with thousands of digits"
+        raise CheckpointFormatError(
+            [f"{path.name} is not valid JSON ({detail}); {RECOVER}"], str(path.parent)
+        ) from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(
+            [f"{path.name} holds a JSON {type(raw).__name__}, not an object; {RECOVER}"], str(path.parent)
+        )
+    return raw
+
+
 def load_eagle3_config(directory: str | Path) -> tuple[Eagle3Config, list[str]]:
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise SpeculatorsError(f"no config.json in {directory}; pass a speculator checkpoint directory")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise CheckpointFormatError([f"config.json is not valid JSON ({error})"], str(directory)) from None
-    return parse_eagle3_config(raw, str(path))
+    return parse_eagle3_config(read_json_object(path), str(path))

@@ -13,7 +13,6 @@ verifier's default aux ids.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +26,9 @@ from speculators.config import (
     VerifierInfo,
     format_validation_error,
     parse_eagle3_config,
+    read_json_object,
 )
-from speculators.errors import CheckpointFormatError, SpeculatorsError
+from speculators.errors import CheckpointFormatError, SpeculatorsError, shorten
 
 if TYPE_CHECKING:
     import torch
@@ -59,24 +59,48 @@ class ConversionResult:
 
 
 def read_source_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory: safetensors (single or sharded) or pytorch_model.bin."""
-    import torch
-    from safetensors.torch import load_file
+    """All tensors of a checkpoint directory: safetensors (single or sharded) or pytorch_model.bin.
 
-    files = sorted(directory.glob("*.safetensors"))
-    if files:
-        tensors: dict[str, torch.Tensor] = {}
-        for path in files:
-            tensors.update(load_file(str(path)))
-        return tensors
-    bins = sorted(directory.glob("*.bin")) + sorted(directory.glob("*.pt"))
-    if bins:
-        tensors = {}
-        for path in bins:
-            # Research checkpoints are pickles; weights_only refuses anything but tensors.
-            tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-        return tensors
-    raise SpeculatorsError(f"no weights (*.safetensors, *.bin, *.pt) in {directory}; pass a checkpoint directory")
+    A damaged file is one CheckpointFormatError naming it, and so are non-finite weights: a drafter
+    with NaN or inf values is never converted (and so never written)."""
+    from speculators.checkpoint import nonfinite_problem, read_safetensors
+
+    # Safetensors when there are any (the pickles beside them are older copies), else the pickles.
+    paths = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin")) + sorted(directory.glob("*.pt"))
+    if not paths:
+        raise SpeculatorsError(f"no weights (*.safetensors, *.bin, *.pt) in {directory}; pass a checkpoint directory")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for path in paths:
+            tensors.update(read_safetensors(path) if path.suffix == ".safetensors" else read_pickled_tensors(path))
+    except CheckpointFormatError as error:
+        raise CheckpointFormatError(error.problems, str(directory)) from None
+    problem = nonfinite_problem(tensors)
+    if problem:
+        raise CheckpointFormatError([problem], str(directory))
+    return tensors
+
+
+def read_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A research checkpoint's pickled state dict; weights_only refuses anything but tensors."""
+    import torch
+
+    if not path.is_file() or path.stat().st_size == 0:
+        raise CheckpointFormatError([f"{path.name} is empty or not a file; re-download the checkpoint"])
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated zip, a bad pickle, a refused object: torch raises many kinds
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointFormatError(
+            [f"{path.name} is truncated or corrupt ({shorten(first, 160)}); re-download the checkpoint"]
+        ) from None
+    if not isinstance(loaded, dict) or not all(
+        isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in loaded.items()
+    ):
+        raise CheckpointFormatError(
+            [f"{path.name} holds {type(loaded).__name__}, not a mapping of tensor names to tensors"]
+        )
+    return loaded
 
 
 def detect_layout(raw_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
@@ -114,13 +138,15 @@ def convert_checkpoint(
     dtype: str | None = None,
     keep_embeddings: bool = False,
     verifier_name: str | None = None,
+    overwrite: bool = False,
 ) -> ConversionResult:
-    """Convert `source` to a validated speculators-format checkpoint at `output`."""
+    """Convert `source` to a validated speculators-format checkpoint at `output` (an existing checkpoint
+    there is replaced; any other non-empty folder only with `overwrite`)."""
     import torch
     from safetensors.torch import save_file
 
     from speculators.atomic_io import atomic_directory
-    from speculators.models.eagle3 import TORCH_DTYPES
+    from speculators.models.eagle3 import TORCH_DTYPES, is_speculator_checkpoint
     from speculators.validation import check_against_verifier, validate_checkpoint
     from speculators.verifier import (
         checkpoint_verifier_name,
@@ -130,9 +156,12 @@ def convert_checkpoint(
     )
 
     source = Path(source)
-    if not (source / "config.json").is_file():
+    if not (source / "config.json").exists():
         raise SpeculatorsError(f"no config.json in {source}; pass the checkpoint directory to convert")
-    raw_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    try:
+        raw_config = read_json_object(source / "config.json")
+    except CheckpointFormatError as error:
+        raise CheckpointFormatError(error.problems, str(source)) from None
     tensors = read_source_tensors(source)
     layout = detect_layout(raw_config, tensors)
     verifier_config, verifier_location = load_verifier_config(verifier)
@@ -155,9 +184,10 @@ def convert_checkpoint(
             values["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = speculative_tokens
     else:
         values = research_config_values(raw_config, tensors, overrides, speculative_tokens or 3)
+        eagle_config = raw_config.get("eagle_config")
         values["eagle_aux_hidden_state_layer_ids"] = (
             aux_layer_ids
-            or raw_config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            or (eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None)
             or default_aux_layer_ids(text_config_of(verifier_config).num_hidden_layers)
         )
         tensors = {research_tensor_name(name): tensor for name, tensor in tensors.items()}
@@ -205,7 +235,7 @@ def convert_checkpoint(
     if "t2d" in out_tensors:
         out_tensors["t2d"] = out_tensors["t2d"].to(torch.bool)
     output = Path(output)
-    with atomic_directory(output) as tmp:
+    with atomic_directory(output, is_speculator_checkpoint, overwrite) as tmp:
         save_file(out_tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save(tmp)
         report = validate_checkpoint(tmp)
@@ -223,14 +253,18 @@ def research_config_values(
     fc = tensors.get("fc.weight") if "fc.weight" in tensors else tensors.get("model.fc.weight")
     if lm_head is None or fc is None:
         raise SpeculatorsError("the research checkpoint lacks lm_head.weight or fc.weight")
+    if lm_head.dim() != 2 or fc.dim() != 2:
+        raise CheckpointFormatError(
+            [f"lm_head.weight {list(lm_head.shape)} and fc.weight {list(fc.shape)} must be matrices"]
+        )
     layer = {key: raw[key] for key in RESEARCH_LAYER_KEYS if key in raw}
     layer["model_type"] = raw.get("model_type", "llama") if raw.get("model_type") in ("llama", "qwen3") else "llama"
     if "layers.0.self_attn.q_norm.weight" in names:
         layer["model_type"] = "qwen3"
     layer["num_hidden_layers"] = len({name.split(".")[1] for name in names if name.startswith("layers.")}) or 1
-    hidden = int(raw.get("hidden_size", fc.shape[0]))
+    hidden = research_size(raw, "hidden_size", int(fc.shape[0]))
     if "head_dim" not in layer:
-        layer["head_dim"] = hidden // int(raw["num_attention_heads"])
+        layer["head_dim"] = hidden // research_size(raw, "num_attention_heads")
     verifier_hidden = int(fc.shape[1]) // 3
     # The research code feeds the raw fc output into the residual and has no fc-side norm.
     detected = {
@@ -242,7 +276,7 @@ def research_config_values(
     detected.update({k: v for k, v in overrides.items() if v is not None})
     return {
         "transformer_layer_config": layer,
-        "draft_vocab_size": int(raw.get("draft_vocab_size", lm_head.shape[0])),
+        "draft_vocab_size": research_size(raw, "draft_vocab_size", int(lm_head.shape[0])),
         "target_hidden_size": raw.get("target_hidden_size") or (verifier_hidden if verifier_hidden != hidden else None),
         **detected,
         "speculators_config": SpeculatorsConfig(
@@ -251,3 +285,14 @@ def research_config_values(
             verifier=VerifierInfo(),
         ).model_dump(),
     }
+
+
+def research_size(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer of a research config (the config's own value, else `default` from a tensor)."""
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        found = "missing" if value is None else shorten(repr(value), 40)
+        raise CheckpointFormatError(
+            [f"the research config's {key} is {found}; it must be a positive integer: fix config.json"]
+        )
+    return value

@@ -92,7 +92,11 @@ def summarize(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[st
 
 
 def validate_checkpoint(directory: str | Path, verifier: str | None = None) -> ValidationReport:
-    """Check format, tensors, vocab mapping, and (given a verifier) its sizes; never raises on a bad checkpoint."""
+    """Check format, tensors (finite values included), vocab mapping, and (given a verifier) its sizes.
+
+    A bad checkpoint is a report with problems, never an exception; only a usage mistake raises a
+    SpeculatorsError (a directory that does not exist, a verifier that is not a model).
+    """
     report = ValidationReport(directory=Path(directory))
     try:
         checkpoint = read_checkpoint(directory, drop_training_only=False)

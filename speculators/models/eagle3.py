@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from speculators.atomic_io import atomic_directory, holds_json_key
-from speculators.config import DraftLayerConfig, Eagle3Config
+from speculators.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
 from speculators.errors import SpeculatorsError
 from speculators.ttt import later_steps_needed
 
@@ -64,23 +64,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: DraftLayerConfig):
         super().__init__()
-        if config.rope_type == "default":
-            head_dim, base = config.head_dim, config.rope_theta
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            self.attention_scaling = 1.0
-        else:  # transformers' own init functions, given the config fields they read
-            from transformers import LlamaConfig
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            hf_config = LlamaConfig(
-                hidden_size=config.hidden_size,
-                num_attention_heads=config.num_attention_heads,
-                num_key_value_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                max_position_embeddings=config.max_position_embeddings,
-                rope_parameters=dict(config.rope_parameters),
-            )
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf_config, None)
+        inv_freq, self.attention_scaling = rotary_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
