@@ -19,23 +19,39 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
+from speculators.errors import SpeculatorsError, shorten
+from speculators_assets.variants import VariantError
+
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
+# A variant file that cannot be used, a bad flag or setting: printed as one `error:` line, exit code 2.
+USER_ERRORS = (VariantError, SpeculatorsError)
 
 
 def graphql_client(url: str, token: str | None, timeout: int):
     from dagster_graphql import DagsterGraphQLClient
 
     parsed = urlparse(url if "://" in url else f"http://{url}")
-    if not parsed.hostname:
-        raise SystemExit(f"error: --url {url} has no host; pass e.g. http://127.0.0.1:3000")
+    try:
+        port = parsed.port
+    except ValueError:  # urlparse checks the port only when asked
+        port = -1
+    if not parsed.hostname or port == -1 or parsed.scheme not in ("http", "https"):
+        raise SpeculatorsError(f"--url {url} is not an http(s) address with a host; pass e.g. http://127.0.0.1:3000")
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return DagsterGraphQLClient(
         parsed.hostname,
-        port_number=parsed.port or (443 if parsed.scheme == "https" else 80),
+        port_number=port or (443 if parsed.scheme == "https" else 80),
         use_https=parsed.scheme == "https",
         headers=headers,
         timeout=timeout,
     )
+
+
+def client_error(error: Exception) -> str:
+    """The reason a GraphQL call failed, on one line: the client's own message repeats the whole query."""
+    cause = error.__cause__
+    text = str(cause) if cause is not None else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return shorten(text)
 
 
 def refresh_benchmark(
@@ -49,8 +65,8 @@ def refresh_benchmark(
 ) -> int:
     from dagster_graphql import DagsterGraphQLClientError
 
-    client = graphql_client(url, token, timeout=60)
     try:
+        client = graphql_client(url, token, timeout=60)  # (connects: fetches the schema)
         run_id = client.submit_job_execution(
             job,
             repository_location_name=location,
@@ -59,7 +75,7 @@ def refresh_benchmark(
             tags={"dagster/partition": variant, "speculators/trigger": "ci"},
         )
     except DagsterGraphQLClientError as error:
-        print(f"error: could not launch {job} for variant {variant} at {url}: {error}", file=sys.stderr)
+        print(f"error: could not launch {job} for variant {variant} at {url}: {client_error(error)}", file=sys.stderr)
         return 2
     print(f"launched {job} for {variant}: run {run_id} ({url.rstrip('/')}/runs/{run_id})", flush=True)
     deadline = time.monotonic() + timeout
@@ -68,7 +84,7 @@ def refresh_benchmark(
         try:
             status = client.get_run_status(run_id).value
         except DagsterGraphQLClientError as error:
-            print(f"warning: status query failed ({error}); retrying", file=sys.stderr)
+            print(f"warning: status query failed ({client_error(error)}); retrying", file=sys.stderr)
         if status in TERMINAL:
             break
         if time.monotonic() > deadline:
@@ -95,11 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--dagster-home", help="where the run is recorded (default: $DAGSTER_HOME or .dagster)")
     demo.add_argument("--storage", help="artifact root (default: $SPECULATORS_STORAGE_ROOT or .speculators-storage)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from speculators_assets.demo import run_demo
+    try:
+        if args.command == "demo":
+            from speculators_assets.demo import run_demo
 
-        return run_demo(args.variant, args.dagster_home, args.storage)
-    return refresh_benchmark(args.url, args.variant, args.token, args.location, timeout=args.timeout)
+            return run_demo(args.variant, args.dagster_home, args.storage)
+        return refresh_benchmark(args.url, args.variant, args.token, args.location, timeout=args.timeout)
+    except USER_ERRORS as error:  # the user's to fix: one line, no traceback, like `speculators`
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

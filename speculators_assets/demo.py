@@ -15,14 +15,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speculators.errors import SpeculatorsError
+
 
 def prepare_home(home: Path) -> Path:
-    home = home.expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    home = writable_folder(home, "--dagster-home (DAGSTER_HOME)")
     config = home / "dagster.yaml"
     if not config.exists():
         config.write_text("telemetry:\n  enabled: false\n")
     return home
+
+
+def writable_folder(path: Path, what: str) -> Path:
+    """`path` made absolute and created, or one SpeculatorsError naming it: a folder the demo cannot
+    write is the user's to fix, found before a minute of Dagster start-up, not deep inside a step."""
+    folder = path.expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise SpeculatorsError(f"{what} {path} is a file, not a folder; pass a folder you can write")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SpeculatorsError(
+            f"{what} {path} cannot be created ({error.strerror}); pass a folder you can write"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SpeculatorsError(f"{what} {path} is not writable; pass a folder you can write")
+    return folder
 
 
 def step_seconds(instance, run_id: str) -> dict[str, float]:
@@ -92,21 +110,32 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
 
 
 def run_demo(variant: str = "smollm2_135m", dagster_home: str | None = None, storage: str | None = None) -> int:
+    """Materialize `variant`'s lineage; 0 when the run succeeded. A mistake of the user's (a variant file,
+    an unknown variant, a folder it cannot write) raises VariantError or SpeculatorsError: one line."""
+    from speculators_assets.environment import Settings
+    from speculators_assets.variants import load_variants
+
+    # Every mistake of the user's is found here, in a second, before Dagster starts (one `error:` line).
+    try:
+        settings = Settings.from_env({**os.environ, "SPECULATORS_STORAGE_ROOT": storage} if storage else None)
+    except ValueError as error:  # an environment variable (or --storage) the settings refuse
+        raise SpeculatorsError(str(error)) from None
+    variants = load_variants(settings)  # a VariantError names a bad variant file, its key and the fix
+    if variant not in variants:
+        raise SpeculatorsError(
+            f"variant {variant!r} is not a partition; choose one of {', '.join(sorted(variants))} (or add "
+            f"{variant}.yaml to speculators_assets/variants/ or to SPECULATORS_VARIANTS_DIR)"
+        )
+    if settings.runner == "local":  # (the k8s runner's root is a mount inside the step pods)
+        writable_folder(Path(settings.storage_root), "--storage (SPECULATORS_STORAGE_ROOT)")
     home = prepare_home(Path(dagster_home or os.environ.get("DAGSTER_HOME") or ".dagster"))
     os.environ["DAGSTER_HOME"] = str(home)
     import dagster as dg
 
     from speculators_assets.definitions import build_defs
-    from speculators_assets.environment import Settings
     from speculators_assets.steps import NAMES as LINEAGE
 
-    settings = Settings.from_env({**os.environ, "SPECULATORS_STORAGE_ROOT": storage} if storage else None)
-    defs = build_defs(settings=settings)
-    job = defs.resolve_job_def("build_lineage")
-    known = job.partitions_def.get_partition_keys() if job.partitions_def else []
-    if variant not in known:
-        print(f"error: variant {variant!r} is not a partition; choose one of {', '.join(known)}")
-        return 2
+    job = build_defs(variants, settings).resolve_job_def("build_lineage")
     print(
         f"Materializing {' -> '.join(LINEAGE)} for {variant} through Dagster (local runner); artifacts under "
         f"{Path(settings.storage_root) / variant}, runs recorded in {home}",

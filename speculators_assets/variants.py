@@ -7,8 +7,10 @@ pydantic, yaml and the library's settings models.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +22,7 @@ from speculators.settings import (
     StoreFormat,
     TrainRecipe,
     VerifierQuantization,
+    aux_layer_ids_problem,
 )
 from speculators_assets import steps
 from speculators_assets.environment import Settings
@@ -142,8 +145,9 @@ class DrafterSettings(Strict):
     @field_validator("aux_layer_ids")
     @classmethod
     def _three(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 0):
-            raise ValueError(f"aux_layer_ids {value} must be 3 distinct non-negative layer ids")
+        problem = None if value is None else aux_layer_ids_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
 
@@ -196,23 +200,91 @@ class Variant(Strict):
         return any(p.gpus for p in self.compute.values())
 
 
+FIX_HINT = "see speculators_assets/variants/*.yaml"
+
+
 def describe_error(path: Path, error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-    return f"variant file {path}: {where}: {first['msg']}; fix that field (see speculators_assets/variants/*.yaml)"
+    """A variant file's first problem as one line: the file, the key (dotted), what was found, what is
+    expected or allowed there, and the fix; then how many more problems the file has."""
+    items = error.errors()
+    first = items[0]
+    loc = first["loc"]
+    where = ".".join(str(part) for part in loc) or "(top level)"
+    detail = f"{where}: {one_line(str(first['msg']))}"
+    if first["type"] == "extra_forbidden":
+        detail += unknown_key_hint(loc)
+        fix = "rename or remove that key"
+    elif first["type"] == "missing":
+        fix = "add that key"
+    else:
+        if loc and first["type"] != "value_error":  # (a validator's own sentence names the value)
+            detail += f" (found {one_line(repr(first.get('input')), 60)})"
+        fix = "fix that value"
+    more = f" ({len(items) - 1} more problem(s) in the file)" if len(items) > 1 else ""
+    return f"variant file {path}: {detail}; {fix} ({FIX_HINT}){more}"
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` on one line, cut to `limit` characters (a YAML value may be a whole document)."""
+    flat = " ".join(text[: limit * 4].split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def unknown_key_hint(loc: tuple[int | str, ...]) -> str:
+    """': 'lerning_rate' is not a key of training (did you mean 'lr'?); allowed keys: ...'"""
+    section = section_model(loc[:-1])
+    if section is None:
+        return ""
+    allowed = list(section.model_fields)
+    key = str(loc[-1])
+    close = difflib.get_close_matches(key, allowed, n=1)
+    guess = f" (did you mean '{close[0]}'?)" if close else ""
+    owner = ".".join(str(part) for part in loc[:-1]) or "a variant"
+    return f": '{one_line(key, 60)}' is not a key of {owner}{guess}; allowed keys: {', '.join(allowed)}"
+
+
+def section_model(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The settings model that holds the keys at `loc` inside a variant (a dict or list entry is its
+    value's model), or None where `loc` leads to no model."""
+    kind: Any = Variant
+    for part in loc:
+        kind = without_none(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            info = kind.model_fields.get(str(part))
+            if info is None:
+                return None
+            kind = info.annotation
+        elif get_origin(kind) in (dict, list):
+            kind = get_args(kind)[-1]  # dict[str, V] -> V, list[V] -> V
+        else:
+            return None
+    kind = without_none(kind)
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+
+
+def without_none(kind: Any) -> Any:
+    """X for `X | None`; any other annotation as it is."""
+    if get_origin(kind) in (Union, UnionType):
+        args = [arg for arg in get_args(kind) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return kind
 
 
 def load_variant(path: str | Path) -> Variant:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise VariantError(f"variant file {path} cannot be read as YAML: {error}") from None
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else one_line(str(error), 200)
+        raise VariantError(f"variant file {path} cannot be read as YAML ({reason}); fix or replace it") from None
     if not isinstance(raw, dict):
         raise VariantError(f"variant file {path} must hold a mapping of settings, not {type(raw).__name__}")
     raw.setdefault("name", path.stem)
     if raw["name"] != path.stem:
-        raise VariantError(f"variant file {path} names variant '{raw['name']}'; the name must equal the file name")
+        raise VariantError(
+            f"variant file {path} names variant '{one_line(str(raw['name']), 60)}'; the name must equal the file name"
+        )
     try:
         return Variant.model_validate(raw)
     except ValidationError as error:
