@@ -144,21 +144,16 @@ def atomic_directory(
 def exclusive_lock(folder: str | Path, what: str) -> Iterator[None]:
     """Hold `folder`/.lock for the block, so that two writers of one folder never do the same work twice:
     the second waits (saying for whom) and then finds the first's work done. An flock is released by
-    the kernel when its holder exits, even on SIGKILL, so a crash never leaves a stale lock."""
-    import fcntl
+    the kernel when its holder exits, even on SIGKILL, so a crash never leaves a stale lock. A folder
+    the block made and left holding nothing but the lock is removed again (a run that failed on its
+    input leaves no empty output behind)."""
     import socket
     import time
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    made = not folder.exists()
+    descriptor = locked_file(folder / ".lock", what)
     try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(descriptor, 400, 0).decode(errors="replace").strip() or "another process"
-            print(f"{what} {folder} is being written by {holder}; waiting for it to finish", flush=True)
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
         holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}"
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, holder.encode(), 0)
@@ -166,5 +161,35 @@ def exclusive_lock(folder: str | Path, what: str) -> Iterator[None]:
             yield
         finally:
             os.ftruncate(descriptor, 0)  # an idle lock file is empty: its bytes never change a folder's hash
+            if made and entry_names(folder) == {".lock"}:
+                (folder / ".lock").unlink()  # (a waiter on it notices: locked_file)
+                folder.rmdir()
     finally:
         os.close(descriptor)  # (releases the flock)
+
+
+def locked_file(path: Path, what: str) -> int:
+    """A descriptor of `path` (made with its folder when missing) holding its exclusive flock, waited
+    for when another process holds it. The lock is the file at `path` when the flock is granted: a
+    holder that removed it meanwhile (exclusive_lock's clean-up) sends this one round again."""
+    import fcntl
+
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder went away between the two calls
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 400, 0).decode(errors="replace").strip() or "another process"
+            print(f"{what} {path.parent} is being written by {holder}; waiting for it to finish", flush=True)
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(descriptor).st_ino:
+            return descriptor
+        os.close(descriptor)

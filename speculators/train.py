@@ -284,9 +284,20 @@ def save_checkpoint(
 
 
 def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """Restore model and optimizer state on every rank (each reads the full checkpoint)."""
+    """Restore model and optimizer state on every rank (each reads the full checkpoint); a damaged
+    checkpoint, or one of a run with another drafter shape or optimizer, is one error."""
+    try:
+        return restore_checkpoint(directory, model, optimizers)
+    except (SpeculatorsError, KeyError, ValueError, RuntimeError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise SpeculatorsError(
+            f"the resumable checkpoint {directory} cannot be resumed by this run ({reason}); train into a new "
+            f"--output, or move {directory} away to start this one over"
+        ) from None
+
+
+def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     import torch
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -294,13 +305,15 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.op
         set_optimizer_state_dict,
     )
 
-    saved = load_file(str(directory / "drafter" / "model.safetensors"))
+    from speculators.checkpoint import read_safetensors
+
+    saved = read_safetensors(directory / "drafter" / "model.safetensors")
     names = {drafter_key(k): k for k in get_model_state_dict(model)}
     model_state: dict[str, ValueType] = {names[k]: v for k, v in saved.items()}
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=full)
     state = json.loads((directory / "trainer_state.json").read_text())
-    tensors = load_file(str(directory / "optimizer.safetensors"))
+    tensors = read_safetensors(directory / "optimizer.safetensors")
     for index, optimizer in enumerate(optimizers):
         per_param: dict[str, dict[str, torch.Tensor]] = {}
         for name, value in [*tensors.items(), *((k, torch.tensor(v)) for k, v in state["optimizer_scalars"].items())]:

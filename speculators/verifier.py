@@ -79,6 +79,10 @@ class ArchitectureAdapter:
         return int(text.intermediate_size)
 
 
+# What every verifier's (text) config must state: the drafter and the store are sized from them.
+VERIFIER_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")
+
+
 def text_config_of(config: PreTrainedConfig) -> PreTrainedConfig:
     """The language model's config: itself, or a vision-language config's `text_config`."""
     return config.get_text_config()
@@ -276,16 +280,23 @@ def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     try:
         # Never a verifier directory's own Python (auto_map), and never a prompt asking to run it.
         config = AutoConfig.from_pretrained(location, trust_remote_code=False)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # a missing file, bad JSON, a wrong-typed value: transformers raises many kinds
         if "trust_remote_code" in str(error):
             raise SpeculatorsError(
                 f"verifier '{source}' needs the Python code in its own directory (its config's auto_map), which "
                 f"this project never runs; use a checkpoint of a supported family ({', '.join(sorted(ADAPTERS))})"
             ) from None
-        raise SpeculatorsError(
-            f"could not read the verifier config of '{source}': {str(error).splitlines()[0]}"
-        ) from None
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        reason = " ".join(lines[:2])[:240]  # (transformers' validation errors name the field, then the problem)
+        raise SpeculatorsError(f"could not read the verifier config of '{str(source)[:200]}': {reason}") from None
     adapter_for(config.model_type)
+    text = text_config_of(config)
+    lacking = [name for name in VERIFIER_SIZES if not isinstance(getattr(text, name, None), int)]
+    if lacking:
+        raise SpeculatorsError(
+            f"verifier '{str(source)[:200]}' is not a language model (its config has no integer "
+            f"{', '.join(lacking)}); pass a Hugging Face model directory, a GGUF file or a hub id"
+        )
     return config, location
 
 

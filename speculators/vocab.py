@@ -120,9 +120,20 @@ def write_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVoca
 
 def load_draft_vocab(store_dir: str | Path) -> dict[str, torch.Tensor]:
     """selected_ids [D], d2t [D], t2d [V] and counts [V], as `build_store_vocab` saved them."""
-    from safetensors.torch import load_file
+    from speculators.checkpoint import read_safetensors
+    from speculators.errors import CheckpointFormatError
 
     path = Path(store_dir) / VOCAB_FILE
     if not path.is_file():
         raise SpeculatorsError(f"no {VOCAB_FILE} in {store_dir}; run 'speculators vocab --store {store_dir}' first")
-    return load_file(str(path))
+    try:
+        tensors = read_safetensors(path)
+    except CheckpointFormatError:  # (a truncated or overwritten file: named below like one without the tensors)
+        tensors = {}
+    missing = [name for name in ("selected_ids", "d2t", "t2d", "counts") if name not in tensors]
+    if missing:
+        raise SpeculatorsError(
+            f"{path} is damaged or not a draft vocabulary (no {', '.join(missing)}); run 'speculators vocab --store "
+            f"{store_dir}' again"
+        )
+    return tensors

@@ -1,0 +1,666 @@
+"""Bad, unsafe and careless input against the command line: each case ends in one `error:` line
+(exit 2) naming the value and the fix, or is accepted because it is right; nothing a user made is
+deleted, nothing is half-written, and nothing is trained on that should not be.
+
+Small on purpose: a tiny verifier, the 8-sample peaked store of conftest, tiny files, in-process CLI
+calls. The classes of the battery: output folders (unsafe), non-finite and corrupted training data
+(silent), store identity and aux ids (silent), environment failures (tracebacks), and two writers of
+one store (concurrency). Prompt rows and images are in test_battery_data.py, checkpoint files and
+variant files in test_battery_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from speculators.cli import main
+from speculators.hidden_state_store import HiddenStateStore, file_sha256
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `speculators ARGV` in this process (argparse's exits included)."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error(capsys, pattern: str, *argv: str) -> str:
+    """Run, expecting exit 2 with exactly one `error:` line that matches `pattern`; returns the line."""
+    import re
+
+    code, _, err = run(capsys, *argv)
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert re.search(pattern, lines[0]), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_verifier_dir) -> Path:
+    return Path(tiny_verifier_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def drafter(verifier, tmp_path_factory) -> Path:
+    """An untrained fp32 drafter for the tiny verifier, as `speculators init` writes it."""
+    output = tmp_path_factory.mktemp("battery") / "drafter"
+    assert main(["init", "--verifier", str(verifier), "--output", str(output), "--dtype", "float32"]) == 0
+    return output
+
+
+def user_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    return path
+
+
+def copy_store(store: Path, target: Path) -> Path:
+    shutil.copytree(store, target)
+    (target / ".lock").unlink(missing_ok=True)
+    return target
+
+
+def train_args(store: Path, verifier: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--store",
+        str(store),
+        "--verifier",
+        str(verifier),
+        "--output",
+        str(output),
+        "--epochs",
+        "2",
+        "--token-budget",
+        "256",
+        "--validation-share",
+        "0",
+        "--precision",
+        "fp32",
+        "--no-progress",
+        *extra,
+    ]
+
+
+# ----- unsafe: a user's folders and files are never replaced unasked ---------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "init", "tiny-verifier"])
+def test_an_output_folder_of_the_users_own_files_is_refused_and_kept(command, verifier, drafter, tmp_path, capsys):
+    mine = user_folder(tmp_path / "mine")
+    argv = {
+        "convert": ["convert", drafter, "--verifier", verifier, "--output", mine],
+        "init": ["init", "--verifier", verifier, "--output", mine],
+        "tiny-verifier": ["tiny-verifier", "--family", "llama", "--output", mine],
+    }[command]
+    one_error(capsys, rf"output folder {mine} holds files that are not .*\(notes\.txt\).*--overwrite", *argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing beside it either
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    # Asked for, the folder is replaced by the artifact.
+    assert run(capsys, *argv, "--overwrite")[0] == 0
+    assert not (mine / "notes.txt").exists() and (mine / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["convert", "init", "prepare", "datagen", "train"])
+def test_an_output_path_that_is_a_file_is_refused_and_the_file_kept(
+    command, verifier, drafter, store, tmp_path, capsys
+):
+    target = tmp_path / "report.txt"
+    target.write_text("mine")
+    argv = {
+        "convert": ["convert", drafter, "--verifier", verifier, "--output", target],
+        "init": ["init", "--verifier", verifier, "--output", target],
+        "prepare": ["prepare", "--source", "natural:eval", "--output", target],
+        "datagen": ["datagen", "--data", tmp_path / "samples.jsonl", "--verifier", verifier, "--output", target],
+        "train": ["train", "--store", store, "--verifier", verifier, "--output", target],
+    }[command]
+    one_error(capsys, rf"{target} is a file, not a folder", *argv)
+    assert target.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["report.txt"]
+
+
+def test_an_earlier_artifact_is_replaced_but_not_one_holding_a_users_file(verifier, drafter, tmp_path, capsys):
+    output = tmp_path / "checkpoint"
+    assert run(capsys, "convert", drafter, "--verifier", verifier, "--output", output)[0] == 0
+    first = file_sha256(output / "model.safetensors")
+    assert run(capsys, "convert", drafter, "--verifier", verifier, "--output", output, "--dtype", "bfloat16")[0] == 0
+    assert file_sha256(output / "model.safetensors") != first  # replaced, no --overwrite needed
+    (output / "README.md").write_text("my notes on this drafter")
+    one_error(
+        capsys,
+        r"also holds README\.md, which the new artifact does not write",
+        "convert",
+        drafter,
+        "--verifier",
+        verifier,
+        "--output",
+        output,
+    )
+    assert (output / "README.md").read_text() == "my notes on this drafter"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # no temporary or .old folder left
+
+
+# ----- silent: nothing is trained on, or published, that should not be ------------------------------
+
+
+def test_a_nan_in_a_shard_stops_training_naming_the_sample_and_publishes_nothing(
+    store, peaked_verifier, tmp_path, capsys
+):
+    from safetensors.torch import load_file, save_file
+
+    bad = copy_store(store, tmp_path / "store")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    entry = manifest["samples"][3]
+    shard = bad / entry["shard"]
+    tensors = load_file(str(shard))
+    tensors["aux_hidden_states"][5, 1, 0] = float("nan")
+    save_file(tensors, str(shard), metadata={"key": entry["key"]})
+    entry["checksum"], entry["bytes"] = file_sha256(shard), shard.stat().st_size  # a consistent, poisoned store
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    output = tmp_path / "run"
+    one_error(
+        capsys,
+        rf"training stopped at step \d+: the loss or its gradient is not finite .*sample\(s\) {entry['id']} are "
+        rf"not finite: check the store with 'speculators verify-store",
+        *train_args(bad, peaked_verifier, output),
+    )
+    assert not (output / "drafter").exists() and not (output / "summary.json").exists()
+    code, out, _ = run(capsys, "verify-store", bad)  # and the store check names it
+    assert code == 1 and f"sample {entry['id']} has non-finite states" in out
+
+
+def test_diverging_weights_stop_training_and_an_infinite_rate_is_refused(store, peaked_verifier, tmp_path, capsys):
+    for value in ("inf", "nan"):
+        one_error(
+            capsys,
+            rf"--lr {value}: input should be a finite number",
+            *train_args(store, peaked_verifier, tmp_path / "x", "--lr", value),
+        )
+    one_error(
+        capsys,
+        r"--epochs nan: input should be a finite number",
+        *train_args(store, peaked_verifier, tmp_path / "x", "--epochs", "nan"),
+    )
+    output = tmp_path / "run"
+    one_error(
+        capsys,
+        r"not finite .* on samples whose stored states are finite .*the weights diverged; lower --lr \(now 1e\+30\)",
+        *train_args(store, peaked_verifier, output, "--lr", "1e30"),
+    )
+    assert not (output / "drafter").exists()
+
+
+def test_a_bit_flipped_shard_is_named_before_it_is_trained_on(store, peaked_verifier, tmp_path, capsys):
+    flipped = copy_store(store, tmp_path / "store")
+    entry = json.loads((flipped / "manifest.json").read_text())["samples"][2]
+    shard = flipped / entry["shard"]
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0x08  # one bit of the states, the safetensors header intact
+    shard.write_bytes(bytes(data))
+    output = tmp_path / "run"
+    one_error(
+        capsys,
+        rf"shard {shard} of sample {entry['id']} is corrupted \(checksum mismatch\)",
+        *train_args(flipped, peaked_verifier, output),
+    )
+    assert not (output / "drafter").exists()
+
+
+def test_datagen_refuses_a_store_of_another_verifier_and_keeps_it(store, peaked_verifier, verifier, tmp_path, capsys):
+    """The peaked store holds the peaked verifier's states; the plain tiny verifier is another one."""
+    from speculators.tokenization import read_samples
+
+    held = copy_store(store, tmp_path / "store")
+    manifest = (held / "manifest.json").read_text()
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(HiddenSample(held, e).to_json() + "\n" for e in json.loads(manifest)["samples"]))
+    assert len(read_samples(samples)) == 8
+    argv = [
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        verifier,
+        "--output",
+        held,
+        "--aux-layer-ids",
+        "1,4,6",
+        "--storage",
+        "float32",
+    ]
+    one_error(
+        capsys,
+        rf"store {held} holds the states of verifier {peaked_verifier} .* not of {verifier} .*write to "
+        r"a new --output, or pass --overwrite",
+        *argv,
+    )
+    assert (held / "manifest.json").read_text() == manifest
+    # The same verifier, other aux ids: refused too; another folder: accepted.
+    one_error(
+        capsys,
+        r"aux layers \[1, 4, 6\], float32\), not of .* aux layers \[2, 4, 6\]",
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        peaked_verifier,
+        "--output",
+        held,
+        "--aux-layer-ids",
+        "2,4,6",
+        "--storage",
+        "float32",
+    )
+    assert run(capsys, *argv[:6], tmp_path / "other", *argv[7:])[0] == 0
+    # With --overwrite the store is re-pointed; the old shards stay (content addressed).
+    old_shards = {p.name for p in (held / "shards").rglob("*.safetensors")}
+    assert run(capsys, *argv, "--overwrite")[0] == 0
+    assert old_shards < {p.name for p in (held / "shards").rglob("*.safetensors")}
+
+
+class HiddenSample:
+    """A stored sample's tokens as a samples.jsonl row (the data datagen would capture again)."""
+
+    def __init__(self, root: Path, entry: dict):
+        ids, mask = HiddenStateStore(root).read_tokens(entry)
+        self.row = {"id": entry["id"], "input_ids": ids.tolist(), "loss_mask": mask.int().tolist()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.row)
+
+
+def test_a_folder_with_another_manifest_is_not_taken_for_a_store(store, peaked_verifier, tmp_path, capsys):
+    mine = user_folder(tmp_path / "mine")
+    (mine / "manifest.json").write_text('{"my": "manifest"}')
+    samples = tmp_path / "samples.jsonl"
+    entry = json.loads((store / "manifest.json").read_text())["samples"][0]
+    samples.write_text(HiddenSample(store, entry).to_json() + "\n")
+    one_error(
+        capsys,
+        rf"{mine / 'manifest.json'} is not a version-1 hidden-state store manifest",
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        peaked_verifier,
+        "--output",
+        mine,
+    )
+    assert (mine / "manifest.json").read_text() == '{"my": "manifest"}' and not (mine / "shards").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["--aux-layer-ids", "2,2,5"], r"--aux-layer-ids \[2, 2, 5\]: aux layer ids \[2, 2, 5\] must be 3 distinct"),
+        (["--aux-layer-ids", "1,2"], r"must be 3 distinct non-negative layer ids"),
+        (["--aux-layer-ids=-1,2,5"], r"must be 3 distinct non-negative layer ids"),
+        (["--aux-layer-ids", "1,2,x"], r"'1,2,x' is not a comma-separated list of int"),
+        (["--batch-size", "0"], r"--batch-size 0: input should be greater than 0"),
+        (["--device", "gpu"], r"--device 'gpu': device 'gpu' is not auto, cpu, cuda or cuda:N"),
+        (["--storage", "int8"], r"invalid choice: 'int8'"),
+    ],
+)
+def test_bad_datagen_flags_are_one_line(argv, pattern, tmp_path, capsys):
+    one_error(capsys, pattern, "datagen", "--data", "d.jsonl", "--verifier", "v", "--output", tmp_path / "s", *argv)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["--aux-layer-ids", "2,2,5"], r"aux layer ids \[2, 2, 5\] must be 3 distinct non-negative layer ids"),
+        (["--aux-layer-ids", "1,2,50"], r"aux layer ids \[1, 2, 50\] exceed the verifier's 8 layers"),
+        (["--draft-vocab-size", "0"], r"argument --draft-vocab-size: 0 must be at least 1"),
+        (["--draft-vocab-size", "100000"], r"--draft-vocab-size 100000 must lie in 1\.\.512"),
+        (["--num-layers", "0"], r"argument --num-layers: 0 must be at least 1"),
+        (["--speculative-tokens", "0"], r"argument --speculative-tokens: 0 must be at least 1"),
+    ],
+)
+def test_bad_init_sizes_are_one_line(argv, pattern, verifier, tmp_path, capsys):
+    one_error(capsys, pattern, "init", "--verifier", verifier, "--output", tmp_path / "d", *argv)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("row", "pattern"),
+    [
+        ({"id": "a", "input_ids": [-5, 3, 4], "loss_mask": [0, 1, 1]}, r"token id -5 is negative"),
+        ({"id": "a", "input_ids": "hello", "loss_mask": [0, 1, 1, 1, 1]}, r"'input_ids' is not a non-empty list"),
+        ({"id": "a", "input_ids": [1, 2.5, 3], "loss_mask": [0, 1, 1]}, r"'input_ids' is not a non-empty list"),
+        ({"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 2, 1]}, r"'loss_mask' is not a list of 0/1"),
+        ({"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}, r"3 input_ids but 2 loss_mask entries"),
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, r"no string 'id'"),
+        ([1, 2, 3], r"not a JSON object"),
+    ],
+)
+def test_sample_rows_of_wrong_types_are_named_with_their_line(row, pattern, verifier, tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    good = {"id": "ok", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    samples.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    one_error(
+        capsys,
+        rf"{samples}:2 is not a tokenized sample \({pattern}",
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        verifier,
+        "--output",
+        tmp_path / "store",
+    )
+    assert not (tmp_path / "store" / "manifest.json").exists()
+
+
+def test_a_token_id_beyond_the_verifiers_vocab_is_refused(verifier, tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"id": "big", "input_ids": [1, 2, 512], "loss_mask": [0, 1, 1]}) + "\n")
+    one_error(
+        capsys,
+        r"sample big has token ids outside the verifier vocab 0\.\.511",
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        verifier,
+        "--output",
+        tmp_path / "store",
+    )
+
+
+# ----- tracebacks owed one line: the machine and the flags ------------------------------------------
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["datagen", "train", "prepare"])
+def test_cuda_asked_for_on_a_machine_without_it_is_one_line(command, verifier, store, tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    argv = {
+        "datagen": ["datagen", "--data", samples, "--verifier", verifier, "--output", tmp_path / "s"],
+        "train": ["train", "--store", store, "--verifier", verifier, "--output", tmp_path / "r"],
+        "prepare": [
+            "prepare",
+            "--source",
+            "natural:eval",
+            "--max-samples",
+            "2",
+            "--output",
+            tmp_path / "p",
+            "--verifier",
+            verifier,
+            "--regenerate",
+        ],
+    }[command]
+    one_error(
+        capsys,
+        r"--device cuda(:1)?: this machine has no usable CUDA GPU .*use --device cpu",
+        *argv,
+        "--device",
+        "cuda" if command != "train" else "cuda:1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["--port", "70000"], r"argument --port: 70000 must be in 0\.\.65535"),
+        (["--port", "-1"], r"argument --port: -1 must be in 0\.\.65535"),
+        (["--port", "http"], r"argument --port: 'http' is not an integer"),
+        (["--tensor-parallel-size", "0"], r"argument --tensor-parallel-size: 0 must be at least 1"),
+        (["--kv-cache-gib", "0"], r"argument --kv-cache-gib: 0 must be at least 1"),
+        (["-k", "0"], r"argument -k/--num-speculative-tokens: 0 must be at least 1"),
+        (["--startup-timeout", "nan"], r"'nan' is not a finite number"),
+    ],
+)
+def test_bad_serve_flags_are_one_line_before_vllm_starts(argv, pattern, verifier, capsys):
+    one_error(capsys, pattern, "serve", "--verifier", verifier, *argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["--max-prompts", "0"], r"argument --max-prompts: 0 must be at least 1"),
+        (["--max-new-tokens", "-4"], r"argument --max-new-tokens: -4 must be at least 1"),
+        (["--tie-tolerance", "inf"], r"'inf' is not a finite number"),
+    ],
+)
+def test_bad_evaluate_flags_are_one_line(argv, pattern, verifier, drafter, capsys):
+    one_error(capsys, pattern, "evaluate", "--verifier", verifier, "--speculator", drafter, *argv)
+
+
+def unwritable(folder: Path) -> bool:
+    """Make `folder` unwritable even for root (the immutable attribute), or by mode for anyone else."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return True
+    return subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+
+
+def writable_again(folder: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    folder.chmod(0o755)
+
+
+def test_a_folder_without_write_permission_is_one_line(verifier, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if not unwritable(locked):
+        pytest.skip("chattr +i is refused on this file system, so root can write anywhere here")
+    try:
+        one_error(
+            capsys,
+            rf"\({locked / 'data'}\); check its permissions or write elsewhere",
+            "prepare",
+            "--source",
+            "natural:eval",
+            "--output",
+            locked / "data",
+        )
+        one_error(
+            capsys,
+            r"check its permissions or write elsewhere",
+            "init",
+            "--verifier",
+            verifier,
+            "--output",
+            locked / "drafter",
+        )
+    finally:
+        writable_again(locked)
+    assert list(locked.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 KiB tmpfs: a full disk after a few shards (needs root to mount; skipped, visibly, otherwise)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()[:80]}); a full disk needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_half_written_file(store, peaked_verifier, small_disk, tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    entries = json.loads((store / "manifest.json").read_text())["samples"]
+    samples.write_text("".join(HiddenSample(store, entry).to_json() + "\n" for entry in entries))
+    output = small_disk / "store"
+    one_error(
+        capsys,
+        r"No space left on device \(.*\.safetensors\); free some space there or write elsewhere",
+        "datagen",
+        "--data",
+        samples,
+        "--verifier",
+        peaked_verifier,
+        "--output",
+        output,
+        "--aux-layer-ids",
+        "1,4,6",
+        "--storage",
+        "float32",
+    )
+    shards = list(output.rglob("*.safetensors"))
+    assert 0 < len(shards) < len(entries) and not (output / "manifest.json").exists()
+    assert not [p for p in output.rglob("*") if p.name.endswith(".tmp")]  # no temporary file left behind
+    from safetensors.torch import load_file
+
+    for shard in shards:  # every shard that is there is whole
+        assert load_file(str(shard))["aux_hidden_states"].shape[1:] == (3, 64)
+
+
+# ----- two writers of one store --------------------------------------------------------------------
+
+
+def test_two_datagens_on_one_store_wait_for_each_other_and_compute_each_sample_once(store, peaked_verifier, tmp_path):
+    """The test holds the store's lock while two datagen processes start: both wait; once it lets go,
+    one computes every sample and the other, after waiting for that one, computes none."""
+    from speculators.atomic_io import exclusive_lock
+
+    samples = tmp_path / "samples.jsonl"
+    entries = json.loads((store / "manifest.json").read_text())["samples"]
+    samples.write_text("".join(HiddenSample(store, entry).to_json() + "\n" for entry in entries))
+    output = tmp_path / "store"
+    command = [
+        sys.executable,
+        "-m",
+        "speculators.cli",
+        "datagen",
+        "--data",
+        str(samples),
+        "--verifier",
+        str(peaked_verifier),
+        "--output",
+        str(output),
+        "--aux-layer-ids",
+        "1,4,6",
+        "--storage",
+        "float32",
+    ]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    with exclusive_lock(output, "test"):
+        processes = []
+        for log in logs:
+            with open(log, "w") as handle:
+                processes.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while not all("waiting for it to finish" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), [
+                log.read_text()[-500:] for log in logs
+            ]
+            time.sleep(0.2)
+        assert "is being written by pid" in logs[0].read_text()  # the holder is named
+    for process in processes:
+        assert process.wait(timeout=300) == 0
+    reports = [json.loads(log.read_text()[log.read_text().index("{") :]) for log in logs]
+    assert sorted(report["computed"] for report in reports) == [0, len(entries)]
+    assert sorted(report["reused"] for report in reports) == [0, len(entries)]
+    assert HiddenStateStore(output).verify() == [] and (output / ".lock").read_text() == ""
+
+
+def test_the_lock_is_released_when_its_holder_dies(tmp_path):
+    """flock: a writer killed with SIGKILL leaves no stale lock."""
+    from speculators.atomic_io import exclusive_lock
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from speculators.atomic_io import exclusive_lock\n"
+            f"with exclusive_lock({str(tmp_path)!r}, 'x'):\n    print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+    got = threading.Event()
+
+    def take() -> None:
+        with exclusive_lock(tmp_path, "x"):
+            got.set()
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    assert not got.wait(1.0)  # held by the other process
+    holder.kill()
+    holder.wait()
+    assert got.wait(30)
+
+
+def test_verifier_sources_that_are_not_models_are_one_line(tmp_path, capsys):
+    garbage = tmp_path / "model.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    one_error(capsys, rf"verifier file {garbage} is not a GGUF file \(no GGUF magic bytes\)", "verifier", garbage)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    one_error(capsys, rf"could not load verifier from {config_only}", "verifier", config_only)
+    one_error(capsys, r"verifier directory .* has no config.json", "verifier", tmp_path)
+
+
+def test_a_samples_path_that_is_not_a_file_and_a_report_path_that_is_a_folder(verifier, drafter, tmp_path, capsys):
+    one_error(
+        capsys,
+        r"/dev/null is not a file; pass the samples.jsonl",
+        "datagen",
+        "--data",
+        "/dev/null",
+        "--verifier",
+        verifier,
+        "--output",
+        tmp_path / "s",
+    )
+    folder = tmp_path / "report"
+    folder.mkdir()
+    one_error(
+        capsys,
+        rf"{folder} is a folder; name a file to write",
+        "evaluate",
+        "--verifier",
+        verifier,
+        "--speculator",
+        drafter,
+        "--max-prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--output",
+        folder,
+    )
+    assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+def test_a_damaged_resume_checkpoint_or_vocabulary_is_one_line(store, peaked_verifier, tmp_path, capsys):
+    output = tmp_path / "run"
+    assert run(capsys, *train_args(store, peaked_verifier, output, "--max-steps", "2"))[0] == 0
+    weights = output / "checkpoints" / "last" / "optimizer.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    one_error(
+        capsys,
+        rf"the resumable checkpoint {output / 'checkpoints' / 'last'} cannot be resumed by this run \(.*truncated or "
+        r"corrupt.*\); train into a new --output, or move .* away to start this one over",
+        *train_args(store, peaked_verifier, output, "--max-steps", "4"),
+    )
+    damaged = copy_store(store, tmp_path / "store")
+    (damaged / "draft_vocab.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}")
+    one_error(
+        capsys,
+        r"draft_vocab.safetensors is damaged or not a draft vocabulary .*run 'speculators vocab",
+        *train_args(damaged, peaked_verifier, tmp_path / "other"),
+    )
