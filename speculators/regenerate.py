@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from speculators.errors import SpeculatorsError
 from speculators.prompts import Conversation
@@ -48,6 +48,21 @@ if TYPE_CHECKING:
 GenerateFn = Callable[[list[list[int]]], list[list[int]]]
 # prompts holding one placeholder per image, and each prompt's image parts -> generated id lists
 ImageGenerateFn = Callable[[list[list[int]], list[list[dict[str, str]]]], list[list[int]]]
+
+
+@runtime_checkable
+class StepGenerate(Protocol):
+    """An engine that takes prompts one at a time and returns answers as they finish (vLLM's offline
+    engine, step by step): regeneration keeps it full, sending a conversation's next turn, or the next
+    conversation, the moment an answer ends, instead of waiting for a whole batch's longest answer."""
+
+    def add(self, prompt_ids: list[int], images: list[dict[str, str]] | None = None) -> str:
+        """Queue one prompt; its request id."""
+        ...
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        """One engine step: (request id, answer ids) of the requests it finished."""
+        ...
 
 
 @dataclass
@@ -210,44 +225,66 @@ class VllmGenerate:
             **vllm_image_limits(model_dir),
         )
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
+        self.added = 0  # requests added step by step (their sampling seeds: seed + this count)
+
+    def sampling(self, index: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature,
+            max_tokens=self.max_new_tokens,
+            seed=self.seed + index,
+            stop_token_ids=sorted(self.ends),
+            skip_special_tokens=False,
+        )
 
     def __call__(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[list[int]]:
         """`images`: each prompt's image parts, its ids holding one placeholder per image (vLLM
         expands placeholders itself and runs the vision tower on `multi_modal_data`)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        requests = [engine_prompt(p, parts) for p, parts in zip(prompts, images or [[] for _ in prompts], strict=True)]
+        params = [self.sampling(i) for i in range(len(prompts))]
+        return [answer_ids(out) for out in self.llm.generate(requests, params, use_tqdm=False)]
 
-        from speculators.vision import load_image
+    def add(self, prompt_ids: list[int], images: list[dict[str, str]] | None = None) -> str:
+        from vllm.sampling_params import RequestOutputKind
 
-        params = [
-            SamplingParams(
-                temperature=self.temperature,
-                max_tokens=self.max_new_tokens,
-                seed=self.seed + i,
-                stop_token_ids=sorted(self.ends),
-                skip_special_tokens=False,
-            )
-            for i in range(len(prompts))
-        ]
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for request, parts in zip(requests, images or [[] for _ in prompts], strict=True):
-            if parts:
-                request["multi_modal_data"] = {"image": [load_image(part) for part in parts]}
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        generated = []
-        for out in outputs:
-            ids = list(out.outputs[0].token_ids)
-            stop = out.outputs[0].stop_reason
-            if isinstance(stop, int) and (not ids or ids[-1] != stop):
-                ids.append(stop)  # vLLM reports a stop token without always keeping it in token_ids
-            generated.append(ids)
-        return generated
+        params = self.sampling(self.added)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # (the answer once, when it ends)
+        self.added += 1
+        request_id = f"regen-{self.added}"  # (outputs carry it; add_request returns vLLM's internal id)
+        self.llm.llm_engine.add_request(request_id, engine_prompt(prompt_ids, images), params)
+        return request_id
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        return [(out.request_id, answer_ids(out)) for out in self.llm.llm_engine.step() if out.finished]
 
     def close(self) -> None:
         from speculators.vllm_capture import shutdown_engine
 
         shutdown_engine(self.llm)
         del self.llm
+
+
+def engine_prompt(prompt_ids: list[int], images: list[dict[str, str]] | None) -> Any:
+    """vLLM's prompt of token ids, with the images of a prompt holding their placeholders."""
+    from vllm.inputs import TokensPrompt
+
+    from speculators.vision import load_image
+
+    prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+    if images:
+        prompt["multi_modal_data"] = {"image": [load_image(part) for part in images]}
+    return prompt
+
+
+def answer_ids(output: Any) -> list[int]:
+    """A finished request's answer ids, its stop token included (vLLM reports a stop token without
+    always keeping it in token_ids)."""
+    ids = list(output.outputs[0].token_ids)
+    stop = output.outputs[0].stop_reason
+    if isinstance(stop, int) and (not ids or ids[-1] != stop):
+        ids.append(stop)
+    return ids
 
 
 def vllm_image_limits(model_dir: str) -> dict[str, Any]:
@@ -427,7 +464,7 @@ def read_partial(path: Path) -> dict[str, TokenizedSample]:
 def regenerate(
     conversations: list[Conversation],
     tokenizer: PreTrainedTokenizerBase,
-    generate: GenerateFn | ImageGenerateFn,
+    generate: GenerateFn | ImageGenerateFn | StepGenerate,
     partial_path: Path,
     max_length: int,
     batch_size: int = 8,
@@ -435,7 +472,9 @@ def regenerate(
     image_inputs: ImageInputs | None = None,
 ) -> tuple[list[TokenizedSample], RegenerationReport]:
     """Samples in `conversations` order with verifier-generated assistant turns. With
-    `image_inputs` (a vision-language verifier) `generate` also takes each prompt's image parts."""
+    `image_inputs` (a vision-language verifier) `generate` also takes each prompt's image parts.
+    `batch_size` conversations are in flight: a `StepGenerate` engine gets the next turn or the next
+    conversation as soon as an answer ends; a batch function answers one turn of a batch at a time."""
     from tqdm import tqdm
 
     from speculators.prompts import RowRejected
@@ -453,50 +492,113 @@ def regenerate(
         open(partial_path, "a", encoding="utf-8") as partial,
         tqdm(total=len(todo), desc="regenerating", unit="conv", disable=not progress) as bar,
     ):
-        for offset in range(0, len(todo), batch_size):
-            states = []
-            for conversation in todo[offset : offset + batch_size]:
-                state = start_state(tokenizer, conversation, max_length)
-                if state is None:
-                    report.rejected["no user turn"] += 1
-                else:
-                    states.append(state)
-            for state in states:
-                if image_inputs is None and image_parts(state.conversation.messages):
-                    state.done = True
-                    state.rejected = "images in a conversation for a text-only verifier"
-                elif state.rejected is None and len(state.ids) >= max_length:
-                    state.done = True
-                    state.rejected = over_length(max_length)
-            active = [s for s in states if not s.done]
-            while active:
-                if image_inputs is None:
-                    generated = cast(GenerateFn, generate)([s.ids for s in active])
-                else:
-                    prompt_images = [image_parts(s.history) for s in active]
-                    generated = cast(ImageGenerateFn, generate)([s.ids for s in active], prompt_images)
-                for state, ids in zip(active, generated, strict=True):
-                    advance(state, ids, tokenizer, ends, report, max_length)
-                active = [s for s in active if not s.done]
-            for state in states:
-                sample = TokenizedSample(state.conversation.id, state.ids[:max_length], state.mask[:max_length])
-                images = image_parts(state.history)
-                if state.rejected is None and images and image_inputs is not None:
-                    try:
-                        full = TokenizedSample(state.conversation.id, state.ids, state.mask, images)
-                        sample = expand_images(image_inputs, full, max_length)
-                    except RowRejected as reason:
-                        state.rejected = str(reason)
-                if state.rejected is None and not any(sample.loss_mask):
-                    state.rejected = "no assistant token after tokenization"
-                if state.rejected is not None:
-                    report.rejected[state.rejected] += 1
-                    continue
+
+        def begin(conversation: Conversation) -> ConversationState | None:
+            """The conversation's first prompt, or None when it ends before one (finished as rejected)."""
+            state = start_state(tokenizer, conversation, max_length)
+            if state is None:
+                report.rejected["no user turn"] += 1
+                bar.update(1)
+                return None
+            if image_inputs is None and image_parts(state.conversation.messages):
+                state.done, state.rejected = True, "images in a conversation for a text-only verifier"
+            elif state.rejected is None and len(state.ids) >= max_length:
+                state.done, state.rejected = True, over_length(max_length)
+            if state.done:
+                finish(state)
+                return None
+            return state
+
+        def answered(state: ConversationState, ids: list[int]) -> None:
+            advance(state, ids, tokenizer, ends, report, max_length)
+            if state.done:
+                finish(state)
+
+        def finish(state: ConversationState) -> None:
+            """The sample of a finished conversation appended to the resume file (or its rejection counted)."""
+            sample = TokenizedSample(state.conversation.id, state.ids[:max_length], state.mask[:max_length])
+            images = image_parts(state.history)
+            if state.rejected is None and images and image_inputs is not None:
+                try:
+                    full = TokenizedSample(state.conversation.id, state.ids, state.mask, images)
+                    sample = expand_images(image_inputs, full, max_length)
+                except RowRejected as reason:
+                    state.rejected = str(reason)
+            if state.rejected is None and not any(sample.loss_mask):
+                state.rejected = "no assistant token after tokenization"
+            if state.rejected is not None:
+                report.rejected[state.rejected] += 1
+            else:
                 partial.write(sample.to_json() + "\n")
+                partial.flush()
                 done[sample.id] = sample
                 report.regenerated += 1
-            partial.flush()
-            bar.update(len(todo[offset : offset + batch_size]))
+            bar.update(1)
             bar.set_postfix(tok_s=f"{report.generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+
+        if isinstance(generate, StepGenerate):
+            answer_continuously(todo, generate, batch_size, begin, answered)
+        else:
+            answer_in_batches(todo, generate, batch_size, begin, answered, image_inputs is not None)
     report.seconds = time.perf_counter() - started
     return [done[c.id] for c in conversations if c.id in done], report
+
+
+def answer_continuously(
+    todo: list[Conversation],
+    engine: StepGenerate,
+    in_flight: int,
+    begin: Callable[[Conversation], ConversationState | None],
+    answered: Callable[[ConversationState, list[int]], None],
+) -> None:
+    """`in_flight` conversations in the engine at once, each turn's prompt sent when the last answer
+    ends, a new conversation admitted whenever one finishes: no step waits for a batch's longest answer."""
+    from speculators.vision import image_parts
+
+    waiting = iter(todo)
+    live: dict[str, ConversationState] = {}
+
+    def send(state: ConversationState) -> None:
+        live[engine.add(state.ids, image_parts(state.history) or None)] = state
+
+    def admit() -> None:
+        while len(live) < in_flight:
+            conversation = next(waiting, None)
+            if conversation is None:
+                return
+            state = begin(conversation)
+            if state is not None:
+                send(state)
+
+    admit()
+    while live:
+        for request_id, ids in engine.step():
+            state = live.pop(request_id)
+            answered(state, ids)
+            if not state.done:
+                send(state)
+        admit()
+
+
+def answer_in_batches(
+    todo: list[Conversation],
+    generate: GenerateFn | ImageGenerateFn,
+    batch_size: int,
+    begin: Callable[[Conversation], ConversationState | None],
+    answered: Callable[[ConversationState, list[int]], None],
+    with_images: bool,
+) -> None:
+    """`batch_size` conversations at a time, one turn of all of them per call."""
+    from speculators.vision import image_parts
+
+    for offset in range(0, len(todo), batch_size):
+        active = [state for c in todo[offset : offset + batch_size] if (state := begin(c)) is not None]
+        while active:
+            if not with_images:
+                generated = cast(GenerateFn, generate)([s.ids for s in active])
+            else:
+                prompt_images = [image_parts(s.history) for s in active]
+                generated = cast(ImageGenerateFn, generate)([s.ids for s in active], prompt_images)
+            for state, ids in zip(active, generated, strict=True):
+                answered(state, ids)
+            active = [s for s in active if not s.done]

@@ -137,6 +137,54 @@ def test_prompt_over_max_length_is_rejected_and_counted(llama, tmp_path):
     assert report.rejected == {"over-length (the prompt alone exceeds max length 64)": 1}
 
 
+class ShuffledSteps:
+    """A step-by-step engine (regenerate.StepGenerate) around a batch function that finishes queued
+    requests in a seeded random order, a few per step: the continuous scheduler must give the samples
+    the batch scheduler gives, whatever order answers end in."""
+
+    def __init__(self, generate, seed: int):
+        import random
+
+        self.generate, self.random, self.queued, self.added = generate, random.Random(seed), {}, 0
+
+    def add(self, prompt_ids, images=None):
+        self.added += 1
+        self.queued[f"r{self.added}"] = prompt_ids
+        return f"r{self.added}"
+
+    def step(self):
+        chosen = self.random.sample(sorted(self.queued), k=min(len(self.queued), self.random.randint(0, 2)))
+        return [(key, self.generate([self.queued.pop(key)])[0]) for key in chosen]
+
+
+def test_step_by_step_scheduling_equals_batches_on_multi_turn_conversations(llama, tmp_path):
+    tokenizer = llama.tokenizer
+    generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=10, temperature=0.0, seed=0)
+    turns = [
+        Conversation(
+            f"m{i}",
+            [
+                {"role": "user", "content": PROMPTS[i]},
+                {"role": "assistant", "content": "-"},
+                {"role": "user", "content": PROMPTS[(i + 1) % 5]},
+                *([{"role": "assistant", "content": "-"}, {"role": "user", "content": "Why?"}] if i % 2 else []),
+            ],
+        )
+        for i in range(5)
+    ]
+    work = [*turns, *conversations(4)]
+    batched, by_batch = regenerate(work, tokenizer, generate, tmp_path / "a.jsonl", 512, batch_size=3, progress=False)
+    stepped, by_step = regenerate(
+        work, tokenizer, ShuffledSteps(generate, seed=3), tmp_path / "b.jsonl", 512, batch_size=3, progress=False
+    )
+    assert [s.to_json() for s in stepped] == [s.to_json() for s in batched] and len(batched) == 9
+    assert by_step.to_dict() | {"tokens_per_second": None} == by_batch.to_dict() | {"tokens_per_second": None}
+    assert sum(s.loss_mask.count(1) > 0 for s in batched) == 9
+    # Answers ended out of order, so the resume file holds them in finishing order; the result is in input order.
+    written = [line for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert sorted(written) == sorted(s.to_json() for s in stepped)
+
+
 def test_resume_after_an_interrupted_run_equals_an_uninterrupted_one(llama, tmp_path):
     tokenizer = llama.tokenizer
     generate = transformers_generate_fn(llama.model, tokenizer, max_new_tokens=8, temperature=0.0, seed=0)
@@ -188,7 +236,19 @@ def regeneration_command(tmp_path, verifier: str) -> list[str]:
     backend and output flags each test adds."""
     import json
 
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rows = [{"prompt": p} for p in PROMPTS]
+    # Two conversations of three user turns: each later turn is asked after the verifier's own answer,
+    # which vLLM's step-by-step scheduling sends the moment the earlier one ends.
+    rows += [
+        {"messages": [{"role": role, "content": text} for role, text in turns]}
+        for turns in (
+            [("user", "Name a colour."), ("assistant", "-"), ("user", "And another?"), ("assistant", "-"),
+             ("user", "Which do you prefer?")],
+            [("user", "Count to three."), ("assistant", "-"), ("user", "Now backwards."), ("assistant", "-"),
+             ("user", "Thanks.")],
+        )
+    ]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return [
         "prepare",
         "--source",
