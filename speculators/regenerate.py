@@ -399,7 +399,7 @@ def start_state(
         return ConversationState(conversation, [], [], [], upto, done=True, rejected=over_length(max_length))
     clipped = clip_messages(messages, limit, max_length, uncounted=("assistant",))
     if clipped is not messages:
-        conversation = Conversation(conversation.id, clipped)
+        conversation = Conversation(conversation.id, clipped, conversation.category)
     prompt = clipped[:upto]
     ids = render_ids(tokenizer, prompt, add_generation_prompt=True)
     return ConversationState(conversation, ids, [0] * len(ids), list(prompt), upto)
