@@ -29,6 +29,13 @@ Report folder:
   report.json  report.md                the comparison, versions, hardware, settings
   acceptance.png  latency.png  throughput.png
   mt-bench-answers.jsonl                MT-Bench: the baseline's turn-1 answers the turn-2 prompts hold
+  mt-bench/                             --mt-bench N: its prompt files and turn-1 answers (GuideLLM's files in
+                                        baseline/ and speculator/ as guidellm-mt-bench-<profile>.*)
+
+`--mt-bench N` measures MT-Bench's first N questions beside other prompts on the same two servers,
+after the main prompts: one synchronous GuideLLM profile (natural length where that profile is on) and
+the per-category pass, reported under report.json's `mt_bench` and in report.md's last section. It saves
+the two server start-ups a second bench would cost (minutes each on a CPU, more on a large model).
 """
 
 from __future__ import annotations
@@ -667,12 +674,14 @@ def hardware() -> dict[str, Any]:
     return facts
 
 
-def run_role(role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts) -> dict[str, Any]:
-    """Start one server, run every profile against it, scrape counters around each run, then run the
-    per-category pass (prompts with a category) and take each prompt's greedy output with token ids.
+def run_role(
+    role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts, mt_bench: BenchPrompts | None = None
+) -> dict[str, Any]:
+    """Start one server, measure the main prompts against it (measure_prompts), take each prompt's greedy
+    output with token ids, then measure MT-Bench's questions beside them (`--mt-bench`) on the same server.
     MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
     from speculators.atomic_io import write_text_atomic
-    from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
+    from speculators.serve import ServerSettings, VllmServer
 
     role_dir = folder / role
     role_dir.mkdir(parents=True, exist_ok=True)
@@ -694,78 +703,14 @@ def run_role(role: str, settings: BenchSettings, folder: Path, prompts: BenchPro
         # requests that ask for none, GuideLLM's, run as without it.
         logprobs_mode="raw_logits" if role == "baseline" else None,
     )
-    results: dict[str, Any] = {"profiles": {}}
     started = time.perf_counter()
     print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
     with VllmServer(server_settings) as server:
-        results["server"] = server.describe()
+        results: dict[str, Any] = {"server": server.describe()}
         print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
         warm_up(server.url, server.model_name)
-        if not prompts.conversations:
-            complete_mt_bench(prompts, server, settings, folder)
+        results.update(measure_prompts(role, server, settings, folder, prompts, settings.profiles()))
         requests = len(prompts.conversations)
-        for profile in settings.profiles():
-            name = profile_name(profile)
-            paths = {kind: role_dir / f"guidellm-{name}.{kind}" for kind in ("json", "html", "log")}
-            natural = profile["natural"]
-            length = (
-                f"answers of natural length (at most {settings.natural_max_tokens} tokens)"
-                if natural
-                else f"{settings.output_tokens} output tokens each"
-            )
-            print(f"[{role}] {name}: GuideLLM sends {requests} requests, {length} (log {paths['log']})", flush=True)
-            run_started = time.perf_counter()
-            data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
-            command = guidellm_command(
-                server.url,
-                server.model_name,
-                server.model_dir,
-                data,
-                guidellm_profile(profile),
-                requests,
-                paths["json"],
-                paths["html"],
-                settings.natural_max_tokens if natural else None,
-            )
-            for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
-                wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
-                before = server.metrics()
-                run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
-                summary = read_guidellm_report(paths["json"])
-                summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
-                recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
-                if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
-                    break
-                # GuideLLM 0.8.1 now and then ends a run with its last request still in flight (its
-                # scheduler's end state: 3 processed of 4 created, 1 processing); the run is taken again.
-                print(
-                    f"[{role}] {name}: GuideLLM recorded {recorded} of {requests} requests; running it again",
-                    flush=True,
-                )
-            if summary["requests"].get("errored"):
-                raise SpeculatorsError(
-                    f"{summary['requests']['errored']} GuideLLM requests failed against the "
-                    f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}"
-                )
-            results["profiles"][name] = summary
-            acceptance = summary["spec_decode"]["acceptance_length"]
-            print(
-                f"[{role}] {name}: TPOT {summary['tpot_ms']:.2f} ms, TTFT {summary['ttft_ms']:.1f} ms, "
-                f"{summary['output_tokens_per_s']:.1f} output tokens/s, {summary['output_tokens_mean']:.0f} tokens "
-                f"per answer"
-                + (f", acceptance length {acceptance:.2f}" if acceptance else "")
-                + f" ({time.perf_counter() - run_started:.0f} s)",
-                flush=True,
-            )
-        if prompt_groups(prompts.conversations):
-            started_groups = time.perf_counter()
-            results["categories"] = category_pass(server, prompts.conversations, settings)
-            print(
-                f"[{role}] per-category pass: {len(results['categories'])} groups (category, turn), "
-                f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
-                f"{answer_cap(settings)} tokens) ({time.perf_counter() - started_groups:.0f} s)",
-                flush=True,
-            )
         started_outputs = time.perf_counter()
         compared = min(settings.lossless_prompts or requests, requests)
         results["outputs"] = greedy_outputs(
@@ -784,6 +729,114 @@ def run_role(role: str, settings: BenchSettings, folder: Path, prompts: BenchPro
             f"({time.perf_counter() - started_outputs:.0f} s)",
             flush=True,
         )
+        if mt_bench is not None:
+            results["mt_bench"] = measure_prompts(
+                role, server, mt_bench_settings(settings), folder, mt_bench, [mt_bench_profile(settings)], MT_BENCH_DIR
+            )
+    return results
+
+
+MT_BENCH_DIR = "mt-bench"  # the report folder's subfolder for MT-Bench beside the main prompts (--mt-bench)
+
+
+def mt_bench_settings(settings: BenchSettings) -> BenchSettings:
+    """The settings MT-Bench beside the main prompts runs with: its questions, the same profile otherwise."""
+    from speculators.prompts import MT_BENCH
+
+    return settings.model_copy(update={"prompts": MT_BENCH, "requests": settings.mt_bench, "mt_bench": 0})
+
+
+def mt_bench_profile(settings: BenchSettings) -> dict[str, Any]:
+    """MT-Bench beside the main prompts runs one GuideLLM profile: synchronous, at natural length where
+    that profile is on (what users decode, and how the field reports MT-Bench), else fixed length."""
+    return {"kind": "synchronous", "natural": bool(settings.natural_max_tokens)}
+
+
+def measure_prompts(
+    role: str,
+    server: VllmServer,
+    settings: BenchSettings,
+    folder: Path,
+    prompts: BenchPrompts,
+    profiles: list[dict[str, Any]],
+    subfolder: str = "",
+) -> dict[str, Any]:
+    """One set of prompts against one server: MT-Bench's turn 2 built first where needed (baseline),
+    every GuideLLM profile with the counters scraped around each run, then the per-category pass
+    (prompts with a category). `subfolder`: where a second set's prompt files go, its GuideLLM files
+    named after it in the role's folder."""
+    from speculators.serve import acceptance_from_counters
+
+    role_dir = folder / role
+    data_dir = folder / subfolder if subfolder else folder
+    data_dir.mkdir(parents=True, exist_ok=True)
+    label = f"{role}{'/' + subfolder if subfolder else ''}"
+    if not prompts.conversations:
+        complete_mt_bench(prompts, server, settings, data_dir)
+    results: dict[str, Any] = {"profiles": {}}
+    requests = len(prompts.conversations)
+    for profile in profiles:
+        name = profile_name(profile)
+        stem = f"guidellm-{subfolder + '-' if subfolder else ''}{name}"
+        paths = {kind: role_dir / f"{stem}.{kind}" for kind in ("json", "html", "log")}
+        natural = profile["natural"]
+        length = (
+            f"answers of natural length (at most {settings.natural_max_tokens} tokens)"
+            if natural
+            else f"{settings.output_tokens} output tokens each"
+        )
+        print(f"[{label}] {name}: GuideLLM sends {requests} requests, {length} (log {paths['log']})", flush=True)
+        run_started = time.perf_counter()
+        data = data_dir / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
+        command = guidellm_command(
+            server.url,
+            server.model_name,
+            server.model_dir,
+            data,
+            guidellm_profile(profile),
+            requests,
+            paths["json"],
+            paths["html"],
+            settings.natural_max_tokens if natural else None,
+        )
+        for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
+            wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
+            before = server.metrics()
+            run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+            summary = read_guidellm_report(paths["json"])
+            summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
+            recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
+            if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
+                break
+            # GuideLLM 0.8.1 now and then ends a run with its last request still in flight (its
+            # scheduler's end state: 3 processed of 4 created, 1 processing); the run is taken again.
+            print(
+                f"[{label}] {name}: GuideLLM recorded {recorded} of {requests} requests; running it again", flush=True
+            )
+        if summary["requests"].get("errored"):
+            raise SpeculatorsError(
+                f"{summary['requests']['errored']} GuideLLM requests failed against the "
+                f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}"
+            )
+        results["profiles"][name] = summary
+        acceptance = summary["spec_decode"]["acceptance_length"]
+        print(
+            f"[{label}] {name}: TPOT {summary['tpot_ms']:.2f} ms, TTFT {summary['ttft_ms']:.1f} ms, "
+            f"{summary['output_tokens_per_s']:.1f} output tokens/s, {summary['output_tokens_mean']:.0f} tokens "
+            f"per answer"
+            + (f", acceptance length {acceptance:.2f}" if acceptance else "")
+            + f" ({time.perf_counter() - run_started:.0f} s)",
+            flush=True,
+        )
+    if prompt_groups(prompts.conversations):
+        started_groups = time.perf_counter()
+        results["categories"] = category_pass(server, prompts.conversations, settings)
+        print(
+            f"[{label}] per-category pass: {len(results['categories'])} groups (category, turn), "
+            f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
+            f"{answer_cap(settings)} tokens) ({time.perf_counter() - started_groups:.0f} s)",
+            flush=True,
+        )
     return results
 
 
@@ -791,8 +844,14 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Both servers, every profile, the report folder; returns report.json's content."""
     from speculators.atomic_io import write_text_atomic
     from speculators.checkpoint import read_checkpoint
+    from speculators.prompts import MT_BENCH
     from speculators.quantization import vllm_quantization_args
 
+    if settings.prompts == MT_BENCH and settings.mt_bench:
+        raise SpeculatorsError(
+            f"--mt-bench {settings.mt_bench} adds MT-Bench beside other prompts, and --prompts is mt-bench already; "
+            "drop --mt-bench and set --requests to the number of questions"
+        )
     folder = Path(settings.output)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
@@ -810,11 +869,13 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     prompts = bench_prompts(settings, folder)
     if not prompts.questions:  # (MT-Bench's `requests` count questions)
         settings = settings.model_copy(update={"requests": len(prompts.conversations)})
+    mt_bench = None
+    if settings.mt_bench:
+        from speculators.prompts import mt_bench_questions
+
+        mt_bench = BenchPrompts(MT_BENCH_DIR, questions=mt_bench_questions(settings.mt_bench))
     started = time.perf_counter()
-    runs = {role: run_role(role, settings, folder, prompts) for role in ROLES}
-    comparison = {}
-    for name in runs["baseline"]["profiles"]:
-        comparison[name] = compare_runs(runs["baseline"]["profiles"][name], runs["speculator"]["profiles"][name])
+    runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization)
     outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
@@ -823,39 +884,47 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "versions": versions(),
         "hardware": hardware(),
         "servers": {role: runs[role]["server"] for role in ROLES},
-        "profiles": {
-            name: {
-                "baseline": runs["baseline"]["profiles"][name],
-                "speculator": runs["speculator"]["profiles"][name],
-                **comparison[name],
-            }
-            for name in comparison
-        },
-        **headline_acceptance(runs["speculator"]["profiles"]),
-        **per_category_report(runs, settings),
+        **prompt_set_report(runs["baseline"], runs["speculator"], settings),
         "outputs": outputs,
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
+    if mt_bench is not None:
+        report["mt_bench"] = {
+            "prompts": mt_bench.info,
+            **prompt_set_report(
+                runs["baseline"]["mt_bench"], runs["speculator"]["mt_bench"], mt_bench_settings(settings)
+            ),
+        }
     write_text_atomic(folder / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(folder / "report.md", render_markdown(report))
     plot_report(report, folder)
     return report
 
 
-def per_category_report(runs: dict[str, Any], settings: BenchSettings) -> dict[str, Any]:
-    """report.json's `per_category` where the prompts have categories: how the pass ran, each server's
-    groups as measured, and the columns (category_summary)."""
-    if "categories" not in runs["baseline"]:
-        return {}
-    groups = {role: runs[role]["categories"] for role in ROLES}
-    return {
-        "per_category": {
+def prompt_set_report(baseline: dict[str, Any], speculator: dict[str, Any], settings: BenchSettings) -> dict[str, Any]:
+    """One set of prompts measured on both servers (measure_prompts) -> report.json's `profiles` (each
+    profile's two summaries and their comparison), `acceptance`, `acceptance_fixed_length` and, where
+    the prompts have categories, `per_category`: how the pass ran, each server's groups as measured,
+    and the columns (category_summary)."""
+    report: dict[str, Any] = {
+        "profiles": {
+            name: {
+                "baseline": baseline["profiles"][name],
+                "speculator": speculator["profiles"][name],
+                **compare_runs(baseline["profiles"][name], speculator["profiles"][name]),
+            }
+            for name in baseline["profiles"]
+        },
+        **headline_acceptance(speculator["profiles"]),
+    }
+    if "categories" in baseline:
+        report["per_category"] = {
             "answer_max_tokens": answer_cap(settings),
             "streams": CATEGORY_STREAMS,
-            "columns": category_summary(groups["baseline"], groups["speculator"]),
-            "groups": groups,
+            "columns": category_summary(baseline["categories"], speculator["categories"]),
+            "groups": {"baseline": baseline["categories"], "speculator": speculator["categories"]},
         }
-    }
+    return report
 
 
 def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
@@ -922,35 +991,28 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"Fixed-length profiles (ignore_eos, text past the end of turn included): acceptance length "
             f"{fixed['acceptance_length'] or 0:.3f} over {fixed['drafts']} drafts."
         )
-    per_category = report.get("per_category")
-    if per_category:
-        from speculators.evaluate import category_table
-
+    lines += category_lines(report.get("per_category"), s["num_speculative_tokens"])
+    lines += ["", *profile_table(report["profiles"])]
+    beside = report.get("mt_bench")
+    if beside:
+        headline = beside["acceptance"]
+        rates = " / ".join(f"{r:.3f}" for r in headline["acceptance_per_position"])
+        (name, profile), *_ = beside["profiles"].items()
+        tpot = profile["speedup"].get("tpot_ms")
         lines += [
             "",
-            f"**Per category** (our own client, {per_category['streams']} requests in flight, answers of natural "
-            f"length, at most {per_category['answer_max_tokens']} tokens; acceptance from the speculator server's "
-            f"counters around each category and turn; speed-up: output tokens/s, speculator over baseline):",
+            "## MT-Bench beside the main prompts",
             "",
-            category_table(per_category["columns"], s["num_speculative_tokens"], "speed-up (output tokens/s)"),
+            f"{beside['prompts']['questions']} MT-Bench questions in two turns ({beside['prompts']['count']} "
+            f"prompts; turn 2 after the verifier's own greedy turn-1 answer of at most "
+            f"{beside['prompts']['turn_1_answer_max_tokens']} tokens), on the same servers after the main prompts. "
+            f"**Acceptance length {headline['acceptance_length'] or 0:.3f}** ({headline.get('length', 'fixed')} "
+            f"length, per position {rates}) over {headline['drafts']} drafts; {name} TPOT speed-up "
+            f"**{'-' if tpot is None else f'{tpot:.3f}x'}**.",
+            *category_lines(beside.get("per_category"), s["num_speculative_tokens"]),
+            "",
+            *profile_table(beside["profiles"]),
         ]
-    lines += [
-        "",
-        "| profile | metric | baseline | speculator | speed-up |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for name, profile in report["profiles"].items():
-        for key, statistic, _ in METRICS.values():
-            ratio = profile["speedup"].get(key)
-            lines.append(
-                f"| {name} | {key} ({statistic}) | {profile['baseline'][key]:.3f} | {profile['speculator'][key]:.3f} "
-                f"| {'' if ratio is None else f'{ratio:.3f}x'} |"
-            )
-        acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
-        lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
-        tokens = (profile["baseline"].get("output_tokens_mean"), profile["speculator"].get("output_tokens_mean"))
-        if None not in tokens:
-            lines.append(f"| {name} | output tokens per answer (mean) | {tokens[0]:.1f} | {tokens[1]:.1f} | |")
     outputs = report["outputs"]
     lines += [
         "",
@@ -977,6 +1039,40 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def category_lines(per_category: dict[str, Any] | None, k: int) -> list[str]:
+    """The per-category pass as report.md shows it: how it ran, then the EAGLE / SpecForge-style table."""
+    if not per_category:
+        return []
+    from speculators.evaluate import category_table
+
+    return [
+        "",
+        f"**Per category** (our own client, {per_category['streams']} requests in flight, answers of natural "
+        f"length, at most {per_category['answer_max_tokens']} tokens; acceptance from the speculator server's "
+        f"counters around each category and turn; speed-up: output tokens/s, speculator over baseline):",
+        "",
+        category_table(per_category["columns"], k, "speed-up (output tokens/s)"),
+    ]
+
+
+def profile_table(profiles: dict[str, Any]) -> list[str]:
+    """Every profile's GuideLLM metrics on both servers and their ratio, with the acceptance length."""
+    lines = ["| profile | metric | baseline | speculator | speed-up |", "|---|---|---:|---:|---:|"]
+    for name, profile in profiles.items():
+        for key, statistic, _ in METRICS.values():
+            ratio = profile["speedup"].get(key)
+            lines.append(
+                f"| {name} | {key} ({statistic}) | {profile['baseline'][key]:.3f} | {profile['speculator'][key]:.3f} "
+                f"| {'' if ratio is None else f'{ratio:.3f}x'} |"
+            )
+        acceptance_length = profile["speculator"]["spec_decode"]["acceptance_length"]
+        lines.append(f"| {name} | acceptance length | | {acceptance_length or 0:.3f} | |")
+        tokens = (profile["baseline"].get("output_tokens_mean"), profile["speculator"].get("output_tokens_mean"))
+        if None not in tokens:
+            lines.append(f"| {name} | output tokens per answer (mean) | {tokens[0]:.1f} | {tokens[1]:.1f} | |")
+    return lines
 
 
 def plot_report(report: dict[str, Any], folder: Path) -> None:

@@ -58,6 +58,7 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
         validation_sources=s.validation_sources,
         source_weights=s.source_weights,
         image_roots=s.image_roots,
+        max_user_turns=s.max_user_turns,
     )
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict[str, Any] = {"prompts": report.to_dict()}
@@ -215,6 +216,7 @@ def regenerate_on_replicas(
                 "validation_sources": [],
                 "max_samples": None,
                 "source_weights": None,
+                "max_user_turns": None,  # (cut once, by the parent)
                 "output": str(folder),
                 "data_parallel_size": 1,
                 "image_roots": roots,

@@ -283,6 +283,17 @@ def normalise_messages(
 
 
 LEADING_ASSISTANT_DROPPED = "leading assistant turns dropped"
+USER_TURNS_CUT = "turns after max_user_turns cut"
+
+
+def first_user_turns(messages: list[dict[str, Any]], max_user_turns: int) -> tuple[list[dict[str, Any]], bool]:
+    """The messages up to the conversation's (max_user_turns + 1)-th user turn, and whether any were cut."""
+    users = 0
+    for index, message in enumerate(messages):
+        users += message["role"] == "user"
+        if users > max_user_turns:
+            return messages[:index], True
+    return messages, False
 
 
 def parse_row(
@@ -983,6 +994,7 @@ def prepare_conversations(
     validation_sources: Sequence[str] = (),
     source_weights: Sequence[float] | None = None,
     image_roots: Sequence[str | Path] = (),
+    max_user_turns: int | None = None,
 ) -> tuple[list[Conversation], PrepareReport]:
     """Conversations from the sources, de-duplicated by content, bad rows counted with their reasons.
 
@@ -993,7 +1005,8 @@ def prepare_conversations(
     shared among them by `source_weights` (default: equal shares); a source that runs out before its
     share leaves the rest to the sources that still have rows, by their weights. A local image must
     lie inside the folder of the file that names it (the working directory for hf: rows) or inside
-    one of `image_roots`.
+    one of `image_roots`. `max_user_turns` keeps each conversation's first N user turns (the rest cut
+    before the de-duplication: two conversations that agree on them are one).
     """
     from speculators.settings import source_weights_problem
 
@@ -1028,6 +1041,9 @@ def prepare_conversations(
             except RowRejected as reason:
                 report.reject(str(reason), location)
                 continue
+            cut = False
+            if max_user_turns is not None:
+                messages, cut = first_user_turns(messages, max_user_turns)
             key = conversation_id(messages)
             if key in seen:
                 report.duplicates += 1
@@ -1035,6 +1051,8 @@ def prepare_conversations(
             seen.add(key)
             if change:
                 report.modify(change, location)
+            if cut:
+                report.modify(USER_TURNS_CUT, location)
             # A row written by an earlier prepare keeps its validation tag (the hidden-state step re-reads
             # conversations.jsonl).
             tagged = for_validation or (isinstance(row, dict) and str(row.get("id", "")).startswith(VALIDATION_PREFIX))

@@ -114,6 +114,12 @@ class PromptSources(Settings):
     max_samples: int | None = Field(
         None, gt=0, description="keep at most this many training conversations, shared among the sources"
     )
+    max_user_turns: int | None = Field(
+        None,
+        gt=0,
+        description="keep each conversation's first N user turns (and the turns between them); the rest is cut, "
+        "counted in the report (multi-turn sources such as sharegpt; default: every turn)",
+    )
     source_weights: list[Annotated[float, Field(gt=0)]] | None = Field(
         None,
         description="each --source's share of --max-samples, in order (default: equal shares); a source that "
@@ -264,6 +270,13 @@ class BenchProfile(Settings):
     )
     lossless_prompts: int | None = Field(
         None, gt=0, description="compare the servers' greedy token ids on the first N prompts (default: all)"
+    )
+    mt_bench: int = Field(
+        0,
+        ge=0,
+        le=80,
+        description="also MT-Bench's first N questions (round-robin over its 8 categories) in two turns on the same "
+        "servers, after the main prompts: a synchronous profile and the per-category pass; 0: none",
     )
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
     max_model_len: int = Field(2048, gt=0, description="context of both servers")

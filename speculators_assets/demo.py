@@ -100,6 +100,15 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
             f"{report['acceptance_length']:.3f} ({rates}); time per output token {speed}, output "
             f"tokens/s {report['throughput_ratio_synchronous']:.2f}x (synchronous)"
         )
+        if "mt_bench_acceptance_length" in report:
+            categories = ", ".join(
+                f"{name} {value:.2f}" for name, value in report["mt_bench_per_category"].items() if value is not None
+            )
+            lines.append(
+                f"MT-Bench ({report['mt_bench_questions']} questions, both turns): acceptance length "
+                f"{report['mt_bench_acceptance_length']:.3f}, time per output token "
+                f"{report['mt_bench_tpot_speedup']:.2f}x faster; per category {categories}"
+            )
         lines.append(f"outputs with and without the speculator (token ids): {report['greedy_outputs']}")
         lines.append(f"report: {Path(report['path']) / 'report.md'}")
     failed = sorted(name for name, passed in checks.items() if not passed)

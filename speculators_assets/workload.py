@@ -155,6 +155,7 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     unchanged = v.prompts.source_weights is None and len(v.prompts.sources) == 1
     # image_roots joined later too: a variant without them keeps its key.
     left_out = ({"source_weights"} if unchanged else set()) | (set() if v.prompts.image_roots else {"image_roots"})
+    left_out |= set() if v.prompts.max_user_turns else {"max_user_turns"}  # (as is max_user_turns)
     key = key_of(fingerprints, v.prompts.model_dump(exclude=left_out))
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
@@ -213,6 +214,7 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
         max_samples=p.max_samples,
         source_weights=p.source_weights,
         image_roots=p.image_roots,
+        max_user_turns=p.max_user_turns,
         output=str(out),
         require_assistant=not v.datagen.regenerate,
     )
@@ -567,14 +569,21 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     return ["bench", *to_argv(settings), *(["--", *nodes] if nodes else [])]  # after --: vLLM's own flags
 
 
+def benchmark_key(v: Variant, drafter_key: str) -> str:
+    """The report's key: the published drafter's, the benchmark settings, the eval prompts, the verifier's
+    quantization. `mt_bench` is hashed only where it is on: a variant without it keeps its earlier key."""
+    b = v.benchmark
+    profile = b.model_dump(exclude=set() if b.mt_bench else {"mt_bench"})
+    return key_of(drafter_key, profile, v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
+
+
 def benchmark_report(step: Step) -> tuple[Metadata, str]:
     v = step.variant
     latest = step.dir("speculator_checkpoint") / "latest"
     accepted = read_json(latest / "accepted.json")
     if accepted is None:
         raise StepFailed(f"no published checkpoint at {latest}; materialize speculator_checkpoint (gates must pass)")
-    b = v.benchmark
-    key = key_of(accepted["key"], b.model_dump(), v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
+    key = benchmark_key(v, accepted["key"])
     out = step.dir("benchmark_report") / key
     reused = (out / "report.json").is_file() and not step.force
     if not reused:
@@ -624,7 +633,33 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if natural:
         metadata["tpot_speedup_natural"] = natural["speedup"].get("tpot_ms", 0.0)
         metadata["output_tokens_natural"] = natural["speculator"]["output_tokens_mean"]
+    if "mt_bench" in report:
+        metadata.update(mt_bench_metadata(report["mt_bench"], report["settings"]["num_speculative_tokens"]))
     return metadata, key
+
+
+def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:
+    """MT-Bench beside the eval prompts (the variant's `benchmark.mt_bench` questions, both turns): the
+    headline acceptance and TPOT speed-up of its synchronous profile, acceptance per category, and the
+    EAGLE / SpecForge-style table."""
+    from speculators.evaluate import category_table
+
+    (profile,) = mt_bench["profiles"].values()
+    columns = mt_bench["per_category"]["columns"]
+    return {
+        "mt_bench_questions": mt_bench["prompts"]["questions"],
+        "mt_bench_acceptance_length": mt_bench["acceptance"]["acceptance_length"] or 0.0,
+        "mt_bench_acceptance_per_position": {
+            "raw_value": mt_bench["acceptance"]["acceptance_per_position"],
+            "type": "json",
+        },
+        "mt_bench_tpot_speedup": profile["speedup"].get("tpot_ms", 0.0),
+        "mt_bench_per_category": {
+            "raw_value": {name: column["acceptance_length"] for name, column in columns.items()},
+            "type": "json",
+        },
+        "mt_bench_table": md(category_table(columns, k, "speed-up (output tokens/s)")),
+    }
 
 
 def step_functions() -> dict[str, Any]:

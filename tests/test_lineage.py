@@ -48,6 +48,17 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert report["tpot_speedup_natural"] > 0 and 1 <= report["output_tokens_natural"] <= 48
     assert report["acceptance_length_fixed"] > 1.5
     assert report["plots"].count("data:image/png;base64,") == 3
+    # MT-Bench beside the eval prompts on the same servers: 2 questions (writing, roleplay), both turns.
+    assert report["mt_bench_questions"] == 2 and report["mt_bench_acceptance_length"] > 1.0
+    assert list(report["mt_bench_per_category"]) == ["writing", "roleplay", "overall"]
+    assert report["mt_bench_tpot_speedup"] > 0 and "| | writing | roleplay | overall |" in report["mt_bench_table"]
+    assert "## MT-Bench beside the main prompts" in report["report"]
+    saved = json.loads((Path(report["path"]) / "report.json").read_text())
+    assert saved["mt_bench"]["prompts"]["count"] == 4 and saved["prompts"]["count"] == 4
+    (mt_bench_profile,) = saved["mt_bench"]["profiles"].values()
+    assert mt_bench_profile["speculator"]["requests"]["successful"] == 4  # two questions x two turns
+    answers = (Path(report["path"]) / "mt-bench" / "mt-bench-answers.jsonl").read_text().splitlines()
+    assert [json.loads(a)["id"] for a in answers] == ["mt-bench-81", "mt-bench-91"]
     checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}
     evaluated = {(e.asset_key.to_user_string(), e.asset_check_key.name) for e in first.get_asset_check_evaluations()}
     assert evaluated == {(step.name, check.name) for step in STEPS for check in step.checks}  # each declared one

@@ -83,6 +83,40 @@ def test_sharegpt_keeps_turns_drops_leading_assistant_turns_and_reports_the_trun
     assert not other.modified
 
 
+def test_max_user_turns_keeps_each_conversations_first_turns_and_counts_the_cut(tmp_path, monkeypatch):
+    from speculators.cli import main
+    from speculators.prompts import USER_TURNS_CUT
+
+    def chat(*texts: str) -> dict:
+        roles = ("human", "gpt")
+        return {"conversations": [turn(roles[i % 2], text) for i, text in enumerate(texts)]}
+
+    rows = [
+        chat("Q1", "A1", "Q2", "A2", "Q3", "A3"),
+        chat("Q1", "A1", "Q2", "other A2"),  # the same first turn as the row above: a duplicate once cut to 1
+        chat("Solo", "Reply"),
+        {"conversations": [turn("gpt", "lead"), turn("human", "P1"), turn("gpt", "R1"), turn("human", "P2")]},
+    ]
+    fake_package(tmp_path, monkeypatch, json.dumps(rows))
+    conversations, report = prepare_conversations(["sharegpt"], require_assistant=False, max_user_turns=1)
+    assert [c.messages for c in conversations] == [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}],
+        [{"role": "user", "content": "Solo"}, {"role": "assistant", "content": "Reply"}],
+        [{"role": "user", "content": "P1"}, {"role": "assistant", "content": "R1"}],
+    ]
+    assert report.duplicates == 1 and report.modified == {USER_TURNS_CUT: 2, LEADING_ASSISTANT_DROPPED: 1}
+    two, report = prepare_conversations(["sharegpt"], require_assistant=False, max_user_turns=2)
+    assert [len(c.messages) for c in two] == [4, 4, 2, 3] and report.modified[USER_TURNS_CUT] == 1
+    assert [len(c.messages) for c in prepare_conversations(["sharegpt"], require_assistant=False)[0]] == [6, 4, 2, 3]
+
+    # The flag (and a variant's prompts section, through the same settings model).
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--source", "sharegpt", "--max-user-turns", "1", "--output", str(out)]) == 0
+    written = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert [len(row["messages"]) for row in written] == [2, 2, 2]
+    assert main(["prepare", "--source", "sharegpt", "--max-user-turns", "0", "--output", str(tmp_path / "x")]) == 2
+
+
 def test_a_missing_package_is_one_line_saying_what_to_install(monkeypatch):
     import importlib.util
 
@@ -322,6 +356,43 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
     assert [g["spec_decode"]["drafts"] for g in measured] == [1, 3] * 3
     assert all(b["max_tokens"] == 40 and "ignore_eos" not in b for b in sent)
     assert bench.prompt_groups([Conversation("x", [{"role": "user", "content": "hi"}])]) == {}
+
+
+def test_mt_bench_beside_the_eval_prompts_reaches_bench_and_the_report_key(tmp_path, capsys):
+    """A variant's `benchmark.mt_bench` reaches `speculators bench` as --mt-bench (one bench run, one pair
+    of servers); it changes the benchmark report's key, and a variant without it keeps the key it had
+    before the field existed (the field left out of the hash); --mt-bench beside --prompts mt-bench is
+    one line, said before any server starts."""
+    from speculators.cli import build_parser, main
+    from speculators_assets.variants import load_variants
+    from speculators_assets.workload import BENCH_REPORT_FORMAT, bench_command, benchmark_key, key_of
+
+    demo = load_variants()["smollm2_135m"]
+    command = bench_command(demo, tmp_path / "latest", tmp_path / "report")
+    assert command[command.index("--mt-bench") + 1] == str(demo.benchmark.mt_bench) and demo.benchmark.mt_bench >= 8
+    parsed = build_parser().parse_args(command)
+    assert parsed.mt_bench == demo.benchmark.mt_bench and parsed.prompts == "natural:eval"
+
+    section = demo.benchmark.model_dump(exclude_unset=True)
+    del section["mt_bench"]  # the variant's benchmark section without the key
+    without = demo.model_copy(update={"benchmark": type(demo.benchmark)(**section)})
+    assert "--mt-bench" not in bench_command(without, tmp_path / "latest", tmp_path / "report")
+    earlier = without.benchmark.model_dump()
+    del earlier["mt_bench"]  # what the key hashed before the field
+    assert benchmark_key(without, "drafter") == key_of(
+        "drafter", earlier, without.prompts.eval_source, BENCH_REPORT_FORMAT
+    )
+    assert benchmark_key(demo, "drafter") != benchmark_key(without, "drafter")
+
+    arguments = ["bench", "--verifier", "v", "--speculator", "s", "--output", str(tmp_path / "out")]
+    assert main([*arguments, "--prompts", "mt-bench", "--mt-bench", "4"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        "error: --mt-bench 4 adds MT-Bench beside other prompts, and --prompts is mt-bench already; drop "
+        "--mt-bench and set --requests to the number of questions"
+    )
+    assert not (tmp_path / "out").exists()
+    assert main([*arguments, "--mt-bench", "81"]) == 2 and "81" in capsys.readouterr().err
 
 
 # ----- slow: the tiny verifier and drafter ---------------------------------------------------------
