@@ -27,6 +27,7 @@ category; then the gain per doubling of the data for both acceptance figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import subprocess
@@ -34,12 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import itertools
-
-from recipe_sweep import sub_store
+from recipe_sweep import sub_store  # (this script's folder is on sys.path when it runs)
 
 
 def run(arguments: list[str], log: Path) -> None:

@@ -338,16 +338,7 @@ def category_summary(baseline: list[dict[str, Any]], speculator: list[dict[str, 
     turns = list(dict.fromkeys(turn for _, turn in keys))
 
     def acceptance(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-        drafts = sum(spec["spec_decode"]["drafts"] for _, spec in chosen)
-        accepted = sum(spec["spec_decode"]["accepted_tokens"] for _, spec in chosen)
-        counts = [spec["spec_decode"]["accepted_per_position"] for _, spec in chosen]
-        per_position = [sum(column) for column in zip(*counts, strict=True)] if counts else []
-        return {
-            "drafts": drafts,
-            "accepted_tokens": accepted,
-            "acceptance_length": 1 + accepted / drafts if drafts else None,
-            "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
-        }
+        return summed_acceptance([spec["spec_decode"] for _, spec in chosen])
 
     def column(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
         speeds = {}
@@ -941,11 +932,15 @@ def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
 
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     """Counters summed over the given profiles of the speculator server."""
-    drafts = sum(p["spec_decode"]["drafts"] for p in profiles.values())
-    accepted = sum(p["spec_decode"]["accepted_tokens"] for p in profiles.values())
-    per_position = [
-        sum(c) for c in zip(*(p["spec_decode"]["accepted_per_position"] for p in profiles.values()), strict=True)
-    ]
+    return summed_acceptance([p["spec_decode"] for p in profiles.values()])
+
+
+def summed_acceptance(counters: list[dict[str, Any]]) -> dict[str, Any]:
+    """Spec-decode counter differences (acceptance_from_counters) summed: drafts, accepted tokens, the
+    acceptance length and the per-position rates over all of them."""
+    drafts = sum(c["drafts"] for c in counters)
+    accepted = sum(c["accepted_tokens"] for c in counters)
+    per_position = [sum(column) for column in zip(*(c["accepted_per_position"] for c in counters), strict=True)]
     return {
         "drafts": drafts,
         "accepted_tokens": accepted,
