@@ -9,9 +9,11 @@ forward over every token, `max_tokens=1`): decoding computes the same per-token 
 tokens/s over prefill tokens/s is the share of the hardware's rate regeneration reaches. Each
 configuration runs in a fresh process (its own engine and environment): `batchN` is the earlier
 scheduler (one turn of N conversations per call, each call waiting for its longest answer), `stepN`
-the step-by-step one (N conversations in flight, a turn sent the moment an answer ends); `kv` adds
-GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`, default 2), `threads` the OpenMP threads vLLM binds.
-Prints a table of generated tokens/s and its ratio to the ceiling and to `batch64`.
+the step-by-step one (N conversations in flight, a turn sent the moment an answer ends); `-kvG` sets
+G GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`, default 2), `-capN` caps answers at N new tokens
+(default --max-new-tokens), e.g. `step256-kv4-cap128`. The ceiling prefills the first configuration's
+answers. Prints a table of generated tokens/s, its ratio to the ceiling and to `batch64` (or the
+first configuration), the tokens generated and the wall time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG = re.compile(r"^(?P<mode>batch|step)(?P<size>\d+)(?:-kv(?P<kv>\d+))?$")
+CONFIG = re.compile(r"^(?P<mode>batch|step)(?P<size>\d+)(?:-kv(?P<kv>\d+))?(?:-cap(?P<cap>\d+))?$")
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -92,9 +94,10 @@ def run_config(name: str, args: argparse.Namespace, work: Path, answers: Path | 
     env = dict(os.environ)
     if match and match["kv"]:
         env["VLLM_CPU_KVCACHE_SPACE"] = match["kv"]
+    cap = match["cap"] if match and match["cap"] else str(args.max_new_tokens)
     command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--verifier", args.verifier,
                "--source", args.source, "--conversations", str(args.conversations), "--max-new-tokens",
-               str(args.max_new_tokens), "--max-length", str(args.max_length)]  # fmt: skip
+               cap, "--max-length", str(args.max_length)]  # fmt: skip
     if answers is not None:
         command += ["--answers", str(answers)]
     print(f"running {name} ...", flush=True)

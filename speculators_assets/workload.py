@@ -571,9 +571,11 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
 
 def benchmark_key(v: Variant, drafter_key: str) -> str:
     """The report's key: the published drafter's, the benchmark settings, the eval prompts, the verifier's
-    quantization. `mt_bench` is hashed only where it is on: a variant without it keeps its earlier key."""
+    quantization. `mt_bench` and `fixed_length` are hashed only where they differ from their defaults: a
+    variant without them keeps its earlier key."""
     b = v.benchmark
-    profile = b.model_dump(exclude=set() if b.mt_bench else {"mt_bench"})
+    defaults = {"mt_bench": 0, "fixed_length": True}
+    profile = b.model_dump(exclude={name for name, value in defaults.items() if getattr(b, name) == value})
     return key_of(drafter_key, profile, v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
 
 
@@ -592,7 +594,8 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         arguments = bench_command(v, latest.resolve(), out)
         speculators(*arguments)
     report = read_json(out / "report.json")
-    synchronous = report["profiles"]["synchronous"]
+    # the fixed-length synchronous profile, or the natural-length one where that runs alone (fixed_length off)
+    synchronous = report["profiles"].get("synchronous") or report["profiles"]["synchronous-natural"]
     speedup = synchronous["speedup"].get("tpot_ms", 0.0)
     outputs = report["outputs"]
     identical = outputs["identical"] == outputs["compared"]
@@ -620,7 +623,6 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "acceptance_length": acceptance["acceptance_length"] or 0.0,
         "acceptance_per_position": {"raw_value": acceptance["acceptance_per_position"], "type": "json"},
         "tpot_speedup_synchronous": speedup,
-        "acceptance_length_fixed": (report.get("acceptance_fixed_length") or acceptance)["acceptance_length"] or 0.0,
         "throughput_ratio_synchronous": synchronous["speedup"].get("output_tokens_per_s", 0.0),
         "outputs_identical": identical,
         "outputs_lossless": lossless,
@@ -629,6 +631,9 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "plots": md("\n\n".join(image_markdown(out / name, name) for name in plots if (out / name).is_file())),
         "path": path_value(out),
     }
+    if "synchronous" in report["profiles"]:
+        fixed = report.get("acceptance_fixed_length") or acceptance
+        metadata["acceptance_length_fixed"] = fixed["acceptance_length"] or 0.0
     natural = report["profiles"].get("synchronous-natural")
     if natural:
         metadata["tpot_speedup_natural"] = natural["speedup"].get("tpot_ms", 0.0)

@@ -374,11 +374,12 @@ def test_mt_bench_beside_the_eval_prompts_reaches_bench_and_the_report_key(tmp_p
     assert parsed.mt_bench == demo.benchmark.mt_bench and parsed.prompts == "natural:eval"
 
     section = demo.benchmark.model_dump(exclude_unset=True)
-    del section["mt_bench"]  # the variant's benchmark section without the key
+    for name in ("mt_bench", "fixed_length"):
+        section.pop(name, None)  # the variant's benchmark section without the keys
     without = demo.model_copy(update={"benchmark": type(demo.benchmark)(**section)})
     assert "--mt-bench" not in bench_command(without, tmp_path / "latest", tmp_path / "report")
     earlier = without.benchmark.model_dump()
-    del earlier["mt_bench"]  # what the key hashed before the field
+    del earlier["mt_bench"], earlier["fixed_length"]  # what the key hashed before the fields
     assert benchmark_key(without, "drafter") == key_of(
         "drafter", earlier, without.prompts.eval_source, BENCH_REPORT_FORMAT
     )
@@ -393,6 +394,46 @@ def test_mt_bench_beside_the_eval_prompts_reaches_bench_and_the_report_key(tmp_p
     )
     assert not (tmp_path / "out").exists()
     assert main([*arguments, "--mt-bench", "81"]) == 2 and "81" in capsys.readouterr().err
+
+
+def test_no_fixed_length_runs_the_natural_profile_alone_and_changes_the_report_key(tmp_path, capsys):
+    """`--no-fixed-length` (a variant's `benchmark.fixed_length: false`) leaves the natural-length profile
+    alone, reaches `speculators bench` from a variant and changes its report key; with the natural
+    profile off as well nothing would be measured, which is one line before any server starts."""
+    from speculators.bench import headline_acceptance
+    from speculators.cli import build_parser, main
+    from speculators.settings import BenchSettings
+    from speculators_assets.variants import load_variants
+    from speculators_assets.workload import bench_command, benchmark_key
+
+    common = {"verifier": "v", "speculator": "s", "output": "o", "concurrency": [2]}
+    assert [p["kind"] for p in BenchSettings(**common).profiles()] == ["synchronous", "concurrent", "synchronous"]
+    alone = BenchSettings(**common, fixed_length=False).profiles()
+    assert alone == [{"natural": True, "kind": "synchronous"}]
+
+    counters = {"drafts": 4, "accepted_tokens": 2, "accepted_per_position": [2, 0, 0]}
+    headline = headline_acceptance({"synchronous-natural": {"spec_decode": counters}})
+    assert headline == {
+        "acceptance": {
+            "drafts": 4, "accepted_tokens": 2, "acceptance_length": 1.5,
+            "acceptance_per_position": [0.5, 0.0, 0.0], "length": "natural",
+        }
+    }  # fmt: skip
+
+    demo = load_variants()["smollm2_135m"]
+    on = demo.model_copy(update={"benchmark": demo.benchmark.model_copy(update={"fixed_length": True})})
+    off = demo.model_copy(update={"benchmark": demo.benchmark.model_copy(update={"fixed_length": False})})
+    assert "--no-fixed-length" in bench_command(off, tmp_path / "latest", tmp_path / "report")
+    assert not build_parser().parse_args(bench_command(off, tmp_path / "latest", tmp_path / "report")).fixed_length
+    assert "--no-fixed-length" not in bench_command(on, tmp_path / "latest", tmp_path / "report")
+    assert benchmark_key(on, "drafter") != benchmark_key(off, "drafter")
+
+    arguments = ["bench", "--verifier", "v", "--speculator", "s", "--output", str(tmp_path / "out")]
+    assert main([*arguments, "--no-fixed-length", "--natural-max-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --no-fixed-length with --natural-max-tokens 0 leaves no profile to measure: keep one of them"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 # ----- slow: the tiny verifier and drafter ---------------------------------------------------------
@@ -462,6 +503,7 @@ def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_
         requests=2,
         output_tokens=16,
         natural_max_tokens=32,
+        fixed_length=False,  # the natural-length profile alone
         concurrency=[],
         dtype="float32",
         max_model_len=1024,
@@ -469,6 +511,8 @@ def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_
         kv_cache_gib=1,
     )
     report = run_bench(settings)
+    assert list(report["profiles"]) == ["synchronous-natural"] and "acceptance_fixed_length" not in report
+    assert not list(out.glob("*/guidellm-synchronous.json")) and len(list(out.glob("*/guidellm-*natural.json"))) == 2
     answers = [json.loads(line) for line in (out / "mt-bench-answers.jsonl").read_text().splitlines()]
     rows = [json.loads(line) for line in (out / "prompts-natural.jsonl").read_text().splitlines()]
     assert [a["id"] for a in answers] == ["mt-bench-81", "mt-bench-91"] and len(rows) == 8
@@ -492,4 +536,5 @@ def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_
     assert report["outputs"]["compared"] == 4 and report["outputs"]["diverged"] == 0  # fp32, temperature 0
     markdown = (out / "report.md").read_text()
     assert "| | writing | roleplay | overall |" in markdown and "2 MT-Bench questions in two turns" in markdown
+    assert "no fixed-length profile" in markdown
     assert sys.executable  # (the servers ran under this interpreter's vLLM)
