@@ -1,9 +1,11 @@
 """The model matrix: every GPU variant's facts against its verifier's published config.json.
 
 The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md; Qwen3-VL-235B's
-is transformers' rendering of it, no copy of the file being found); nothing here touches the network, a GPU
-or model weights. A variant passes when its family, aux layer ids and verifier
-id agree with its config, and when its compute profiles hold the verifier's weights with room to spare.
+is transformers' rendering of it, no copy of the file being found). Mistral Large 3 ships Mistral's own
+format, so its copy is a params.json, read here as the Hugging Face config vLLM derives from it
+(speculators.mistral_format). Nothing here touches the network, a GPU or model weights. A variant passes
+when its family, aux layer ids and verifier id agree with its config, and when its compute profiles hold
+the verifier's weights with room to spare.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from speculators.mistral_format import hf_config_from_params
 from speculators_assets.variants import PACKAGE_VARIANTS, Variant, load_variant
 
 CONFIGS = Path(__file__).parent / "data" / "model_configs"
@@ -39,11 +42,33 @@ MATRIX = {
     "qwen3_vl_8b": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl", 36, 4096, 151936, 0, 8.77e9),
     # 235.67B: the checkpoint's 235,670,022,896 (SOURCES.md); the model card names it 235B-A22B
     "qwen3_vl_235b_a22b": ("Qwen/Qwen3-VL-235B-A22B-Instruct", "qwen3_vl_moe", 94, 4096, 151936, 128, 235.67e9),
+    # Mistral Large 3 (DeepSeek-V3 architecture, MLA): the language model's 673B (model card: "a 673B
+    # granular-MoE language model" + "a 2.5B vision encoder" = 675B). The params.json copy has no vision
+    # encoder, so the estimate counts the language model alone and is compared with 673B; the 675B total
+    # is the one test_mistral_large_3_in_bf16_needs_two_h200_nodes_and_its_profiles_give_them checks.
+    "mistral_large_3": (
+        "mistralai/Mistral-Large-3-675B-Instruct-2512-BF16",
+        "deepseek_v3",
+        61,
+        7168,
+        131072,
+        128,
+        673e9,
+    ),
 }
 
 
+def config_path(name: str) -> Path:
+    """`<name>.json`, a Hugging Face config.json, or else `<name>.params.json`, Mistral's own format."""
+    hf = CONFIGS / f"{name}.json"
+    return hf if hf.is_file() else CONFIGS / f"{name}.params.json"
+
+
 def config(name: str) -> dict:
-    return json.loads((CONFIGS / f"{name}.json").read_text())
+    """The verifier's Hugging Face config (for a params.json, the one vLLM derives from it)."""
+    path = config_path(name)
+    raw = json.loads(path.read_text())
+    return hf_config_from_params(raw, str(path)) if path.name.endswith(".params.json") else raw
 
 
 def variant(name: str) -> Variant:
@@ -51,8 +76,9 @@ def variant(name: str) -> Variant:
 
 
 def sources() -> dict[str, str]:
-    """SOURCES.md's table: config file name -> the hub id it is a copy of."""
-    rows = re.findall(r"^\| (\w+)\.json \| ([\w./-]+) \|", (CONFIGS / "SOURCES.md").read_text(), re.MULTILINE)
+    """SOURCES.md's table: config file name (less `.json` or `.params.json`) -> the hub id it is a copy of."""
+    table = (CONFIGS / "SOURCES.md").read_text()
+    rows = re.findall(r"^\| (\w+)(?:\.params)?\.json \| ([\w./-]+) \|", table, re.MULTILINE)
     return dict(rows)
 
 
@@ -71,7 +97,7 @@ def text_config(cfg: dict) -> dict:
 
 def num_experts(cfg: dict) -> int:
     text = text_config(cfg)
-    return text.get("num_experts") or text.get("num_local_experts") or 0
+    return text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
 
 
 def vocab_params(cfg: dict) -> int:
@@ -112,6 +138,13 @@ def estimate_weights(cfg: dict) -> tuple[int, float]:
     plus the router, and the norms; biases, sinks and q/k norms where the architecture has them; the vision
     tower of a vision-language verifier. Everything is bf16 except MXFP4 expert weights (gpt-oss), at 4.25
     bits each.
+
+    MLA attention (DeepSeek-V3, Mistral Large 3: `kv_lora_rank`): the query's down-projection to
+    q_lora_rank, its norm and up-projection to every head's nope + rope width (or one q_proj without
+    q_lora_rank); the joint down-projection to the KV latent plus the shared rope key, the latent's norm
+    and its up-projection to every head's nope key and value; o_proj from the heads' values. A DeepSeek-
+    style MoE (`first_k_dense_replace`): its first layers, and those off `moe_layer_freq`, are dense; the
+    others hold the routed experts, the router and `n_shared_experts` shared experts of the same width.
     """
     vision = vision_params(cfg)
     cfg = text_config(cfg)
@@ -122,6 +155,12 @@ def estimate_weights(cfg: dict) -> tuple[int, float]:
     mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o and k, v
+    if cfg.get("kv_lora_rank"):  # MLA
+        nope, rope, value = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        q_rank, kv_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+        query = hidden * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        key_value = hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + value)
+        attention = query + key_value + heads * value * hidden
     if cfg.get("attention_bias"):
         attention += heads * head_dim + 2 * kv_heads * head_dim + hidden
     if cfg["model_type"].startswith("qwen3"):
@@ -132,7 +171,11 @@ def estimate_weights(cfg: dict) -> tuple[int, float]:
 
     experts = num_experts(cfg)
     dense_layers = set(cfg.get("mlp_only_layers") or []) if experts else set(range(layers))
+    if experts and "first_k_dense_replace" in cfg:
+        every = cfg.get("moe_layer_freq") or 1
+        dense_layers = {layer for layer in range(layers) if layer < cfg["first_k_dense_replace"] or layer % every}
     expert_size = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    shared_experts = (cfg.get("n_shared_experts") or 0) * 3 * hidden * expert_size
     dense = 3 * hidden * cfg["intermediate_size"]  # gate, up, down
     expert_weights = experts * 3 * hidden * expert_size
     router = experts * hidden + (experts if gpt_oss else 0)
@@ -144,7 +187,7 @@ def estimate_weights(cfg: dict) -> tuple[int, float]:
         if layer in dense_layers:
             bf16 += dense
         else:
-            bf16 += router + expert_biases
+            bf16 += router + expert_biases + shared_experts
             if mxfp4:
                 packed += expert_weights
             else:
@@ -162,7 +205,7 @@ def quantity_gib(quantity: str) -> float:
 def test_every_row_has_a_variant_a_config_and_a_source():
     assert sorted(sources()) == sorted(MATRIX)
     for name in MATRIX:
-        assert (CONFIGS / f"{name}.json").is_file(), name
+        assert config_path(name).is_file(), name
         assert (PACKAGE_VARIANTS / f"{name}.yaml").is_file(), name
 
 
@@ -214,18 +257,20 @@ def test_vllm_steps_hold_the_verifier_with_room_for_kv_cache(name):
     for step in VLLM_STEPS:
         profile = v.profile(step)
         tp = profile.tensor_parallel_size
-        assert profile.gpus >= 1 and profile.gpus % tp == 0, (name, step)
+        assert profile.gpus >= 1 and profile.total_gpus % tp == 0, (name, step)
         assert text_config(cfg)["num_attention_heads"] % tp == 0, (name, step)  # vLLM shards whole heads
         per_gpu = weights_gib / tp
         assert per_gpu <= WEIGHT_SHARE * profile.gpu_memory_gib, (
             f"{name} {step}: {per_gpu:.1f} GiB of weights per GPU at TP {tp} is over "
             f"{WEIGHT_SHARE:.0%} of {profile.gpu_memory_gib} GiB"
         )
-        # host memory: every replica stages its copy of the weights through the pod
-        assert quantity_gib(profile.memory) >= weights_gib * profile.data_parallel_size, (name, step)
+        # host memory: every replica stages its copy of the weights through the pod (one verifier over
+        # several nodes: each node's pod its share)
+        staged = weights_gib * profile.data_parallel_size / profile.nodes
+        assert quantity_gib(profile.memory) >= staged, (name, step)
     capture, benchmark = v.profile("verifier_hidden_states"), v.profile("benchmark_report")
-    assert capture.gpus <= 8  # one node
-    assert benchmark.gpus == benchmark.tensor_parallel_size  # one server
+    assert capture.gpus <= 8  # per node
+    assert benchmark.total_gpus == benchmark.tensor_parallel_size  # one server
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
@@ -264,10 +309,10 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     prepare, datagen, vocab = hidden_state_commands(v, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "store")
     assert prepare[:1] == ["prepare"] and flag(prepare, "--backend") == "vllm" and "--regenerate" in prepare
     assert int(flag(prepare, "--tensor-parallel-size")) == capture.tensor_parallel_size
-    assert int(flag(prepare, "--data-parallel-size")) * capture.tensor_parallel_size == capture.gpus
+    assert int(flag(prepare, "--data-parallel-size")) * capture.tensor_parallel_size == capture.total_gpus
     assert flag(datagen, "--backend") == "vllm" and flag(datagen, "--verifier") == MATRIX[name][0]
     tp, dp = int(flag(datagen, "--tensor-parallel-size")), int(flag(datagen, "--data-parallel-size"))
-    assert tp == capture.tensor_parallel_size and tp * dp == capture.gpus
+    assert tp == capture.tensor_parallel_size and tp * dp == capture.total_gpus
     assert flag(datagen, "--aux-layer-ids") == ",".join(map(str, v.drafter.aux_layer_ids))
     assert vocab == ["vocab", "--store", str(tmp_path / "store"), "--draft-vocab-size", "32000"]
 
@@ -276,13 +321,12 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     assert train[6] == "train" and flag(train, "--speculative-tokens") == "3"
 
     served = bench_command(v, tmp_path / "latest", tmp_path / "report")
-    assert int(flag(served, "--tensor-parallel-size")) == bench.tensor_parallel_size == bench.gpus
+    assert int(flag(served, "--tensor-parallel-size")) == bench.tensor_parallel_size == bench.total_gpus
     assert int(flag(served, "--max-model-len")) == v.benchmark.max_model_len
 
 
-# Mistral Large 3 is no MATRIX row: no public copy of its config (params.json or config.json) was found
-# (SOURCES.md says where it was looked for), so its variant writes no layer, hidden, vocab or expert facts,
-# and its profiles are checked against the model card's published size instead.
+# Mistral Large 3 is a MATRIX row (its params.json, SOURCES.md) and the one variant over two nodes: its
+# profiles are checked here against the model card's published total, the 2.5B vision encoder included.
 MISTRAL_LARGE_3 = ("mistralai/Mistral-Large-3-675B-Instruct-2512-BF16", "deepseek_v3", 675e9)  # 673B LM + 2.5B vision
 H200_GIB = 141e9 / GIB  # 131.3 GiB
 
@@ -290,8 +334,8 @@ H200_GIB = 141e9 / GIB  # 131.3 GiB
 def test_mistral_large_3_in_bf16_needs_two_h200_nodes_and_its_profiles_give_them():
     hub_id, family, published = MISTRAL_LARGE_3
     v = variant("mistral_large_3")
-    assert v.verifier == hub_id and v.family == family and "mistral_large_3" not in sources()
-    assert v.drafter.aux_layer_ids is None  # the verifier's [2, N//2, N-3], N read from its config at run time
+    assert v.verifier == hub_id and v.family == family and sources()["mistral_large_3"] == hub_id
+    assert v.drafter.aux_layer_ids == [2, 30, 58]  # [2, N//2, N-3] for its 61 layers (the rule's arithmetic)
     assert v.drafter.draft_layer_type == "llama" and v.datagen.backend == "vllm" and v.datagen.dtype == "bfloat16"
     weights_gib = published * 2 / GIB  # bf16: 1257 GiB
     assert weights_gib > 8 * H200_GIB > 8 * 80  # one node of 8 H200 (or of 8 80 GB GPUs) cannot hold them
