@@ -60,7 +60,7 @@ from speculators.settings import BenchSettings
 
 if TYPE_CHECKING:
     from speculators.prompts import Conversation, MtBenchQuestion
-    from speculators.serve import VllmServer
+    from speculators.serve import ServerSettings, VllmServer
     from speculators.verifier import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)
@@ -666,18 +666,14 @@ def hardware() -> dict[str, Any]:
     return facts
 
 
-def run_role(
-    role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts, mt_bench: BenchPrompts | None = None
-) -> dict[str, Any]:
-    """Start one server, measure the main prompts against it (measure_prompts), take each prompt's greedy
-    output with token ids, then measure MT-Bench's questions beside them (`--mt-bench`) on the same server.
-    MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
-    from speculators.atomic_io import write_text_atomic
-    from speculators.serve import ServerSettings, VllmServer
+def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> ServerSettings:
+    """The vLLM server of one role (baseline: the verifier alone; speculator: with the drafter), the
+    one place its settings are made. Over several nodes (bench's --nnodes) it is node rank 0's server,
+    whose engine arguments the other nodes' `speculators follow` take."""
+    from speculators.serve import ServerSettings
+    from speculators.settings import node_group_of
 
-    role_dir = folder / role
-    role_dir.mkdir(parents=True, exist_ok=True)
-    server_settings = ServerSettings(
+    return ServerSettings(
         verifier=settings.verifier,
         speculator=settings.speculator if role == "speculator" else None,
         num_speculative_tokens=settings.num_speculative_tokens,
@@ -691,13 +687,27 @@ def run_role(
         log_path=role_dir / "vllm.log",
         startup_timeout=settings.startup_timeout,
         extra_args=settings.vllm_args,
+        nodes=node_group_of(settings),
         # The baseline reports the verifier's raw logits where asked (the lossless judge reads them);
         # requests that ask for none, GuideLLM's, run as without it.
         logprobs_mode="raw_logits" if role == "baseline" else None,
     )
+
+
+def run_role(
+    role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts, mt_bench: BenchPrompts | None = None
+) -> dict[str, Any]:
+    """Start one server, measure the main prompts against it (measure_prompts), take each prompt's greedy
+    output with token ids, then measure MT-Bench's questions beside them (`--mt-bench`) on the same server.
+    MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.serve import VllmServer
+
+    role_dir = folder / role
+    role_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
-    with VllmServer(server_settings) as server:
+    with VllmServer(role_server_settings(role, settings, role_dir)) as server:
         results: dict[str, Any] = {"server": server.describe()}
         print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
         warm_up(server.url, server.model_name)
@@ -847,6 +857,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     folder = Path(settings.output)
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
+    from speculators.multinode import refuse_node_flags
+
+    refuse_node_flags(settings.vllm_args)  # (the node group: bench's own flags, which the other nodes follow)
     if any(arg.split("=")[0] == "--quantization" for arg in settings.vllm_args):
         raise SpeculatorsError(
             "pass the verifier's quantization as bench's own --quantization (not after --), so the lossless "

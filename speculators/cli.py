@@ -19,6 +19,7 @@ from speculators.settings import (
     AUTO_DTYPE_HELP,
     BenchSettings,
     CaptureSettings,
+    MultiNode,
     PrepareSettings,
     QuantizedVerifier,
     TrainConfig,
@@ -280,8 +281,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_path=args.log_file,
         startup_timeout=args.startup_timeout,
         extra_args=args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args,
+        nodes=from_args(MultiNode, args),
     )
     return serve_forever(settings, follow_log=not args.quiet)
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    from speculators.multinode import follow
+
+    return follow(from_args(MultiNode, args), idle_timeout=args.idle_timeout)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -430,8 +438,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-file", default="vllm-server.log")
     serve.add_argument("--startup-timeout", type=number(float, 1), default=900.0)
     serve.add_argument("--quiet", action="store_true", help="do not echo vLLM's log")
+    add_flags(serve, MultiNode)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more vLLM server flags")
     serve.set_defaults(func=cmd_serve)
+
+    follow = commands.add_parser(
+        "follow",
+        help="on node ranks 1..N-1 of a multi-node engine: vLLM's headless workers of every engine node rank 0 "
+        "starts (prepare, datagen, bench or serve with --nnodes), with its engine arguments",
+    )
+    add_flags(follow, MultiNode)
+    follow.add_argument(
+        "--idle-timeout",
+        type=number(float, 1),
+        default=3600.0,
+        help="give up after this many seconds in which node rank 0 served no engine (default 3600)",
+    )
+    follow.set_defaults(func=cmd_follow)
 
     bench = commands.add_parser("bench", help="GuideLLM: vLLM with and without the speculator, report folder")
     add_flags(bench, BenchSettings, exclude=("vllm_args",))

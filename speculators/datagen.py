@@ -30,7 +30,7 @@ from speculators.hidden_state_store import (
     file_sha256,
     sample_key,
 )
-from speculators.settings import CaptureSettings
+from speculators.settings import CaptureSettings, MultiNode, node_group_of
 from speculators.tokenization import TokenizedSample
 from speculators.vision import images_digest
 
@@ -130,6 +130,7 @@ def make_capture_fn(
     max_length: int,
     tensor_parallel_size: int = 1,
     batch_size: int = 4,
+    nodes: MultiNode | None = None,
 ) -> CaptureFn:
     if backend == "transformers":
         from speculators.verifier import Verifier
@@ -151,6 +152,7 @@ def make_capture_fn(
             tensor_parallel_size=tensor_parallel_size,
             image_token_id=verifier.image_inputs.tokens.image_token_id if verifier.is_vision_language else None,
             quantization=verifier.quantization,
+            nodes=nodes,
         )
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
@@ -190,11 +192,13 @@ def run_datagen(
     tensor_parallel_size: int = 1,
     replica: tuple[int, int] | None = None,
     overwrite: bool = False,
+    nodes: MultiNode | None = None,
 ) -> DatagenReport:
     """Capture the samples' states into the store and write its manifest. `verifier` is a loaded
     `Verifier` (transformers backend) or `VerifierFacts` (vllm backend: vLLM loads the weights).
     `replica=(i, n)`: compute only every n-th batch from the i-th and write no manifest (one of n
-    data-parallel replicas; `run_datagen_replicas` starts them and writes the manifest after)."""
+    data-parallel replicas; `run_datagen_replicas` starts them and writes the manifest after).
+    `nodes`: the vllm engine spans several nodes, this is node rank 0 (speculators/multinode.py)."""
     import torch
     from tqdm import tqdm
 
@@ -249,6 +253,7 @@ def run_datagen(
                     max(len(s.input_ids) for s in samples),
                     tensor_parallel_size,
                     batch_size,
+                    nodes,
                 )
             states = capture([samples[i].input_ids for i in batch], [samples[i].images for i in batch])
             for row, i in enumerate(batch):
@@ -470,8 +475,16 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
     from speculators.vllm_capture import vllm_log
 
     s = settings
-    if s.backend != "vllm" and (s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or replica):
-        raise SpeculatorsError("--tensor-parallel-size, --data-parallel-size and --replica need --backend vllm")
+    if s.backend != "vllm" and (s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or replica or s.multi_node):
+        raise SpeculatorsError(
+            "--tensor-parallel-size, --data-parallel-size, --nnodes and --replica need --backend vllm"
+        )
+    if s.multi_node and s.data_parallel_size > 1:
+        raise SpeculatorsError(
+            f"--data-parallel-size {s.data_parallel_size} with --nnodes {s.nnodes}: capture replicas are one engine "
+            f"each on this node's GPUs, and an engine over several nodes is one verifier over all of them; use "
+            f"--data-parallel-size 1"
+        )
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
@@ -501,6 +514,7 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
                     replica=replica,
                     tensor_parallel_size=s.tensor_parallel_size,
                     progress=replica is None,
+                    nodes=node_group_of(s),
                 )
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")

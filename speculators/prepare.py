@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
-from speculators.settings import PrepareSettings
+from speculators.settings import PrepareSettings, node_group_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -163,6 +163,7 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
     config, location = load_verifier_config(str(settings.verifier))
     images = verifier_image_inputs(config, location)
     key = regeneration_key(settings)
+    check_node_group(settings, images is not None)
     if settings.data_parallel_size > 1 and not settings.server_url and (images or settings.backend != "vllm"):
         return regenerate_on_replicas(settings, conversations, output, key)
     tokenizer, generate, server = answer_generator(settings, output, images)
@@ -179,6 +180,24 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
         )
     details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
     return write_samples(output, samples, details)
+
+
+def check_node_group(settings: PrepareSettings, images: bool) -> None:
+    """Regeneration over several nodes (--nnodes) is one vLLM engine over them, started here: refused in
+    one sentence where this prepare would start none, or only engines on this node."""
+    s = settings
+    if not s.multi_node:
+        return
+    if s.backend != "vllm" or s.server_url:
+        raise SpeculatorsError(
+            "--nnodes starts vLLM's engine over several nodes here: it needs --backend vllm and no --server-url"
+        )
+    if s.data_parallel_size > 1 and images:
+        raise SpeculatorsError(
+            f"regenerating image conversations with --data-parallel-size {s.data_parallel_size} runs one offline "
+            f"engine per replica on this node's GPUs, not an engine over --nnodes {s.nnodes}; use "
+            f"--data-parallel-size 1"
+        )
 
 
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -305,6 +324,7 @@ def answer_generator(
             max_model_len,
             s.tensor_parallel_size,
             quantization=s.quantization,
+            nodes=node_group_of(s),
         )
         return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
 
@@ -340,6 +360,7 @@ def answer_generator(
             tensor_parallel_size=s.tensor_parallel_size,
             log_path=output / "regeneration-vllm.log",
             extra_args=["--data-parallel-size", str(s.data_parallel_size)],
+            nodes=node_group_of(s),
         )
     )
 

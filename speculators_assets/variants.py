@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators.settings import (
+    VLLM_MASTER_PORT,
     BenchProfile,
     PromptSources,
     RegenerationSettings,
@@ -51,7 +52,8 @@ class ComputeProfile(Strict):
     and run `total_gpus // tensor_parallel_size` data-parallel replicas of it; training uses every GPU.
     A multi-node step (`nodes` > 1: a verifier too large for one node's GPUs) runs one pod per node,
     each with `gpus` GPUs, and one verifier over all of them (tensor parallel nodes x gpus; vLLM's
-    multi-node launch: `--nnodes`, `--node-rank`, `--master-addr`; PipelineRunner.node_pods renders it).
+    multi-node launch: node rank 0 runs the step with `--nnodes`, `--node-rank 0`, `--master-addr`,
+    `--master-port`, the others `speculators follow`; PipelineRunner.node_pods renders them).
     """
 
     gpus: int = Field(0, ge=0)  # per pod (per node)
@@ -89,23 +91,17 @@ class ComputeProfile(Strict):
         """Replicas of the verifier this step runs (one per tensor-parallel group of GPUs)."""
         return max(1, self.total_gpus // self.tensor_parallel_size)
 
-    def vllm_node_args(self, node_rank: int, master_addr: str) -> list[str]:
-        """vLLM's multi-node flags for the engine part on node `node_rank` (none on one node)."""
+    def node_group(self, node_rank: int, master_addr: str) -> dict[str, Any]:
+        """The library's multi-node settings (speculators.settings.MultiNode: --nnodes, --node-rank,
+        --master-addr, --master-port) of the engine part on node `node_rank`; none on one node."""
         if self.nodes == 1:
-            return []
-        return [
-            "--nnodes",
-            str(self.nodes),
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            master_addr,
-            "--master-port",
-            str(VLLM_MASTER_PORT),
-        ]
-
-
-VLLM_MASTER_PORT = 29501  # vLLM's default --master-port
+            return {}
+        return {
+            "nnodes": self.nodes,
+            "node_rank": node_rank,
+            "master_addr": master_addr,
+            "master_port": VLLM_MASTER_PORT,
+        }
 
 
 def node_group_name(variant: str, step: str) -> str:

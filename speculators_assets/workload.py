@@ -237,10 +237,15 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     d, profile = v.datagen, v.profile("verifier_hidden_states")
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
+    # Over several nodes this pod is node rank 0: each engine it starts serves its arguments to the
+    # other nodes' `speculators follow` (PipelineRunner.node_pods); the library refuses a backend that
+    # cannot span them, so the node group goes to every command that starts an engine.
+    nodes = node_group(v, "verifier_hidden_states")
     regeneration = {
         **d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
         "regenerate": d.regenerate,
         **(parallel if vllm and d.regenerate else {}),
+        **(nodes if d.regenerate else {}),  # (tokenizing alone runs no model)
     }
     quantized = {"quantization": v.verifier_quantization} if v.verifier_quantization else {}
     prepare = PrepareSettings(
@@ -267,6 +272,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         overwrite=True,
         **({"batch_size": d.batch_size, **parallel} if vllm else {}),
         **quantized,
+        **nodes,
     )
     vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
     return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
@@ -551,12 +557,11 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
 
 def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     """`speculators bench` for a variant: both vLLM servers on the step's tensor-parallel GPUs (on a
-    multi-node profile, node rank 0 of them, with vLLM's multi-node flags)."""
+    multi-node profile, node rank 0 of them, with the library's node-group flags, which the other
+    nodes' `speculators follow` take from it)."""
     from speculators.settings import BenchSettings
-    from speculators_assets.variants import master_address
 
     profile = v.profile("benchmark_report")
-    nodes = profile.vllm_node_args(0, master_address(v.name, "benchmark_report"))
     settings = BenchSettings(
         **v.benchmark.model_dump(exclude_unset=True),
         verifier=v.verifier,
@@ -565,8 +570,31 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
         prompts=v.prompts.eval_source,
         tensor_parallel_size=profile.tensor_parallel_size,
         **({"quantization": v.verifier_quantization} if v.verifier_quantization else {}),
+        **node_group(v, "benchmark_report"),
     )
-    return ["bench", *to_argv(settings), *(["--", *nodes] if nodes else [])]  # after --: vLLM's own flags
+    return ["bench", *to_argv(settings)]
+
+
+def node_group(v: Variant, step: str) -> dict[str, Any]:
+    """The library's node-group settings of node rank 0, which runs `step`'s commands (none on one node):
+    the master address is rank 0's own DNS name, as PipelineRunner.node_pods names its pod."""
+    from speculators_assets.variants import master_address
+
+    return v.profile(step).node_group(0, master_address(v.name, step))
+
+
+def release_followers(v: Variant, step: str) -> None:
+    """After a multi-node step, whatever it ran: tell the other nodes' `speculators follow` that no
+    engine follows (their pods then end)."""
+    nodes = node_group(v, step)
+    if not nodes:
+        return
+    from speculators.multinode import release_followers as release
+    from speculators.settings import MultiNode
+
+    missing = release(MultiNode(**nodes))
+    if missing:
+        print(f"node ranks {missing} did not ask for the end of the step; stop their pods", flush=True)
 
 
 def benchmark_key(v: Variant, drafter_key: str) -> str:
@@ -693,7 +721,10 @@ def main() -> None:
             force=bool(pipes.get_extra("force")),
         )
         pipes.log.info(f"{name} for variant {step.variant.name} under {step.root}")
-        metadata, version = STEP_FUNCTIONS[name](step)
+        try:
+            metadata, version = STEP_FUNCTIONS[name](step)
+        finally:
+            release_followers(step.variant, name)
         for check in step.checks:
             pipes.report_asset_check(**check)
         pipes.report_asset_materialization(metadata=metadata, data_version=version)

@@ -32,7 +32,7 @@ GPU_VARIANTS = {
     "gpt_oss_120b": [2, 18, 33],
     "qwen3_vl_8b": [2, 18, 33],
     "qwen3_vl_235b_a22b": [2, 47, 91],
-    "mistral_large_3": None,  # no config copy found (tests/test_model_matrix.py): the verifier's default ids
+    "mistral_large_3": [2, 30, 58],  # 61 layers (tests/data/model_configs/mistral_large_3.params.json)
 }
 
 
@@ -159,8 +159,8 @@ def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
 
 def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tmp_path):
     """mistral_large_3's vLLM steps span 2 nodes (TP 16 over 8 H200 each): one pod per node with 8 GPUs,
-    named under a headless Service; rank 0 runs the workload, whose vLLM server gets --nnodes/--node-rank 0/
-    --master-addr (after bench's `--`), rank 1 vLLM's headless workers of the same engine. This runner
+    named under a headless Service; rank 0 runs the workload, whose bench gets --nnodes/--node-rank 0/
+    --master-addr/--master-port, rank 1 `speculators follow`: vLLM's headless workers of each engine. This runner
     starts one pod per step, so it refuses such a step with the reason rather than run it on one node."""
     import kubernetes
     from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
@@ -188,11 +188,8 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
         assert (pod.spec.hostname, pod.spec.subdomain) == (f"{group}-{rank}", group)
         env = {e.name: e.value for e in pod.spec.containers[0].env}
         assert env["SPECULATORS_NODE_RANK"] == str(rank) and env["SPECULATORS_MASTER_ADDR"] == master
-    worker = pods[1]["spec"]["containers"][0]["command"]
-    assert worker[:4] == ["vllm", "serve", "mistralai/Mistral-Large-3-675B-Instruct-2512-BF16", "--headless"]
-    assert (
-        worker[worker.index("--tensor-parallel-size") + 1] == "16" and worker[worker.index("--dtype") + 1] == "bfloat16"
-    )
+    worker = pods[1]["spec"]["containers"][0]["command"]  # (every node's engine arguments: tests/test_multinode.py)
+    assert worker[:4] == ["python", "-m", "speculators.cli", "follow"]
     assert worker[worker.index("--nnodes") :] == [
         "--nnodes",
         "2",
@@ -211,19 +208,11 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
     assert all(service.spec.selector.items() <= p["metadata"]["labels"].items() for p in pods)
 
     bench = bench_command(variant, tmp_path / "latest", tmp_path / "report")
-    assert bench[bench.index("--") + 1 :] == [
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "0",
-        "--master-addr",
-        master,
-        "--master-port",
-        "29501",
-    ]
+    nodes = bench[bench.index("--nnodes") : bench.index("--nnodes") + 8]
+    assert nodes == ["--nnodes", "2", "--node-rank", "0", "--master-addr", master, "--master-port", "29501"]
     parsed = build_parser().parse_args(bench)
-    assert parsed.tensor_parallel_size == 16 and parsed.vllm_args[1:] == bench[bench.index("--") + 1 :]
-    assert command_line(bench)[-8:] == bench[-8:]
+    assert parsed.tensor_parallel_size == 16 and (parsed.nnodes, parsed.node_rank) == (2, 0) and not parsed.vllm_args
+    assert command_line(bench)[-len(bench) :] == bench
 
     class Log:
         def info(self, message: str) -> None:
@@ -234,7 +223,7 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
         runner.run(context, variant, step, K8S_STORAGE_ROOT)
     with pytest.raises(ValueError, match="must be nodes x gpus = 16"):
         ComputeProfile(gpus=8, nodes=2, tensor_parallel_size=8)  # a replica per node is not what the pods run
-    assert ComputeProfile(gpus=8, tensor_parallel_size=8).vllm_node_args(0, master) == []  # one node: no flags
+    assert ComputeProfile(gpus=8, tensor_parallel_size=8).node_group(0, master) == {}  # one node: no flags
 
 
 def test_a_gpu_variant_on_the_local_runner_fails_fast():

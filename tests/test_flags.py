@@ -37,6 +37,8 @@ def changed_value(name: str, info) -> object:
         return [3.0, 1.0]
     if name == "device":  # a device the settings accept: auto, cpu, cuda or cuda:N
         return "cuda:1"
+    if name == "node_rank":  # a rank among the changed --nnodes (3), which also divide the changed TP x DP
+        return 1
     if typing.get_origin(kind) is list:
         item = typing.get_args(kind)[0]
         item = typing.get_args(item)[0] if typing.get_origin(item) is typing.Annotated else item

