@@ -187,3 +187,29 @@ def pytest_collection_modifyitems(config, items):
         return SLOWEST_MODULES.index(name) if name in SLOWEST_MODULES else len(SLOWEST_MODULES)
 
     items.sort(key=rank)  # stable: the order inside each module is kept
+
+
+def built_node_pods(runner, variant, step: str, root: str) -> list:
+    """A multi-node step's pods as the k8s runner renders them (`node_pods`), each built into the pod
+    dagster-k8s would create and checked: a V1Pod with 8 GPUs, named `<group>-<rank>` under the group's
+    headless Service. Returns (rendered dict, V1Pod) per node rank."""
+    import kubernetes
+    from dagster_k8s.pipes import build_pod_body
+
+    from speculators_assets.variants import node_group_name
+
+    group = node_group_name(variant.name, step)
+    pods = runner.node_pods(variant, step, root)
+    assert [p["metadata"]["name"] for p in pods] == [f"{group}-0", f"{group}-1"]
+    built = []
+    for rank, rendered in enumerate(pods):
+        spec = rendered["spec"]
+        command = spec["containers"][0].get("command") or runner.workload_command()
+        pod = build_pod_body(
+            rendered["metadata"]["name"], None, command, {}, {"labels": rendered["metadata"]["labels"]}, spec
+        )
+        assert isinstance(pod, kubernetes.client.V1Pod)
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"  # each node's 8 of the 16
+        assert (pod.spec.hostname, pod.spec.subdomain) == (f"{group}-{rank}", group)
+        built.append((rendered, pod))
+    return built

@@ -16,6 +16,7 @@ from speculators_assets.environment import K8S_STORAGE_ROOT, Settings
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.steps import BY_NAME, NAMES, STEPS
 from speculators_assets.variants import VariantError, load_variant, load_variants
+from tests.conftest import built_node_pods
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = list(NAMES)
@@ -164,7 +165,6 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
     starts one pod per step, so it refuses such a step with the reason rather than run it on one node."""
     import kubernetes
     from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
-    from dagster_k8s.pipes import build_pod_body
 
     from speculators.cli import build_parser
     from speculators_assets.variants import ComputeProfile, master_address, node_group_name
@@ -175,17 +175,9 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
     step = "benchmark_report"
     group, master = node_group_name(variant.name, step), master_address(variant.name, step)
     assert (group, master) == ("spec-mistral-large-3-benchmark-report", f"{group}-0.{group}")
-    pods = runner.node_pods(variant, step, K8S_STORAGE_ROOT)
-    assert [p["metadata"]["name"] for p in pods] == [f"{group}-0", f"{group}-1"]
-    for rank, rendered in enumerate(pods):
-        spec = rendered["spec"]
-        command = spec["containers"][0].get("command") or runner.workload_command()
-        pod = build_pod_body(
-            rendered["metadata"]["name"], None, command, {}, {"labels": rendered["metadata"]["labels"]}, spec
-        )
-        assert isinstance(pod, kubernetes.client.V1Pod)
-        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"  # each node's 8 of the 16
-        assert (pod.spec.hostname, pod.spec.subdomain) == (f"{group}-{rank}", group)
+    built = built_node_pods(runner, variant, step, K8S_STORAGE_ROOT)
+    pods = [rendered for rendered, _ in built]
+    for rank, (_, pod) in enumerate(built):
         env = {e.name: e.value for e in pod.spec.containers[0].env}
         assert env["SPECULATORS_NODE_RANK"] == str(rank) and env["SPECULATORS_MASTER_ADDR"] == master
     worker = pods[1]["spec"]["containers"][0]["command"]  # (every node's engine arguments: tests/test_multinode.py)

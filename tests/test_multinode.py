@@ -24,8 +24,9 @@ from speculators.errors import SpeculatorsError
 from speculators.flags import from_args
 from speculators.settings import BenchSettings, CaptureSettings, MultiNode, PrepareSettings, node_group_of
 from speculators_assets.resources import PipelineRunner
-from speculators_assets.variants import ComputeProfile, load_variants, master_address, node_group_name
+from speculators_assets.variants import ComputeProfile, load_variants, master_address
 from speculators_assets.workload import bench_command, hidden_state_commands
+from tests.conftest import built_node_pods
 
 VARIANT = "mistral_large_3"
 MULTI_NODE_STEPS = ("verifier_hidden_states", "benchmark_report")
@@ -97,25 +98,14 @@ def parsed(arguments: list[str]):
 def test_each_pod_runs_its_node_rank_of_one_group(variant, step):
     import kubernetes
     from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
-    from dagster_k8s.pipes import build_pod_body
 
     profile = variant.profile(step)
     assert (profile.nodes, profile.gpus, profile.tensor_parallel_size) == (2, 8, 16)
     # the world (TP x DP) is every GPU of every node: one verifier over both nodes
     assert profile.tensor_parallel_size * profile.data_parallel_size == profile.nodes * profile.gpus
     runner = PipelineRunner(mode="k8s", workload_image="registry.example/speculators-gpu:1.0")
-    name, master = node_group_name(variant.name, step), master_address(variant.name, step)
-    pods = runner.node_pods(variant, step, ROOT)
-    assert [p["metadata"]["name"] for p in pods] == [f"{name}-0", f"{name}-1"]
-    for rank, rendered in enumerate(pods):
-        spec = rendered["spec"]
-        command = spec["containers"][0].get("command") or runner.workload_command()
-        pod = build_pod_body(
-            rendered["metadata"]["name"], None, command, {}, {"labels": rendered["metadata"]["labels"]}, spec
-        )
-        assert isinstance(pod, kubernetes.client.V1Pod)
-        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"
-        assert (pod.spec.hostname, pod.spec.subdomain) == (f"{name}-{rank}", name)
+    master = master_address(variant.name, step)
+    pods = [rendered for rendered, _ in built_node_pods(runner, variant, step, ROOT)]
     assert "command" not in pods[0]["spec"]["containers"][0]  # rank 0: the workload (through Pipes)
     follower = pods[1]["spec"]["containers"][0]["command"]
     assert follower == [
