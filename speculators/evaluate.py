@@ -652,9 +652,10 @@ def tokenize_prompts(
     """(id, prompt ids) per conversation; with images (a vision-language `verifier`) also the image
     parts, their placeholders expanded to each image's token count."""
     from speculators.tokenization import render_ids
+    from speculators.verifier import has_chat_template
     from speculators.vision import image_parts, load_image
 
-    if tokenizer.chat_template is None:
+    if not has_chat_template(tokenizer):
         raise SpeculatorsError("the verifier's tokenizer has no chat template; prompts cannot be rendered for it")
     prompts: list[EvalPrompt] = []
     for conversation in conversations:

@@ -478,3 +478,193 @@ def to_hf_rotary_layout(weight: torch.Tensor, heads: int) -> torch.Tensor:
     if rows % (2 * heads):
         raise SpeculatorsError(f"a rotary weight of {rows} rows does not split into {heads} heads of whole pairs")
     return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+# --- reading a Mistral-format checkpoint -----------------------------------------------------------
+
+CONSOLIDATED_PATTERN = "consolidated*.safetensors"
+# The tokenizer files vLLM's `tokenizer_mode auto` takes as mistral-common's (vllm/tokenizers/registry.py)
+MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
+MISTRAL4_ARCHITECTURE = "Mistral4ForCausalLM"
+# The keys transformers' Mistral4Config takes from the DeepSeek-V3-style dict hf_config_from_params makes
+MISTRAL4_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_shared_experts",
+    "n_routed_experts",
+    "routed_scaling_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "n_group",
+    "topk_group",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "norm_topk_prob",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
+
+
+def is_mistral_checkpoint(directory: str | Path) -> bool:
+    """A folder in Mistral's format as vLLM decides it (`config_format` / `load_format` auto:
+    vllm/transformers_utils/config.py and model_loader/default_loader.py): a params.json beside
+    consolidated*.safetensors, whether or not a Hugging Face config.json is there too."""
+    path = Path(directory)
+    return path.is_dir() and (path / PARAMS_FILE).is_file() and any(path.glob(CONSOLIDATED_PATTERN))
+
+
+def has_mistral_tokenizer(directory: str | Path) -> bool:
+    """Whether a Mistral-format folder has mistral-common's tokenizer (tekken.json, tokenizer.model.v*),
+    which vLLM then uses (its `tokenizer_mode auto`) and so do we."""
+    path = Path(directory)
+    return is_mistral_checkpoint(path) and any(any(path.glob(p)) for p in MISTRAL_TOKENIZER_PATTERNS)
+
+
+def vllm_format_kwargs(directory: str | Path, with_drafter: bool = False) -> dict[str, str]:
+    """vLLM engine arguments naming a Mistral-format verifier's formats (none for any other folder).
+
+    With a drafter in the same engine only the tokenizer mode is named: vLLM gives the draft model the
+    target's `config_format` (vllm/config/speculative.py) and both models one LoadConfig, so
+    `mistral` there would send our speculators checkpoint (config.json, model.safetensors) through
+    Mistral's parser and loader; `auto` reads each folder as what it is (params.json beside
+    consolidated*.safetensors: Mistral's)."""
+    if not is_mistral_checkpoint(directory):
+        return {}
+    kwargs = {"tokenizer_mode": "mistral"} if has_mistral_tokenizer(directory) else {}
+    if not with_drafter:
+        kwargs.update(config_format="mistral", load_format="mistral")
+    return kwargs
+
+
+def transformers_config_dict(facts: Mapping[str, Any], source: str = PARAMS_FILE) -> dict[str, Any]:
+    """The transformers config that computes what vLLM computes for a Mistral-format checkpoint, from the
+    dict `hf_config_from_params` derives (vLLM's view of it).
+
+    A dense Mistral is transformers' MistralConfig as it is. Mistral Large 3 (vLLM's
+    MistralLarge3ForCausalLM, a DeepSeek-V3 model) is transformers' `mistral4` model, not its
+    DeepSeek-V3: transformers' DeepSeek-V3 routes experts by sigmoid scores with a correction bias that
+    this checkpoint has none of, while Mistral4 routes by softmax (vLLM's `scoring_func softmax`) and
+    scales queries by position as vLLM's `llama_4_scaling` does. Two keys are adapted: with YaRN's
+    `attention_factor` 1.0 (params.json `apply_scale: false`) vLLM uses its `deepseek_llama_scaling`
+    rotary, which leaves the softmax scale alone, so `mscale_all_dim` becomes 0 (transformers would
+    multiply the scale by mscale(factor)**2 otherwise: vllm/model_executor/models/deepseek_v2.py);
+    and the llama-4 beta joins rope_parameters, where transformers reads it, with YaRN's original
+    length as its period, which must be llama_4_scaling's own."""
+    model_type = facts.get("model_type")
+    if model_type == "mistral":
+        return dict(facts)
+    if model_type != "deepseek_v3":
+        raise SpeculatorsError(
+            f"{shorten(source, 200)} describes a {model_type} model, which is read by vLLM only here (transformers "
+            f"loads a dense Mistral or Mistral Large 3 from Mistral's format); use --backend vllm"
+        )
+    rope = dict(facts.get("rope_parameters") or {})
+    scaling = facts.get("llama_4_scaling") or {}
+    if rope.get("rope_type") != "yarn":
+        raise SpeculatorsError(
+            f"{shorten(source, 200)} has no `yarn` section, which transformers' Mistral 4 model needs for the llama-4 "
+            f"query scaling; load this checkpoint with vLLM (--backend vllm)"
+        )
+    if scaling.get("original_max_position_embeddings") != rope.get("original_max_position_embeddings"):
+        raise SpeculatorsError(
+            f"{shorten(source, 200)}: llama_4_scaling's original_max_position_embeddings differs from yarn's, which "
+            f"transformers' Mistral 4 model cannot express; load this checkpoint with vLLM (--backend vllm)"
+        )
+    if (facts.get("moe_layer_freq") or 1) != 1:
+        raise SpeculatorsError(
+            f"{shorten(source, 200)}: `moe.route_every_n` is {facts['moe_layer_freq']}; transformers' Mistral 4 model "
+            f"routes every layer after the dense ones: load this checkpoint with vLLM (--backend vllm)"
+        )
+    if rope.get("attention_factor") == 1.0:
+        rope["mscale_all_dim"] = 0
+    rope["llama_4_scaling_beta"] = scaling["beta"]
+    config = {key: facts[key] for key in MISTRAL4_KEYS if key in facts}
+    config.update(
+        model_type="mistral4", architectures=[MISTRAL4_ARCHITECTURE], rope_parameters=rope, rope_interleave=True
+    )
+    return config
+
+
+def hf_state_dict(directory: str | Path, facts: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Mistral-format checkpoint's weights under the names (and in the layout) of the transformers model
+    `transformers_config_dict` configures: every consolidated*.safetensors tensor renamed
+    (`hf_tensor_name`), a dense model's wq / wk rows in Hugging Face's rotary order, and Mistral 4's
+    experts fused as transformers keeps them (gate_up_proj [experts, 2 x width, hidden]: w1 then w3;
+    down_proj [experts, hidden, width]: w2). Quantized checkpoints (scales) are vLLM's to read."""
+    import torch
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    expert_name = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    fuse = facts.get("model_type") == "deepseek_v3"
+    for file in sorted(Path(directory).glob(CONSOLIDATED_PATTERN)):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in sorted(handle.keys()):
+                if is_vision_tensor(name):
+                    continue  # (a vision-language checkpoint is refused by transformers_config_dict)
+                hf = hf_tensor_name(name)
+                if not hf.endswith(".weight"):
+                    raise SpeculatorsError(
+                        f"{file.name} holds quantization scales ({name}); transformers does not load a quantized "
+                        f"Mistral-format checkpoint here: use --backend vllm"
+                    )
+                tensor = handle.get_tensor(name).to(dtype)
+                if needs_rotary_permutation(name):
+                    heads = facts["num_attention_heads"] if ".wq." in name else facts["num_key_value_heads"]
+                    tensor = to_hf_rotary_layout(tensor, heads)
+                match = expert_name.fullmatch(hf) if fuse else None
+                if match is None:
+                    state[hf] = tensor
+                    continue
+                prefix, expert, projection = match.groups()
+                experts.setdefault(f"{prefix}.{projection}", {})[int(expert)] = tensor
+    count = facts.get("n_routed_experts", 0)
+    for prefix in sorted({key.rpartition(".")[0] for key in experts}):
+        parts = {p: experts.get(f"{prefix}.{p}", {}) for p in ("gate_proj", "up_proj", "down_proj")}
+        missing = [f"{prefix}.{e}.{p}" for p, got in parts.items() for e in range(count) if e not in got]
+        if missing:
+            raise SpeculatorsError(f"{Path(directory)} lacks expert weights ({missing[0]} and {len(missing) - 1} more)")
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in range(count)]
+        )
+        state[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(count)])
+    return state
+
+
+def transformers_model(config_dict: Mapping[str, Any], dtype: torch.dtype) -> Any:
+    """A freshly initialised transformers model of `transformers_config_dict`'s dict (Mistral 4 has no
+    AutoModelForCausalLM entry in transformers 5.19, so its class is named here)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**config_dict)
+    if config.model_type == "mistral4":
+        return transformers.Mistral4ForCausalLM._from_config(config, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+_HF_PATTERNS = [(_pattern(hf), mistral) for mistral, hf in MISTRAL_TO_HF_TENSORS.items()]
+
+
+def mistral_tensor_name(hf_name: str) -> str:
+    """The Mistral-format name of a Hugging Face checkpoint tensor (`hf_tensor_name`'s inverse, weights
+    only; per-expert names)."""
+    for pattern, mistral in _HF_PATTERNS:
+        match = pattern.fullmatch(hf_name)
+        if match is not None:
+            return mistral.format(**match.groupdict())
+    raise SpeculatorsError(f"tensor {shorten(hf_name, 120)!r} has no Mistral-format name")
+
+
+HEAD_TENSORS = {"embedding": "tok_embeddings.weight", "lm_head": "output.weight", "norm": "norm.weight"}
+"""A Mistral-format checkpoint's input embeddings, lm_head and final norm (what training reads)."""

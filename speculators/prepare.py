@@ -88,14 +88,12 @@ def offline_vllm_engine(settings: PrepareSettings) -> bool:
 
 
 def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from speculators.prompts import RowRejected
     from speculators.tokenization import tokenize_conversation
-    from speculators.verifier import load_verifier_config
+    from speculators.verifier import load_tokenizer, load_verifier_config
 
     config, location = load_verifier_config(str(settings.verifier))
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+    tokenizer = load_tokenizer(location)
     images = verifier_image_inputs(config, location)
     samples, rejected = [], Counter[str]()
     for conversation in conversations:
@@ -303,14 +301,12 @@ def answer_generator(
             "drop --server-url (--data-parallel-size N runs N offline engines)"
         )
 
-    from transformers import AutoTokenizer
-
     from speculators.regenerate import VllmGenerate, server_generate_fn
     from speculators.tokenization import turn_end_ids
-    from speculators.verifier import load_verifier_config
+    from speculators.verifier import load_tokenizer, load_verifier_config
 
     _, location = load_verifier_config(str(s.verifier))  # a GGUF file becomes its cached directory
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+    tokenizer = load_tokenizer(location)
     ends = turn_end_ids(tokenizer)
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):

@@ -194,6 +194,7 @@ def regeneration_engine_kwargs(
 ) -> dict[str, Any]:
     """The regeneration engine's `LLM()` arguments on this node (the one place they are built: the other
     nodes of a multi-node engine start its headless workers with the same, speculators/multinode.py)."""
+    from speculators.mistral_format import vllm_format_kwargs
     from speculators.quantization import vllm_dtype
     from speculators.vllm_capture import cpu_mla_backend, cpu_rotary_workaround
     from speculators.vllm_engine import decoding_enforce_eager, offline_engine_kwargs
@@ -210,6 +211,7 @@ def regeneration_engine_kwargs(
         **({"compilation_config": rotary} if rotary else {}),
         **cpu_mla_backend(model_dir),
         **vllm_image_limits(model_dir),
+        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
     }
     return offline_engine_kwargs(kwargs, nodes)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from speculators.errors import SpeculatorsError
 from speculators.settings import MultiNode, node_layout_problem
-from speculators.vllm_engine import node_flags, vllm_build
+from speculators.vllm_engine import engine_flags, node_flags, vllm_build
 
 SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -183,6 +183,7 @@ class VllmServer:
     def engine_args(self) -> list[str]:
         """The engine's `vllm serve` flags, the one place they are built: node rank 0's server takes them,
         and over several nodes every other node's headless workers take the same (headless_command)."""
+        from speculators.mistral_format import vllm_format_kwargs
         from speculators.quantization import vllm_dtype, vllm_quantization_args
 
         s = self.settings
@@ -208,6 +209,10 @@ class VllmServer:
             except SpeculatorsError:  # a hub id out of reach: vLLM's choice
                 backend = {}
             command += [arg for key, value in backend.items() for arg in ("--" + key.replace("_", "-"), value)]
+        if self.settings.verifier is not None:  # a Mistral-format verifier: its formats (the drafter's stay auto)
+            formats = vllm_format_kwargs(self.model_dir, with_drafter=self.speculative is not None)
+            named = {key: value for key, value in formats.items() if "--" + key.replace("_", "-") not in s.extra_args}
+            command += engine_flags(named)
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
         if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:

