@@ -157,8 +157,19 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_verifier(args: argparse.Namespace) -> int:
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.tiny_models import make_tiny_mistral_verifier, make_tiny_verifier
 
+    if args.mistral_format:
+        if args.family != "deepseek_v3":
+            raise SpeculatorsError(
+                f"--mistral-format writes Mistral Large 3 (a deepseek_v3 model), not {args.family}; pass "
+                f"--family deepseek_v3 or leave --mistral-format out"
+            )
+        path = make_tiny_mistral_verifier(
+            args.output, seed=args.seed, num_layers=args.num_layers, overwrite=args.overwrite
+        )
+        print(f"wrote a tiny random Mistral Large 3 in Mistral's checkpoint format to {path}")
+        return 0
     path = make_tiny_verifier(
         args.family, args.output, seed=args.seed, num_layers=args.num_layers, overwrite=args.overwrite
     )
@@ -359,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--output", required=True)
     tiny.add_argument("--num-layers", type=number(int, 1), default=8)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--mistral-format",
+        action="store_true",
+        help="with --family deepseek_v3: Mistral Large 3 in Mistral's own format (params.json, "
+        "consolidated.safetensors, tekken.json)",
+    )
     add_overwrite_flag(tiny)
     tiny.set_defaults(func=cmd_tiny_verifier)
     prepare = commands.add_parser("prepare", help="prompt sources -> conversations (+ tokenized samples)")

@@ -394,3 +394,174 @@ def make_tiny_verifier(
             Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR).save_pretrained(tmp)
         (tmp / "tiny_verifier.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
     return directory
+
+
+# ----- a tiny verifier in Mistral's own checkpoint format ------------------------------------------
+
+# Mistral Large 3's params.json (tests/data/model_configs/mistral_large_3.params.json) at tiny size: MLA
+# (kv_lora_rank 512 + qk_rope_head_dim 64, the width vLLM's CPU MLA kernel takes), 4 routed experts (2
+# per token) and a shared one after 2 dense layers, YaRN without magnitude scaling and llama-4 query
+# scaling as the real model has them. Their periods are 32 positions (the real model's: 8192), so the
+# llama-4 scaling acts inside a short test prompt and YaRN's factor 32 reshapes its rotary frequencies;
+# 32 x 32 = 1024 positions.
+TINY_MISTRAL_LARGE_3_PARAMS: dict[str, Any] = {
+    "dim": 64,
+    "n_layers": 8,
+    "head_dim": 96,
+    "hidden_dim": 128,
+    "n_heads": 2,
+    "n_kv_heads": 2,
+    "norm_eps": 1e-06,
+    "vocab_size": 512,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tied_embeddings": False,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "expert_hidden_dim": 64,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 2,
+        "route_every_n": 1,
+        "routed_scale": 1.0,
+        "num_expert_groups": 1,
+        "num_expert_groups_per_tok": 1,
+    },
+    "yarn": {"factor": 32.0, "original_max_position_embeddings": 32, "beta": 32.0, "alpha": 1.0, "apply_scale": False},
+    "llama_4_scaling": {"beta": 0.1, "original_max_position_embeddings": 32},
+}
+# tiktoken's pre-split of Mistral's Tekken tokenizers (the `pattern` of their tekken.json)
+TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TINY_TEKKEN_SPECIAL_TOKENS = 100
+
+
+def byte_bpe_ranks(texts: list[str], size: int, pattern: str = TEKKEN_PATTERN) -> list[bytes]:
+    """A byte-level BPE vocabulary of `size` tokens learnt from `texts` in tiktoken's terms: the 256
+    bytes (rank = byte), then each merge's bytes in the order learnt (the most frequent adjacent pair
+    first; ties by the pair's bytes), so tiktoken's lowest-rank-first merging replays the training."""
+    import itertools
+    from collections import Counter
+
+    import regex
+
+    words = Counter(
+        tuple(bytes([b]) for b in piece.encode()) for text in texts for piece in regex.findall(pattern, text)
+    )
+    ranks = [bytes([b]) for b in range(256)]
+    known = set(ranks)
+    while len(ranks) < size:
+        pairs: Counter[tuple[bytes, bytes]] = Counter()
+        for word, count in words.items():
+            for pair in itertools.pairwise(word):
+                pairs[pair] += count
+        if not pairs:
+            raise SpeculatorsError(f"the corpus holds too few distinct pairs for a vocabulary of {size} tokens")
+        (left, right), _ = max(pairs.items(), key=lambda item: (item[1], item[0]))
+        merged = left + right
+        if merged not in known:
+            ranks.append(merged)
+            known.add(merged)
+        rewritten: Counter[tuple[bytes, ...]] = Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == left and word[i + 1] == right:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            rewritten[tuple(out)] += count
+        words = rewritten
+    return ranks
+
+
+def tekken_json(vocab_size: int, special_tokens: int = TINY_TEKKEN_SPECIAL_TOKENS) -> dict[str, Any]:
+    """A Tekken tokenizer file (mistral-common's tekken.json, version v7) of `vocab_size` ids: the
+    control tokens of Mistral's instruct format first (<unk>, <s>, </s>, [INST], [/INST], ...,
+    [SYSTEM_PROMPT]), fillers up to `special_tokens`, then a byte-level BPE learnt from the built-in corpus."""
+    import base64
+
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    named = [dict(token, token_str=str(token["token_str"])) for token in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    fillers = [
+        {"rank": rank, "token_str": f"<SPECIAL_{rank}>", "is_control": True}
+        for rank in range(len(named), special_tokens)
+    ]
+    vocab = [
+        {
+            "rank": rank,
+            "token_bytes": base64.b64encode(piece).decode(),
+            "token_str": piece.decode("utf-8", errors="ignore") or None,
+        }
+        for rank, piece in enumerate(byte_bpe_ranks(training_corpus(), vocab_size - special_tokens))
+    ]
+    return {
+        "config": {
+            "pattern": TEKKEN_PATTERN,
+            "num_vocab_tokens": len(vocab),
+            "default_vocab_size": vocab_size,
+            "default_num_special_tokens": special_tokens,
+            "version": "v7",
+        },
+        "vocab": vocab,
+        "special_tokens": named + fillers,
+    }
+
+
+def make_tiny_mistral_verifier(
+    directory: str | Path,
+    seed: int = 0,
+    initializer_range: float = 0.02,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    num_layers: int = 8,
+) -> Path:
+    """Write a random-weight Mistral Large 3 in Mistral's own format to `directory`: params.json
+    (TINY_MISTRAL_LARGE_3_PARAMS), consolidated.safetensors under Mistral's tensor names (each expert's
+    w1 / w2 / w3 apart) and tekken.json; no config.json. The weights are transformers' Mistral 4 model
+    (speculators.mistral_format.transformers_config_dict) initialised with `seed`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from speculators.atomic_io import atomic_directory
+    from speculators.mistral_format import (
+        hf_config_from_params,
+        mistral_tensor_name,
+        transformers_config_dict,
+        transformers_model,
+    )
+
+    params = {**json.loads(json.dumps(TINY_MISTRAL_LARGE_3_PARAMS)), "n_layers": num_layers}
+    config = transformers_config_dict(hf_config_from_params(params))
+    torch.manual_seed(seed)
+    model = transformers_model({**config, "initializer_range": initializer_range}, getattr(torch, dtype))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, width = name.removesuffix(".gate_up_proj"), tensor.shape[1] // 2
+            for expert, fused in enumerate(tensor):
+                tensors[mistral_tensor_name(f"{prefix}.{expert}.gate_proj.weight")] = fused[:width]
+                tensors[mistral_tensor_name(f"{prefix}.{expert}.up_proj.weight")] = fused[width:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            for expert, down in enumerate(tensor):
+                tensors[mistral_tensor_name(f"{name.removesuffix('.down_proj')}.{expert}.down_proj.weight")] = down
+        else:
+            tensors[mistral_tensor_name(name)] = tensor
+    directory = Path(directory)
+    with atomic_directory(directory, lambda old: (old / "tiny_verifier.json").is_file(), overwrite) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "consolidated.safetensors"))
+        (tmp / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+        (tmp / "tekken.json").write_text(json.dumps(tekken_json(params["vocab_size"])) + "\n")
+        (tmp / "tiny_verifier.json").write_text(json.dumps({"family": "mistral_large_3", "seed": seed}) + "\n")
+    return directory
