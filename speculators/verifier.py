@@ -321,16 +321,15 @@ def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
     kind, location = resolve_verifier_source(source)
     if kind == "gguf":
         location = str(convert_gguf_to_hf(location))
-    if kind == "mistral":
-        config = mistral_config(Path(location) / PARAMS_FILE)
-        adapter_for(config.model_type)
-        return config, location
-    if kind == "hub" and (params := mistral_hub_params(location)) is not None:
-        return mistral_config(params), location
+    if kind == "mistral":  # (its model types, deepseek_v3 and mistral, both have adapters)
+        return mistral_config(Path(location) / PARAMS_FILE), location
     try:
         # Never a verifier directory's own Python (auto_map), and never a prompt asking to run it.
         config = AutoConfig.from_pretrained(location, trust_remote_code=False)
     except Exception as error:  # a missing file, bad JSON, a wrong-typed value: transformers raises many kinds
+        # a hub model in Mistral's format only has no config.json: its params.json alone (asked only then)
+        if kind == "hub" and (params := mistral_hub_params(location)) is not None:
+            return mistral_config(params), location
         if "trust_remote_code" in str(error):
             raise SpeculatorsError(
                 f"verifier '{source}' needs the Python code in its own directory (its config's auto_map), which "
@@ -813,6 +812,8 @@ def load_verifier(
                 placement = {"device_map": "auto"}
         if kind == "mistral":
             model = load_mistral_model(location, dtype_from_name(dtype))
+            if placement:  # read into memory whole: one GPU, not a device map
+                device, placement = "cuda", {}
         else:
             model = auto.from_pretrained(
                 location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
