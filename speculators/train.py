@@ -499,18 +499,26 @@ class Run:
         return Path(self.config.output)
 
 
+def packed_stores(config: TrainConfig) -> tuple[PackedStore, PackedStore]:
+    """The training packs (scoring `loss_positions`) and the validation packs (answers only: the
+    replay measures decoding, which drafts answers)."""
+    from speculators.training_data import PackedStore
+
+    store, budget, share = config.store, config.token_budget, config.validation_share
+    train_packs = PackedStore(store, budget, "train", share, config.seed, loss_positions=config.loss_positions)
+    return train_packs, PackedStore(store, budget, "validation", share, seed=-1)
+
+
 def start_run(config: TrainConfig) -> Run:
     """Processes, data, verifier head, drafter, optimizers; the verifier's weights are let go."""
     import torch
 
-    from speculators.training_data import PackedStore
     from speculators.verifier import VerifierHead
     from speculators.vocab import load_draft_vocab
 
     rank, world, device = init_distributed(config)
     torch.manual_seed(config.seed)
-    train_packs = PackedStore(config.store, config.token_budget, "train", config.validation_share, config.seed)
-    val_packs = PackedStore(config.store, config.token_budget, "validation", config.validation_share, seed=-1)
+    train_packs, val_packs = packed_stores(config)
     manifest = train_packs.manifest
     vocab = load_draft_vocab(config.store)
     verifier = VerifierHead.from_source(config.verifier, dtype=manifest["verifier"]["dtype"])

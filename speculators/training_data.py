@@ -58,12 +58,14 @@ class PackedStore:
         validation_share: float = 0.05,
         seed: int = 0,
         dtype: torch.dtype | None = None,
+        loss_positions: str = "answers",
     ):
         self.store = HiddenStateStore(store_dir)
         self.manifest = self.store.manifest()
         self.token_budget = token_budget
         self.seed = seed
         self.dtype = dtype
+        self.score_all = loss_positions == "all"
         entries = [e for e in self.manifest["samples"] if e["num_tokens"] >= 3 and e["supervised_tokens"] > 0]
         self.entries = [e for e in entries if is_validation(e["id"], validation_share) == (split == "validation")]
         self.verified: set[str] = set()  # shards whose checksum this run has checked
@@ -107,7 +109,10 @@ class PackedStore:
             parts["ids"].append(sample.input_ids[1 : length + 1])
             parts["aux"].append(sample.aux_hidden_states[:length])
             parts["target"].append(sample.target_hidden_states[1 : length + 1])
-            parts["mask"].append(sample.loss_mask[1 : length + 1])
+            mask = sample.loss_mask[1 : length + 1]
+            # Every position's target is the verifier's own distribution, so prompt positions teach
+            # the drafter the verifier too, at the cost of scoring them.
+            parts["mask"].append(torch.ones_like(mask) if self.score_all else mask)
             # Position of pack index u: the drafter position of token u, plus one (text: u + 1).
             positions = sample.position_ids if sample.position_ids is not None else torch.arange(length)
             parts["pos"].append(positions[:length] + 1)

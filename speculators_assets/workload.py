@@ -430,6 +430,14 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -
     return ["train", *to_argv(config)]
 
 
+def drafter_key(v: Variant, store_key: str) -> str:
+    """The trained drafter's key: the store's version, the recipe, the drafter's shape, the verifier.
+    `loss_positions` is hashed only where it differs from its default: a variant without it keeps the
+    key it had before the field existed (its drafter is reused)."""
+    recipe = v.training.model_dump(exclude={"loss_positions"} if v.training.loss_positions == "answers" else set())
+    return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier)
+
+
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
     v, store = step.variant, step.dir("verifier_hidden_states") / "store"
     manifest = read_json(store / "manifest.json")
@@ -439,7 +447,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     warm = step.dir("speculator_checkpoint") / "latest"
     warm_start = v.training.warm_start and previous is not None
     # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
-    key = key_of(store_version(store, manifest), v.training.model_dump(), v.drafter.model_dump(), v.verifier)
+    key = drafter_key(v, store_version(store, manifest))
     out = step.dir("trained_drafter") / key
     summary = read_json(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)

@@ -187,6 +187,54 @@ def test_aux_noise_changes_training(store, peaked_verifier, tmp_path):
     assert noisy["config"]["aux_noise"] == 0.3
 
 
+def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_verifier, tmp_path):
+    """`loss_positions: all` scores every training position (prompts and chat markup too) on the
+    verifier's distribution, with the same tokens and states; validation still scores answers alone."""
+    from speculators.training_data import PackedStore
+
+    answers = PackedStore(store, 128, "train", validation_share=0.15, seed=0)
+    every = PackedStore(store, 128, "train", validation_share=0.15, seed=0, loss_positions="all")
+    plan = answers.pack_plan(0)
+    assert plan == every.pack_plan(0)
+    for indices in plan:
+        plain, full = answers.load_pack(indices), every.load_pack(indices)
+        assert torch.equal(plain.input_ids, full.input_ids)
+        assert torch.equal(plain.aux_hidden_states, full.aux_hidden_states)
+        assert torch.equal(plain.target_hidden_states, full.target_hidden_states)
+        assert bool(full.loss_mask.all())
+    scored = sum(int(answers.load_pack(i).loss_mask.sum()) for i in plan)
+    assert 0 < scored < sum(every.load_pack(i).num_tokens for i in plan)  # the store's prompts were unscored
+
+    from speculators.train import packed_stores
+
+    train_packs, val_packs = packed_stores(config_for(store, peaked_verifier, tmp_path, loss_positions="all"))
+    assert train_packs.score_all and not val_packs.score_all and val_packs.entries
+    plain = train(config_for(store, peaked_verifier, tmp_path / "answers", max_steps=4))
+    full = train(config_for(store, peaked_verifier, tmp_path / "all", max_steps=4, loss_positions="all"))
+    assert full["config"]["loss_positions"] == "all" and plain["config"]["loss_positions"] == "answers"
+    assert full["final_train"]["loss"] != plain["final_train"]["loss"]
+
+
+def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
+    """A variant's `training.loss_positions: all` becomes --loss-positions all and changes the trained
+    drafter's key; a variant without it keeps the key it had before the field existed."""
+    from speculators.cli import build_parser
+    from speculators_assets.variants import load_variants
+    from speculators_assets.workload import drafter_key, key_of, train_command
+
+    demo = load_variants()["smollm2_135m"]
+    assert demo.training.loss_positions == "answers"
+    earlier = demo.training.model_dump()
+    del earlier["loss_positions"]  # what the key hashed before the field
+    assert drafter_key(demo, "store") == key_of("store", earlier, demo.drafter.model_dump(), demo.verifier)
+    every = demo.model_copy(update={"training": demo.training.model_copy(update={"loss_positions": "all"})})
+    assert drafter_key(every, "store") != drafter_key(demo, "store")
+    command = train_command(every, Path("store"), Path("out"), None)
+    assert command[command.index("--loss-positions") + 1] == "all"
+    assert build_parser().parse_args(command).loss_positions == "all"
+    assert "--loss-positions" not in train_command(demo, Path("store"), Path("out"), None)
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, sharding):
     """torchrun with 2 ranks (gloo): DDP, and FSDP2 sharding, match one process with the same global batch."""
