@@ -22,11 +22,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.flags import to_argv
 from speculators.settings import RegenerationSettings
 from speculators_assets.variants import Variant
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Metadata = dict[str, Any]
 
@@ -50,6 +53,13 @@ BENCH_REPORT_FORMAT = 3  # part of the report's key: a report of an older shape 
 
 def key_of(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def dump_for_key(settings: BaseModel, added_later: dict[str, Any]) -> dict[str, Any]:
+    """A settings section as a key hashes it: fields added after keys existed (`added_later`, name ->
+    default) are left out while at their default, so artifacts made before them keep their keys."""
+    at_default = {name for name, value in added_later.items() if getattr(settings, name) == value}
+    return settings.model_dump(exclude=at_default)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -430,11 +440,11 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -
     return ["train", *to_argv(config)]
 
 
-def drafter_key(v: Variant, store_key: str) -> str:
+def trained_drafter_key(v: Variant, store_key: str) -> str:
     """The trained drafter's key: the store's version, the recipe, the drafter's shape, the verifier.
     `loss_positions` is hashed only where it differs from its default: a variant without it keeps the
     key it had before the field existed (its drafter is reused)."""
-    recipe = v.training.model_dump(exclude={"loss_positions"} if v.training.loss_positions == "answers" else set())
+    recipe = dump_for_key(v.training, {"loss_positions": "answers"})
     return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier)
 
 
@@ -447,7 +457,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     warm = step.dir("speculator_checkpoint") / "latest"
     warm_start = v.training.warm_start and previous is not None
     # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
-    key = drafter_key(v, store_version(store, manifest))
+    key = trained_drafter_key(v, store_version(store, manifest))
     out = step.dir("trained_drafter") / key
     summary = read_json(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
@@ -609,9 +619,7 @@ def benchmark_key(v: Variant, drafter_key: str) -> str:
     """The report's key: the published drafter's, the benchmark settings, the eval prompts, the verifier's
     quantization. `mt_bench` and `fixed_length` are hashed only where they differ from their defaults: a
     variant without them keeps its earlier key."""
-    b = v.benchmark
-    defaults = {"mt_bench": 0, "fixed_length": True}
-    profile = b.model_dump(exclude={name for name, value in defaults.items() if getattr(b, name) == value})
+    profile = dump_for_key(v.benchmark, {"mt_bench": 0, "fixed_length": True})
     return key_of(drafter_key, profile, v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
 
 

@@ -220,15 +220,15 @@ def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
     drafter's key; a variant without it keeps the key it had before the field existed."""
     from speculators.cli import build_parser
     from speculators_assets.variants import load_variants
-    from speculators_assets.workload import drafter_key, key_of, train_command
+    from speculators_assets.workload import key_of, train_command, trained_drafter_key
 
     demo = load_variants()["smollm2_135m"]
     assert demo.training.loss_positions == "answers"
     earlier = demo.training.model_dump()
     del earlier["loss_positions"]  # what the key hashed before the field
-    assert drafter_key(demo, "store") == key_of("store", earlier, demo.drafter.model_dump(), demo.verifier)
+    assert trained_drafter_key(demo, "store") == key_of("store", earlier, demo.drafter.model_dump(), demo.verifier)
     every = demo.model_copy(update={"training": demo.training.model_copy(update={"loss_positions": "all"})})
-    assert drafter_key(every, "store") != drafter_key(demo, "store")
+    assert trained_drafter_key(every, "store") != trained_drafter_key(demo, "store")
     command = train_command(every, Path("store"), Path("out"), None)
     assert command[command.index("--loss-positions") + 1] == "all"
     assert build_parser().parse_args(command).loss_positions == "all"
