@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-fast lint format demo ui clean
+.PHONY: venv browser test test-fast lint docs format demo ui clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,14 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	# The library's layers and its independence from Dagster (pyproject.toml, [tool.importlinter]).
+	$(BIN)/lint-imports --no-cache
+	# The docs site: a broken link or anchor fails the build (mkdocs.yml's validation, --strict).
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/.site
+
+# The docs on http://127.0.0.1:8001 (mkdocs serve), rebuilt as they are edited.
+docs: venv
+	$(BIN)/mkdocs serve -a 127.0.0.1:8001
 
 format: venv
 	$(BIN)/ruff format .
@@ -61,7 +69,7 @@ demo: venv
 	$(BIN)/speculators-assets demo
 
 clean:
-	rm -rf $(VENV) .speculators-storage .dagster
+	rm -rf $(VENV) .speculators-storage .dagster .site
 
 # The Dagster UI on http://127.0.0.1:3000 with the code location (DAGSTER_HOME defaults to .dagster).
 ui: venv

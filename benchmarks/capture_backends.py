@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from synthetic_samples import synthetic_samples
 
-from speculators.datagen import make_capture_fn, plan_batches, run_datagen
-from speculators.hidden_state_store import HiddenStateStore
-from speculators.verifier import VerifierFacts, load_verifier
+from speculators.data.capture import make_capture_fn, plan_batches, run_datagen
+from speculators.data.store import HiddenStateStore
+from speculators.verifier.loading import VerifierFacts, load_verifier
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from speculators.verifier import load_verifier
+from speculators.verifier.loading import load_verifier
 
 
 def main() -> None:

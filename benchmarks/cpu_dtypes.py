@@ -20,7 +20,7 @@ import time
 import torch
 
 from speculators.precision import cpu_has_bf16, resolve_dtype
-from speculators.verifier import load_verifier
+from speculators.verifier.loading import load_verifier
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -39,10 +39,10 @@ def vllm_tokens_per_second(verifier: str, dtype: str, prompts: int, max_tokens: 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from speculators.prompts import load_prompts
-    from speculators.tokenization import render_ids, turn_end_ids
-    from speculators.verifier import load_verifier_config
-    from speculators.vllm_capture import configure_cpu_build
+    from speculators.data.prompts import load_prompts
+    from speculators.data.tokenization import render_ids, turn_end_ids
+    from speculators.serving.engine import configure_cpu_build
+    from speculators.verifier.loading import load_verifier_config
 
     configure_cpu_build()
     _, location = load_verifier_config(verifier)

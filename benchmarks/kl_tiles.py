@@ -16,7 +16,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from speculators.ttt import KLFromLogits, target_distribution
+from speculators.models.ttt import KLFromLogits, target_distribution
 
 
 class WholeKL(torch.autograd.Function):

@@ -39,7 +39,7 @@ RECIPES: dict[str, list[str]] = {
 def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
     """A store holding the first `train_samples` training samples of `store` and all its validation-
     source samples, sharing its shards, with its own draft vocabulary."""
-    from speculators.prompts import VALIDATION_PREFIX
+    from speculators.data.prompts import VALIDATION_PREFIX
 
     manifest = json.loads((store / "manifest.json").read_text())
     train = [e for e in manifest["samples"] if not e["id"].startswith(VALIDATION_PREFIX)][:train_samples]

@@ -34,11 +34,11 @@ def worker(args: argparse.Namespace) -> dict:
     """One configuration in this process: regenerate the conversations, or (ceiling) prefill them."""
     from transformers import AutoTokenizer
 
+    from speculators.data.prompts import load_prompts
+    from speculators.data.regenerate import VllmGenerate, regenerate
+    from speculators.data.tokenization import render_ids, turn_end_ids
     from speculators.precision import resolve_dtype
-    from speculators.prompts import load_prompts
-    from speculators.regenerate import VllmGenerate, regenerate
-    from speculators.tokenization import render_ids, turn_end_ids
-    from speculators.verifier import load_verifier_config
+    from speculators.verifier.loading import load_verifier_config
 
     _, location = load_verifier_config(args.verifier)
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculators.demo_prompts import demo_prompts
-from speculators.tokenization import TokenizedSample, tokenize_conversation
+from speculators.data.demo_prompts import demo_prompts
+from speculators.data.tokenization import TokenizedSample, tokenize_conversation
 
 
 def synthetic_samples(tokenizer: Any, count: int, max_length: int, repeats: int) -> list[TokenizedSample]:

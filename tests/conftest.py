@@ -20,7 +20,7 @@ PEAKED_PROMPTS = 8
 
 def peaked_prompts() -> list[str]:
     """The prompts the `store` fixture (and so `trained_drafter`) is built from."""
-    from speculators.demo_prompts import demo_prompts
+    from speculators.data.demo_prompts import demo_prompts
 
     return demo_prompts()[:PEAKED_PROMPTS]
 
@@ -34,7 +34,7 @@ def write_peaked_prompts(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_verifier_dir(tmp_path_factory):
     """family -> directory of a tiny random verifier (8 layers, hidden 64, vocab 512), cached."""
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     built: dict[str, object] = {}
 
@@ -56,7 +56,7 @@ def speculators_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def peaked_verifier(tmp_path_factory):
     """A tiny Llama whose next-token distributions are peaked, like a trained model's."""
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     return make_tiny_verifier("llama", tmp_path_factory.mktemp("peaked-llama"), seed=1, initializer_range=0.3)
 
@@ -66,11 +66,11 @@ def build_peaked_store(
 ) -> Path:
     """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128;
     with `quantization`, the FP8 verifier's own answers and states."""
-    from speculators.datagen import run_datagen
-    from speculators.prompts import Conversation
-    from speculators.regenerate import regenerate, transformers_generate_fn
-    from speculators.verifier import load_verifier
-    from speculators.vocab import build_store_vocab
+    from speculators.data.capture import run_datagen
+    from speculators.data.prompts import Conversation
+    from speculators.data.regenerate import regenerate, transformers_generate_fn
+    from speculators.train.vocab import build_store_vocab
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(verifier_dir, dtype=dtype, quantization=quantization)
     conversations = [Conversation(f"s{i}", [{"role": "user", "content": p}]) for i, p in enumerate(peaked_prompts())]
@@ -85,7 +85,7 @@ def build_peaked_store(
 
 def train_peaked_drafter(store: Path, verifier_dir: Path, output: Path, epochs: int = 80) -> Path:
     """A tiny drafter trained to overfit a peaked verifier's answers to the first demo prompts."""
-    from speculators.train import TrainConfig, train
+    from speculators.train.trainer import TrainConfig, train
 
     train(
         TrainConfig(

@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from speculators.serve import free_port
+from speculators.serving.serve import free_port
 from speculators_assets.demo import prepare_home
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@
   python -m tests.engine_probe VERIFIER PROMPTS.json OUT.safetensors MAX_BATCH_TOKENS
 
 CUDA vLLM forks its engine processes unless CUDA is initialised; a parent that merely asked
-torch.cuda.is_available() has poisoned fork (speculators/vllm_engine.py). On this CPU nothing can fail
+torch.cuda.is_available() has poisoned fork (speculators/serving/engine.py). On this CPU nothing can fail
 that way, so the probe makes every such call fail loudly instead: an engine start path that still asks
 torch.cuda stops here. Two calls stay allowed once PYTORCH_NVML_BASED_CUDA_CHECK=1 is set (`import vllm`
 sets it, vllm/env_override.py): is_available() and device_count() then ask NVML and poison nothing,
@@ -58,9 +58,9 @@ def forbid_cuda_in_this_process(set_attribute: Callable[[Any, str, Any], None] =
 def main(verifier: str, prompts_path: str, out: str, max_batch_tokens: int) -> None:
     from safetensors.torch import save_file
 
+    from speculators.data.capture_vllm import VllmCapture
+    from speculators.data.regenerate import VllmGenerate
     from speculators.precision import resolve_dtype
-    from speculators.regenerate import VllmGenerate
-    from speculators.vllm_capture import VllmCapture
 
     forbid_cuda_in_this_process()
     prompts = json.loads(Path(prompts_path).read_text())

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from speculators.cli import main
-from speculators.hidden_state_store import HiddenStateStore, file_sha256
+from speculators.data.store import HiddenStateStore, file_sha256
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -219,7 +219,7 @@ def test_a_bit_flipped_shard_is_named_before_it_is_trained_on(store, peaked_veri
 
 def test_datagen_refuses_a_store_of_another_verifier_and_keeps_it(store, peaked_verifier, verifier, tmp_path, capsys):
     """The peaked store holds the peaked verifier's states; the plain tiny verifier is another one."""
-    from speculators.tokenization import read_samples
+    from speculators.data.tokenization import read_samples
 
     held = copy_store(store, tmp_path / "store")
     manifest = (held / "manifest.json").read_text()

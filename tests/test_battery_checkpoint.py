@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculators.checkpoint import read_checkpoint
+from speculators.checkpoint.validation import validate_checkpoint
 from speculators.cli import main
 from speculators.errors import MAX_PROBLEMS, CheckpointFormatError, SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
-from speculators.validation import validate_checkpoint
+from speculators.models.weights import read_checkpoint
 
 MAX_REPORT_BYTES = 5000  # a report of a bad checkpoint is a few lines, whatever the file holds
 MAX_SECONDS = 5.0  # was 26 s for the million-layer config; milliseconds now (generous for a loaded CI)
@@ -205,7 +205,7 @@ def test_a_non_finite_drafter_never_loads(checkpoint):
 
 
 def test_serve_refuses_a_non_finite_drafter_before_starting_vllm(checkpoint, tiny_verifier_dir):
-    from speculators.serve import ServerSettings
+    from speculators.serving.serve import ServerSettings
 
     edit_tensors(checkpoint, nan_and_inf)
     settings = ServerSettings(verifier=str(tiny_verifier_dir("llama")), speculator=str(checkpoint))

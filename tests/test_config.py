@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from speculators.config import DraftLayerConfig, Eagle3Config, load_eagle3_config, parse_eagle3_config
 from speculators.errors import CheckpointFormatError, SpeculatorsError
-from speculators.verifier import draft_config_for_verifier
+from speculators.models.config import DraftLayerConfig, Eagle3Config, load_eagle3_config, parse_eagle3_config
+from speculators.verifier.loading import draft_config_for_verifier
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -170,7 +170,7 @@ def reference_config_with_layer(**layer: object) -> dict:
 def test_a_sliding_window_draft_layer_is_refused_by_validate_and_convert(layer, tmp_path):
     """vLLM would run these draft layers with a 512-token window; our drafter attends to everything."""
     from speculators.cli import main
-    from speculators.config import parse_eagle3_config
+    from speculators.models.config import parse_eagle3_config
 
     raw = reference_config_with_layer(**layer)
     with pytest.raises(CheckpointFormatError) as error:
@@ -183,7 +183,7 @@ def test_a_sliding_window_draft_layer_is_refused_by_validate_and_convert(layer, 
 
 def test_a_sliding_window_that_no_draft_layer_uses_is_a_note():
     """Qwen3's use_sliding_window only applies from max_window_layers on (28 by default): layer 0 is full."""
-    from speculators.config import parse_eagle3_config
+    from speculators.models.config import parse_eagle3_config
 
     raw = reference_config_with_layer(model_type="qwen3", use_sliding_window=True, sliding_window=4096)
     config, notes = parse_eagle3_config(raw)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from speculators.checkpoint.convert import convert_checkpoint
+from speculators.checkpoint.validation import validate_checkpoint
 from speculators.cli import main
-from speculators.convert import convert_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
-from speculators.validation import validate_checkpoint
 
 from .reference_eagle3 import reference_draft_logits
 
@@ -229,7 +229,7 @@ def test_reference_library_checkpoint_loads_and_converts(tmp_path, tiny_verifier
 
 
 def test_conversion_refuses_a_mismatched_verifier(tmp_path, tiny_verifier_dir):
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     wide = make_tiny_verifier("llama", tmp_path / "wide", hidden_size=96, num_layers=8)
     source = write_research_checkpoint(tmp_path / "research", research_tensors())
@@ -289,7 +289,7 @@ def test_validate_names_each_problem(tmp_path, tiny_verifier_dir, change, messag
 
 
 def test_validate_against_a_verifier_catches_size_mismatches(tmp_path, tiny_verifier_dir):
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     checkpoint = fresh_checkpoint(tmp_path, tiny_verifier_dir, "ckpt")
     shallow = make_tiny_verifier("llama", tmp_path / "shallow", num_layers=6)

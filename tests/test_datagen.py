@@ -15,18 +15,18 @@ import pytest
 import torch
 
 from speculators.atomic_io import write_jsonl_atomic
-from speculators.datagen import run_datagen
+from speculators.data.capture import run_datagen
+from speculators.data.store import HiddenStateStore
+from speculators.data.tokenization import TokenizedSample, tokenize_conversation
 from speculators.errors import SpeculatorsError
-from speculators.hidden_state_store import HiddenStateStore
-from speculators.tokenization import TokenizedSample, tokenize_conversation
-from speculators.verifier import load_verifier
-from speculators.vocab import build_store_vocab, load_draft_vocab, select_draft_vocab
+from speculators.train.vocab import build_store_vocab, load_draft_vocab, select_draft_vocab
+from speculators.verifier.loading import load_verifier
 
 AUX = [1, 4, 6]
 
 
 def make_samples(tokenizer, n, offset=0):
-    from speculators.demo_prompts import demo_prompts
+    from speculators.data.demo_prompts import demo_prompts
 
     prompts = demo_prompts("train")[offset : offset + n]
     return [
@@ -133,10 +133,10 @@ def test_non_finite_states_are_refused(tiny_verifier_dir, tmp_path):
 
 DATAGEN_SCRIPT = """
 import sys, time
-import speculators.hidden_state_store as hss
-from speculators.datagen import run_datagen
-from speculators.tokenization import read_samples
-from speculators.verifier import load_verifier
+import speculators.data.store as hss
+from speculators.data.capture import run_datagen
+from speculators.data.tokenization import read_samples
+from speculators.verifier.loading import load_verifier
 original = hss.HiddenStateStore.write_sample
 def slow_write(self, *args, **kwargs):
     result = original(self, *args, **kwargs)
@@ -204,7 +204,7 @@ def test_store_vocab_leaves_out_validation_source_samples(llama, tmp_path):
     """Answers of a validation source are only scored: they must not pick the vocabulary they are scored with."""
     from dataclasses import replace
 
-    from speculators.prompts import VALIDATION_PREFIX
+    from speculators.data.prompts import VALIDATION_PREFIX
 
     train, held = make_samples(llama.tokenizer, 3), make_samples(llama.tokenizer, 2, offset=3)
     held = [replace(s, id=VALIDATION_PREFIX + s.id) for s in held]

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from speculators.verifier import draft_config_for_verifier, load_verifier
+from speculators.verifier.loading import draft_config_for_verifier, load_verifier
 
 FAMILY = "deepseek_v3"
 CONVERSATION = [
@@ -113,7 +113,7 @@ def test_vllm_cpu_rotary_kernel_misrotates_the_3d_multi_head_query_mla_passes(ti
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from speculators.vllm_capture import cpu_rotary_workaround
+    from speculators.serving.engine import cpu_rotary_workaround
 
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(
@@ -169,7 +169,7 @@ def test_capture_hooks_take_deepseeks_returned_aux_states_and_restore_the_model(
     """vLLM's DeepSeek model has no `_maybe_add_hidden_state`: the hooks ask it for the ids through
     `aux_hidden_state_layers`, record what it returns (id 0, the embeddings, where they are made: vLLM's
     forward fails on id 0) and hand the model's caller its output alone; removing them restores it."""
-    from speculators import vllm_capture
+    from speculators.data import capture_vllm as vllm_capture
 
     monkeypatch.setattr(vllm_capture, "_tensor_parallel_rank", lambda: 0)
     wrapper = torch.nn.Module()
@@ -194,7 +194,7 @@ def test_capture_hooks_take_deepseeks_returned_aux_states_and_restore_the_model(
 @pytest.fixture(scope="module")
 def peaked_deepseek(tmp_path_factory):
     """The tiny DeepSeek-V3 with peaked next-token distributions (a drafter has something to learn)."""
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     return make_tiny_verifier(FAMILY, tmp_path_factory.mktemp("peaked-deepseek"), seed=1, initializer_range=0.3)
 
@@ -225,11 +225,11 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
     multiples of 16: read in vLLM's backends, not run here)."""
     import json
 
+    from speculators.data.prompts import load_prompts
     from speculators.errors import SpeculatorsError
-    from speculators.evaluate import DrafterProposer, evaluate, greedy_generate, load_proposer, tokenize_prompts
-    from speculators.prompts import load_prompts
-    from speculators.serve import ServerSettings, VllmServer
-    from speculators.vllm_capture import cpu_rotary_workaround
+    from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate, load_proposer, tokenize_prompts
+    from speculators.serving.engine import cpu_rotary_workaround
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     from .conftest import write_peaked_prompts
     from .test_serve_bench import NEW_TOKENS, SERVER, K, completions

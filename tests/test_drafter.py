@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from speculators.config import build_eagle3_config
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+from speculators.models.config import build_eagle3_config
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter, ttt_attention_mask
 
 H, V, D = 64, 512, 128
@@ -358,7 +358,7 @@ def test_structured_ttt_attention_equals_the_dense_mask():
 def test_later_ttt_steps_run_only_where_a_later_step_scores():
     """With the loss mask, steps after the first skip the positions no later step scores: the scored
     outputs, the TTT loss and every gradient equal the full computation's; the skipped rows are zeros."""
-    from speculators.ttt import later_steps_needed, ttt_loss
+    from speculators.models.ttt import later_steps_needed, ttt_loss
 
     T, steps = 16, 3
     aux, ids = torch.randn(1, T, 3 * H), torch.randint(0, V, (1, T))

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from speculators.cli import main
+from speculators.data.prompts import load_prompts
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import (
+from speculators.eval.evaluate import (
     EvaluationReport,
     Generation,
     LosslessError,
@@ -22,8 +23,7 @@ from speculators.evaluate import (
     run_evaluation,
     tokenize_prompts,
 )
-from speculators.prompts import load_prompts
-from speculators.verifier import load_verifier
+from speculators.verifier.loading import load_verifier
 from tests.conftest import write_peaked_prompts
 
 K = 3
@@ -186,7 +186,7 @@ def test_evaluate_cli_and_its_errors(
     assert "acceptance length" in printed and "lossless: 2 identical" in printed
     assert json.loads(out.read_text())["prompts"] == 2
     # A drafter for another verifier (vocab 512 vs the peaked one's): one clear sentence.
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     other = make_tiny_verifier("llama", tmp_path / "other", vocab_size=1024)
     assert main(["evaluate", "--verifier", str(other), "--speculator", str(trained_drafter), "--max-prompts", "1"]) == 2

@@ -1,5 +1,5 @@
 """FP8 verifiers: vLLM's online FP8 (`--quantization fp8_per_channel`) and the same arithmetic in
-transformers (speculators/quantization.py), through capture, serving with a drafter, the lossless
+transformers (speculators/verifier/quantization.py), through capture, serving with a drafter, the lossless
 judge, evaluation and the Dagster variant.
 
 vLLM's CPU build runs fp8_per_channel here (torch._scaled_mm; no AMX needed) in bfloat16 only, and
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.quantization import (
+from speculators.verifier.quantization import (
     FP8_MAX,
     cpu_build_refusal,
     fp8_linear,
@@ -70,8 +70,8 @@ def test_fp8_linear_computes_vllms_fp8_gemm_exactly():
 
 
 def test_quantizing_a_verifier_swaps_every_decoder_projection(tiny_verifier_dir):
-    from speculators.quantization import DENSE_FAMILIES
-    from speculators.verifier import load_verifier
+    from speculators.verifier.loading import load_verifier
+    from speculators.verifier.quantization import DENSE_FAMILIES
 
     plain = load_verifier(tiny_verifier_dir("llama"), dtype="float32")
     fp8 = load_verifier(tiny_verifier_dir("llama"), dtype="float32", quantization=SCHEME)
@@ -113,8 +113,8 @@ def test_vllm_settings_for_an_fp8_verifier():
 
 
 def test_the_cli_takes_the_quantization_and_refuses_it_after_the_double_dash(tmp_path, fp8_drafter):
-    from speculators.bench import run_bench
     from speculators.cli import build_parser
+    from speculators.eval.bench import run_bench
     from speculators.settings import BenchSettings
 
     args = build_parser().parse_args(["serve", "--verifier", "v", "--quantization", SCHEME])
@@ -151,7 +151,7 @@ def test_evaluate_decodes_losslessly_against_the_same_fp8_verifier(peaked_verifi
     its own noise: where they part, the two candidates lie within the most the decoders' logits
     differed where they agreed (evaluate.order_noise), a near-tie, never a divergence. The drafter
     trained on that verifier's states accepts as one trained on an unquantized verifier does."""
-    from speculators.evaluate import run_evaluation
+    from speculators.eval.evaluate import run_evaluation
 
     prompts = str(write_peaked_prompts(tmp_path / "p.jsonl"))
     common = dict(speculator=str(fp8_drafter), max_new_tokens=32, stop_at_eos=False, max_prompts=8)
@@ -175,9 +175,9 @@ def test_vllm_cpu_fp8_layers_and_states_are_the_transformers_fp8_verifiers(peake
     output for a given input equal ours bit for bit; its captured states are closer to our FP8
     verifier's than to the unquantized verifier's at every aux id (the rest of the model runs in bf16 in
     both, with other kernels, so FP8 roundings flip here and there: not bit-equal)."""
-    from speculators.datagen import transformers_capture_fn
-    from speculators.verifier import load_verifier
-    from speculators.vllm_capture import VllmCapture
+    from speculators.data.capture import transformers_capture_fn
+    from speculators.data.capture_vllm import VllmCapture
+    from speculators.verifier.loading import load_verifier
     from tests.fp8_probe import qkv_of_first_layer
 
     g = torch.Generator().manual_seed(0)
@@ -225,17 +225,17 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
     FP8 judge finds a near-tie; the served acceptance is well above 1; and our FP8 verifier's greedy
     answers follow the FP8 server's further than the unquantized verifier's do (the judge re-scores with
     the right model)."""
-    from speculators.bench import OutputJudge, compare_outputs
-    from speculators.datagen import run_capture
-    from speculators.evaluate import tokenize_prompts
-    from speculators.hidden_state_store import HiddenStateStore
-    from speculators.prepare import run_prepare
-    from speculators.prompts import load_prompts
-    from speculators.regenerate import transformers_generate_fn
-    from speculators.serve import ServerSettings, VllmServer, acceptance_from_counters
+    from speculators.data.capture import run_capture
+    from speculators.data.prepare import run_prepare
+    from speculators.data.prompts import load_prompts
+    from speculators.data.regenerate import transformers_generate_fn
+    from speculators.data.store import HiddenStateStore
+    from speculators.eval.bench import OutputJudge, compare_outputs
+    from speculators.eval.evaluate import tokenize_prompts
+    from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
     from speculators.settings import CaptureSettings, PrepareSettings
-    from speculators.verifier import load_verifier
-    from speculators.vocab import build_store_vocab
+    from speculators.train.vocab import build_store_vocab
+    from speculators.verifier.loading import load_verifier
     from tests.conftest import train_peaked_drafter
     from tests.test_serve_bench import completions
 
@@ -324,7 +324,7 @@ def test_vllm_cpu_cannot_run_fp8_per_tensor_for_the_reason_we_give(peaked_verifi
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode != 0
     assert "static_scaled_fp8_quant() expected at most 0 argument(s)" in result.stdout + result.stderr
-    from speculators.serve import ServerSettings, VllmServer
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     settings = ServerSettings(
         verifier=str(peaked_verifier), quantization="fp8_per_tensor", port=0, log_path=tmp_path / "vllm.log"

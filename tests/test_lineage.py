@@ -214,7 +214,7 @@ def test_bench_writes_a_complete_sane_report(lineage):
     # reads instead of loading the verifier: its greedy token first, each value the verifier's own logit.
     import torch
 
-    from speculators.verifier import load_verifier
+    from speculators.verifier.loading import load_verifier
 
     baseline = json.loads((out / "baseline" / "outputs.jsonl").read_text().splitlines()[0])
     verifier = load_verifier(report["settings"]["verifier"], dtype="float32")

@@ -1,10 +1,10 @@
 """A verifier in Mistral's own checkpoint format (Mistral Large 3's: params.json, consolidated.safetensors
 under Mistral's tensor names, tekken.json; no config.json), read as it is by every step.
 
-The tiny one (speculators.tiny_models.make_tiny_mistral_verifier) is Mistral Large 3 at tiny size: MLA,
+The tiny one (speculators.verifier.tiny.make_tiny_mistral_verifier) is Mistral Large 3 at tiny size: MLA,
 routed experts with a shared one after dense layers, softmax routing, YaRN without magnitude scaling and
 llama-4 query scaling with 32-position periods, so a short prompt crosses them. Our reading (transformers'
-Mistral 4 model, speculators.mistral_format) and vLLM's (`--config-format mistral --load-format mistral`,
+Mistral 4 model, speculators.verifier.mistral_format) and vLLM's (`--config-format mistral --load-format mistral`,
 MistralLarge3ForCausalLM) give the same greedy tokens and the same aux states; the drafter trained on it is
 lossless under our evaluator, and vLLM's CPU build refuses to serve it beside the verifier for the reason
 it refuses DeepSeek-V3's (tests/test_deepseek_v3.py)."""
@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.mistral_format import (
+from speculators.verifier.loading import (
+    VerifierHead,
+    draft_config_for_verifier,
+    load_verifier,
+    load_verifier_config,
+    resolve_verifier_source,
+)
+from speculators.verifier.mistral_format import (
     HEAD_TENSORS,
     hf_config_from_params,
     is_mistral_checkpoint,
@@ -26,14 +33,7 @@ from speculators.mistral_format import (
     transformers_config_dict,
     vllm_format_kwargs,
 )
-from speculators.tiny_models import TINY_MISTRAL_LARGE_3_PARAMS, make_tiny_mistral_verifier
-from speculators.verifier import (
-    VerifierHead,
-    draft_config_for_verifier,
-    load_verifier,
-    load_verifier_config,
-    resolve_verifier_source,
-)
+from speculators.verifier.tiny import TINY_MISTRAL_LARGE_3_PARAMS, make_tiny_mistral_verifier
 
 CONVERSATION = [
     {"role": "user", "content": "The model explains the next token to a student."},
@@ -115,7 +115,7 @@ def test_every_tensor_is_read_under_its_mistral_name(mistral_dir, verifier):
 def test_tekken_tokenizer_renders_mistrals_instruct_format_and_masks_the_answers(verifier):
     """mistral-common renders `<s>[INST]user[/INST]answer</s>` (what vLLM's mistral tokenizer mode does),
     and the training mask covers each answer and its `</s>`."""
-    from speculators.tokenization import tokenize_conversation, turn_end_ids
+    from speculators.data.tokenization import tokenize_conversation, turn_end_ids
 
     tokenizer = verifier.tokenizer
     vocab = tokenizer.get_vocab()
@@ -169,7 +169,7 @@ def test_unreadable_variants_fail_in_one_sentence(tmp_path):
 def test_a_hub_id_in_mistrals_format_reads_params_json_alone(mistral_dir, tmp_path, monkeypatch):
     """A hub model that ships only Mistral's format (Mistral Large 3's): its config comes from params.json
     (no weights fetched); loading it reads the snapshot's files like a local folder."""
-    from speculators.verifier import cache_as_hub_model
+    from speculators.verifier.loading import cache_as_hub_model
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -186,8 +186,8 @@ def test_a_hub_id_in_mistrals_format_reads_params_json_alone(mistral_dir, tmp_pa
 
 
 def greedy_prompts(verifier) -> list[list[int]]:
-    from speculators.evaluate import tokenize_prompts
-    from speculators.prompts import Conversation
+    from speculators.data.prompts import Conversation
+    from speculators.eval.evaluate import tokenize_prompts
 
     texts = [
         "The model explains the next token to a student.",
@@ -205,10 +205,10 @@ def test_vllm_reads_the_mistral_checkpoint_as_we_do_greedy_tokens_and_aux_states
     names the formats itself) stores the aux states our transformers capture stores, at ids after the
     dense layers, the MoE layers and the last layer (the prompts pass the 32-position llama-4 period)."""
     from speculators.atomic_io import write_jsonl_atomic
-    from speculators.datagen import run_datagen
-    from speculators.evaluate import greedy_generate
-    from speculators.serve import ServerSettings, VllmServer
-    from speculators.tokenization import tokenize_conversation
+    from speculators.data.capture import run_datagen
+    from speculators.data.tokenization import tokenize_conversation
+    from speculators.eval.evaluate import greedy_generate
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     from .test_serve_bench import NEW_TOKENS, SERVER, completions
     from .test_vllm_capture import assert_same_store, vllm_datagen
@@ -255,7 +255,7 @@ def test_a_drafter_trained_on_the_mistral_checkpoint_is_lossless_vllm_cpu_refuse
     import subprocess
     import sys
 
-    from speculators.serve import ServerSettings, VllmServer
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     from .conftest import build_peaked_store, train_peaked_drafter, write_peaked_prompts
     from .test_serve_bench import SERVER, K

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from speculators.errors import SpeculatorsError
-from speculators.mistral_format import (
+from speculators.verifier.mistral_format import (
     MISTRAL_TO_HF_TENSORS,
     hf_config_from_file,
     hf_config_from_params,

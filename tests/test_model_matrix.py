@@ -3,7 +3,7 @@
 The configs are copies of the hub files (tests/data/model_configs, sources in SOURCES.md; Qwen3-VL-235B's
 is transformers' rendering of it, no copy of the file being found). Mistral Large 3 ships Mistral's own
 format, so its copy is a params.json, read here as the Hugging Face config vLLM derives from it
-(speculators.mistral_format). Nothing here touches the network, a GPU or model weights. A variant passes
+(speculators.verifier.mistral_format). Nothing here touches the network, a GPU or model weights. A variant passes
 when its family, aux layer ids and verifier id agree with its config, and when its compute profiles hold
 the verifier's weights with room to spare.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.mistral_format import hf_config_from_params
+from speculators.verifier.mistral_format import hf_config_from_params
 from speculators_assets.variants import PACKAGE_VARIANTS, Variant, load_variant
 
 CONFIGS = Path(__file__).parent / "data" / "model_configs"

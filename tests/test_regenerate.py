@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.prompts import Conversation
-from speculators.regenerate import regenerate, transformers_generate_fn
-from speculators.tokenization import render_ids, turn_end_ids
-from speculators.verifier import load_verifier
+from speculators.data.prompts import Conversation
+from speculators.data.regenerate import regenerate, transformers_generate_fn
+from speculators.data.tokenization import render_ids, turn_end_ids
+from speculators.verifier.loading import load_verifier
 
 PROMPTS = [
     "Explain black holes.",
@@ -217,7 +217,7 @@ def test_the_vllm_log_file_is_set_for_engine_processes_and_restored(tmp_path, mo
     import os
     from pathlib import Path
 
-    from speculators.vllm_capture import vllm_log_file
+    from speculators.serving.engine import vllm_log_file
 
     monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
@@ -272,7 +272,7 @@ def test_engine_processes_stderr_goes_to_the_log_and_this_process_keeps_the_term
     import sys
     import warnings
 
-    from speculators.vllm_capture import vllm_log_file
+    from speculators.serving.engine import vllm_log_file
 
     monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
@@ -341,7 +341,7 @@ def test_vllm_server_backend_matches_transformers_greedy(tiny_verifier_dir, tmp_
     import json
 
     from speculators.cli import main
-    from speculators.serve import ServerSettings, VllmServer
+    from speculators.serving.serve import ServerSettings, VllmServer
 
     verifier = str(tiny_verifier_dir("llama"))
     common = regeneration_command(tmp_path, verifier)
@@ -410,8 +410,8 @@ def test_a_data_parallel_regeneration_server_gets_a_batch_per_replica_and_cuda_g
     """With N data-parallel replicas behind one vLLM server, `--batch-size` requests per replica are in
     flight (before: one batch shared by all replicas); the server decodes in eager mode on the CPU
     build (as always here) and with CUDA graphs on the CUDA build (read through its metadata, faked)."""
-    from speculators import vllm_engine
-    from speculators.prepare import answer_generator, requests_in_flight
+    from speculators import precision
+    from speculators.data.prepare import answer_generator, requests_in_flight
     from speculators.settings import PrepareSettings
 
     settings = PrepareSettings(
@@ -428,6 +428,6 @@ def test_a_data_parallel_regeneration_server_gets_a_batch_per_replica_and_cuda_g
     _, _, server = answer_generator(settings, tmp_path)  # the server is built, not started
     assert server.settings.enforce_eager and server.settings.extra_args == ["--data-parallel-size", "4"]
     cuda = {"distribution": "vllm", "version": "0.32.0", "device": "cuda"}
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: cuda)
+    monkeypatch.setattr(precision, "installed_vllm", lambda: cuda)
     _, _, server = answer_generator(settings, tmp_path)
     assert not server.settings.enforce_eager

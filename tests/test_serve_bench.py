@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from speculators.errors import SpeculatorsError
-from speculators.serve import (
+from speculators.serving.serve import (
     ServerSettings,
     VllmServer,
     acceptance_from_counters,
@@ -98,9 +98,9 @@ SERVER = dict(port=0, dtype="float32", max_model_len=512, enforce_eager=True, kv
 @pytest.fixture(scope="module")
 def served_baseline(peaked_verifier, tmp_path_factory):
     """The peaked verifier's prompts (token ids) and its fp32 greedy outputs from a baseline vLLM server."""
-    from speculators.evaluate import tokenize_prompts
-    from speculators.prompts import load_prompts
-    from speculators.verifier import load_verifier
+    from speculators.data.prompts import load_prompts
+    from speculators.eval.evaluate import tokenize_prompts
+    from speculators.verifier.loading import load_verifier
 
     directory = tmp_path_factory.mktemp("baseline")
     verifier = load_verifier(peaked_verifier, dtype="float32")
@@ -118,8 +118,8 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     peaked_verifier, trained_drafter, served_baseline, tmp_path
 ):
     """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
-    from speculators.evaluate import DrafterProposer, evaluate, load_proposer
-    from speculators.verifier import load_verifier
+    from speculators.eval.evaluate import DrafterProposer, evaluate, load_proposer
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
     prompts, baseline = served_baseline
@@ -158,9 +158,9 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     and the drafter's own K; the drafter has 2 layers, and its fp32 greedy outputs equal the baseline's."""
     from safetensors import safe_open
 
-    from speculators.checkpoint import read_checkpoint
     from speculators.cli import main
-    from speculators.train import TrainConfig, train
+    from speculators.models.weights import read_checkpoint
+    from speculators.train.trainer import TrainConfig, train
 
     train(
         TrainConfig(
@@ -311,10 +311,10 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     near-tie; a token further below the top (another token, or a tighter tolerance) is a divergence."""
     import torch
 
-    from speculators.bench import OutputJudge, compare_outputs
-    from speculators.evaluate import top_two
-    from speculators.tokenization import render_ids
-    from speculators.verifier import load_verifier
+    from speculators.data.tokenization import render_ids
+    from speculators.eval.bench import OutputJudge, compare_outputs
+    from speculators.eval.evaluate import top_two
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
     tokenizer = verifier.tokenizer
@@ -366,11 +366,10 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
     reported logit, the last of them within the tolerance) it re-scores."""
     import torch
 
-    from speculators import bench
-    from speculators import verifier as verifier_module
-    from speculators.bench import OutputJudge
-    from speculators.tokenization import render_ids
-    from speculators.verifier import load_verifier
+    from speculators.data.tokenization import render_ids
+    from speculators.eval import bench
+    from speculators.eval.bench import OutputJudge
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
     prompt = render_ids(verifier.tokenizer, [{"role": "user", "content": "Describe a tide pool."}], True)
@@ -385,9 +384,8 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
     runner_up, fifth = [*answer[:position], top[1][0]], [*answer[:position], top[4][0]]
     outside = [*answer[:position], int(logits.argmin())]
     margin, fifth_below = top[0][1] - top[1][1], top[0][1] - top[4][1]
-    loads = []  # the judge's loads of the verifier (it imports load_verifier when it re-scores)
-    original = verifier_module.load_verifier
-    monkeypatch.setattr(verifier_module, "load_verifier", lambda *a, **k: loads.append(a) or original(*a, **k))
+    loads = []  # the judge's loads of the verifier (when it re-scores)
+    monkeypatch.setattr(bench, "load_verifier", lambda *a, **k: loads.append(a) or load_verifier(*a, **k))
     for tolerance, other in ((margin + 1e-3, runner_up), (margin / 2, runner_up), (fifth_below + 1e-3, fifth)):
         judge = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=tolerance)
         served = judge(prompt, first, other, served_top=served_top)
@@ -411,7 +409,7 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
 def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_path):
     """Fixed-length profiles send an exact budget per row (GuideLLM adds ignore_eos); the natural-length
     profile's rows carry none and its requests are capped by max_tokens, so answers end at end of turn."""
-    from speculators.bench import BenchSettings, guidellm_command, guidellm_profile, profile_name
+    from speculators.eval.bench import BenchSettings, guidellm_command, guidellm_profile, profile_name
 
     settings = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[2], natural_max_tokens=300)
     profiles = settings.profiles()

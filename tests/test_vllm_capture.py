@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from speculators.atomic_io import write_jsonl_atomic
-from speculators.datagen import run_datagen
-from speculators.hidden_state_store import HiddenStateStore
-from speculators.verifier import load_verifier
+from speculators.data.capture import run_datagen
+from speculators.data.store import HiddenStateStore
+from speculators.verifier.loading import load_verifier
 
 from .conftest import CAPTURE_FAMILIES
 from .test_datagen import make_samples

@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from speculators.atomic_io import atomic_directory, holds_json_key
-from speculators.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
 from speculators.errors import SpeculatorsError
-from speculators.ttt import later_steps_needed
+from speculators.models.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
+from speculators.models.ttt import later_steps_needed
+from speculators.models.weights import read_checkpoint
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -571,7 +572,6 @@ class Eagle3Drafter(nn.Module):
         dtype: str | torch.dtype | None = None,
     ) -> Eagle3Drafter:
         """Load our checkpoints and the reference library's (validated; clear error on a problem)."""
-        from speculators.checkpoint import read_checkpoint
 
         checkpoint = read_checkpoint(directory)
         model = cls(checkpoint.config)

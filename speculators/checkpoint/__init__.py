@@ -1,0 +1,1 @@
+"""Checkpoints: conversion of research checkpoints to the speculators format, and their validation."""

@@ -1,0 +1,509 @@
+"""`speculators datagen`: tokenized samples -> the hidden-state store, with the verifier.
+
+Batches are formed from the data order alone (windows of 8 samples, sorted by length inside a
+window, then cut into batches), so a sample is always computed in the same batch: a resumed or
+incremental run writes exactly what an uninterrupted run would. A batch whose shards all exist is
+skipped; new prompts appended to the data only cost their own batches.
+
+Backends: `transformers` (padded batches, hooks on the decoder layers) and `vllm` (hooks inside
+vLLM's worker, see vllm_capture.py); both write the same store layout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators.atomic_io import exclusive_lock, write_text_atomic
+from speculators.data.capture_vllm import VllmCapture
+from speculators.data.store import (
+    STORAGE_FORMATS,
+    STORE_FORMAT,
+    STORE_VERSION,
+    HiddenStateStore,
+    file_sha256,
+    sample_key,
+)
+from speculators.data.tokenization import TokenizedSample, read_samples
+from speculators.errors import SpeculatorsError
+from speculators.flags import to_argv
+from speculators.serving.engine import cpu_core_lists, gpu_count, vllm_log
+from speculators.settings import CaptureSettings, MultiNode, node_group_of
+from speculators.verifier.loading import Verifier, VerifierFacts, load_verifier
+from speculators.verifier.vision import images_digest, load_image
+
+if TYPE_CHECKING:
+    import torch
+
+    from speculators.verifier.loading import Verifier, VerifierFacts
+
+# token id lists (and each one's image parts, for a vision-language verifier) -> states
+# [T, len(capture ids), H] per prompt
+CaptureFn = Callable[[list[list[int]], list[list[dict[str, str]]]], list["torch.Tensor"]]
+WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
+
+
+@dataclass
+class DatagenReport:
+    samples: int
+    computed: int
+    reused: int
+    tokens: int
+    computed_tokens: int
+    seconds: float
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "computed": self.computed,
+            "reused": self.reused,
+            "tokens": self.tokens,
+            "computed_tokens": self.computed_tokens,
+            "seconds": round(self.seconds, 2),
+            "tokens_per_second": round(self.computed_tokens / self.seconds, 1) if self.seconds else None,
+            "bytes": self.bytes,
+            "bytes_per_token": round(self.bytes / self.tokens, 1) if self.tokens else None,
+        }
+
+
+def sample_keys(fingerprint: str, capture_ids: list[int], storage: str, samples: list[TokenizedSample]) -> list[str]:
+    """Each sample's shard key: its tokens and, for samples with images, the images' digests."""
+    return [sample_key(fingerprint, capture_ids, storage, s.input_ids, images_digest(s.images)) for s in samples]
+
+
+def plan_batches(samples: list[TokenizedSample], batch_size: int) -> list[list[int]]:
+    """Sample indices per batch; depends only on the data order and the lengths."""
+    batches = []
+    for start in range(0, len(samples), WINDOW):
+        window = sorted(range(start, min(start + WINDOW, len(samples))), key=lambda i: (len(samples[i].input_ids), i))
+        batches += [window[i : i + batch_size] for i in range(0, len(window), batch_size)]
+    return batches
+
+
+def transformers_capture_fn(verifier: Verifier, capture_ids: list[int]) -> CaptureFn:
+    import torch
+
+    device = verifier.model.device
+    pad = verifier.tokenizer.pad_token_id if verifier.tokenizer.pad_token_id is not None else 0
+
+    def capture(prompts: list[list[int]], images: list[list[dict[str, str]]]) -> list[torch.Tensor]:
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # right padding: real tokens never attend to pads (causal)
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+            attention[row, : len(prompt)] = 1
+        vision: dict[str, torch.Tensor] = {}
+        pictures = [load_image(part) for parts in images for part in parts]  # in token order, row by row
+        if pictures:
+            inputs = verifier.image_inputs
+            vision = {k: v.to(device) for k, v in inputs.pixel_inputs(pictures).items()}
+            vision["mm_token_type_ids"] = inputs.token_types(ids).to(device)
+        states = verifier.capture(ids.to(device), capture_ids, attention_mask=attention.to(device), **vision)
+        return [states[row, : len(prompt)] for row, prompt in enumerate(prompts)]
+
+    return capture
+
+
+def drafter_positions(verifier: VerifierFacts, sample: TokenizedSample) -> torch.Tensor | None:
+    """The positions vLLM gives the drafter for a sample with images (None: 0..T-1)."""
+    import torch
+
+    if not sample.images:
+        return None
+    inputs = verifier.image_inputs
+    grids = [inputs.grid(load_image(part)) for part in sample.images]
+    return torch.tensor(inputs.drafter_positions(sample.input_ids, grids))
+
+
+def make_capture_fn(
+    backend: str,
+    verifier: VerifierFacts,
+    capture_ids: list[int],
+    max_length: int,
+    tensor_parallel_size: int = 1,
+    batch_size: int = 4,
+    nodes: MultiNode | None = None,
+) -> CaptureFn:
+    if backend == "transformers":
+        if not isinstance(verifier, Verifier):
+            raise SpeculatorsError("the transformers backend captures with a loaded verifier (load_verifier)")
+        return transformers_capture_fn(verifier, capture_ids)
+    if backend == "vllm":
+        # A batch (at most a window: plan_batches) in one engine step where the activations allow; a
+        # longer one is prefilled in chunks (rows keyed by request and position: vllm_capture).
+        return VllmCapture(
+            verifier.name_or_path,
+            capture_ids,
+            verifier.dtype,
+            max_model_len=max_length + 1,
+            max_batch_tokens=min(min(batch_size, WINDOW) * (max_length + 1), 65536),
+            tensor_parallel_size=tensor_parallel_size,
+            image_token_id=verifier.image_inputs.tokens.image_token_id if verifier.is_vision_language else None,
+            quantization=verifier.quantization,
+            nodes=nodes,
+        )
+    raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
+
+
+def check_store_holds(
+    store: HiddenStateStore, verifier: VerifierFacts, aux_ids: list[int], storage: str, overwrite: bool
+) -> None:
+    """Refuse to capture into a store made for another verifier, aux layers or storage format (unless
+    `overwrite`): its manifest would be rewritten to this run's samples and its states orphaned. A
+    folder whose manifest.json is not a store's is refused in any case."""
+    if not store.manifest_path.exists():
+        return
+    manifest = store.manifest()  # (one error if it is not a store manifest)
+    held = manifest["verifier"]
+    then = (held["fingerprint"], held.get("quantization"), manifest["aux_layer_ids"], manifest["storage"])
+    now = (verifier.fingerprint, verifier.quantization, aux_ids, storage)
+    if then == now or overwrite:
+        return
+    raise SpeculatorsError(
+        f"store {store.root} holds the states of verifier {held['name_or_path']} (fingerprint {then[0]}"
+        f"{', ' + str(then[1]) if then[1] else ''}, aux layers {then[2]}, {then[3]}), not of {verifier.name_or_path} "
+        f"(fingerprint {now[0]}{', ' + str(now[1]) if now[1] else ''}, aux layers {now[2]}, {now[3]}); write to "
+        f"a new --output, or pass --overwrite to re-point this store (its shards stay, keyed by content)"
+    )
+
+
+def run_datagen(
+    samples: list[TokenizedSample],
+    verifier: VerifierFacts,
+    store_dir: str | Path,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 4,
+    storage: str = "bfloat16",
+    backend: str = "transformers",
+    data_version: str | None = None,
+    progress: bool = True,
+    tensor_parallel_size: int = 1,
+    replica: tuple[int, int] | None = None,
+    overwrite: bool = False,
+    nodes: MultiNode | None = None,
+) -> DatagenReport:
+    """Capture the samples' states into the store and write its manifest. `verifier` is a loaded
+    `Verifier` (transformers backend) or `VerifierFacts` (vllm backend: vLLM loads the weights).
+    `replica=(i, n)`: compute only every n-th batch from the i-th and write no manifest (one of n
+    data-parallel replicas; `run_datagen_replicas` starts them and writes the manifest after).
+    `nodes`: the vllm engine spans several nodes, this is node rank 0 (speculators/serving/multinode.py)."""
+    import torch
+    from tqdm import tqdm
+
+    if storage not in STORAGE_FORMATS:
+        raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
+    if not samples:
+        raise SpeculatorsError("no samples to capture; the prepared data is empty")
+    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
+    if len(aux_ids) != 3:
+        raise SpeculatorsError(f"aux layer ids {aux_ids} must be 3 ids (EAGLE-3 reads 3 states)")
+    capture_ids = [*aux_ids, verifier.num_layers]
+    verifier.check_layer_ids(capture_ids)
+    vocab = verifier.vocab_size
+    for sample in samples:
+        if min(sample.input_ids) < 0 or max(sample.input_ids) >= vocab:
+            raise SpeculatorsError(
+                f"sample {sample.id} has token ids outside the verifier vocab 0..{vocab - 1}; "
+                f"prepare the data with this verifier's tokenizer"
+            )
+    if backend not in ("transformers", "vllm"):
+        raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
+    capture: CaptureFn | None = None  # built on first need: a fully reused store starts no engine
+    store = HiddenStateStore(store_dir)
+    check_store_holds(store, verifier, aux_ids, storage, overwrite)
+    previous = store.previous_entries()
+    fingerprint = verifier.states_fingerprint
+    if not verifier.is_vision_language and any(s.images for s in samples):
+        raise SpeculatorsError(
+            f"the samples hold images but verifier {verifier.name_or_path} ({verifier.model_type}) takes none; "
+            f"prepare them with this verifier"
+        )
+    keys = sample_keys(fingerprint, capture_ids, storage, samples)
+    written: dict[str, tuple[str, int]] = {}
+    computed = computed_tokens = 0
+    started = time.perf_counter()
+    batches = plan_batches(samples, batch_size)
+    if replica is not None:
+        index, count = replica
+        batches = batches[index::count]
+    total_tokens = sum(len(s.input_ids) for s in samples)
+    with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
+        for batch in batches:
+            missing = [i for i in batch if not store.has(keys[i])]
+            if not missing:
+                bar.update(sum(len(samples[i].input_ids) for i in batch))
+                continue
+            if capture is None:
+                capture = make_capture_fn(
+                    backend,
+                    verifier,
+                    capture_ids,
+                    max(len(s.input_ids) for s in samples),
+                    tensor_parallel_size,
+                    batch_size,
+                    nodes,
+                )
+            states = capture([samples[i].input_ids for i in batch], [samples[i].images for i in batch])
+            for row, i in enumerate(batch):
+                if i not in missing:
+                    continue
+                sample = samples[i]
+                written[keys[i]] = store.write_sample(
+                    keys[i],
+                    sample.id,
+                    torch.tensor(sample.input_ids),
+                    torch.tensor(sample.loss_mask),
+                    states[row][:, :3],
+                    states[row][:, 3],
+                    storage,
+                    drafter_positions(verifier, sample),
+                )
+                computed += 1
+                computed_tokens += len(sample.input_ids)
+            bar.update(sum(len(samples[i].input_ids) for i in batch))
+            bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+    close = getattr(capture, "close", None)  # a vLLM engine's
+    if close is not None:
+        close()
+    seconds = time.perf_counter() - started
+    if replica is not None:
+        return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
+
+    entries: list[dict[str, Any]] = []
+    for sample, key in zip(samples, keys, strict=True):
+        path = store.shard_path(key)
+        if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
+            stored_ids, _ = store.read_tokens({"shard": str(path.relative_to(store.root))})
+            if stored_ids.tolist() != sample.input_ids:
+                raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
+        if key in written:
+            checksum, size = written[key]
+        elif key in previous and previous[key].get("bytes") == path.stat().st_size:
+            checksum, size = previous[key]["checksum"], previous[key]["bytes"]
+        else:
+            checksum, size = file_sha256(path), path.stat().st_size
+        entries.append(
+            {
+                "id": sample.id,
+                "key": key,
+                "shard": str(path.relative_to(store.root)),
+                "num_tokens": len(sample.input_ids),
+                "supervised_tokens": sample.supervised_tokens,
+                "checksum": checksum,
+                "bytes": size,
+            }
+        )
+    total_bytes = sum(e["bytes"] for e in entries)
+    report = DatagenReport(
+        len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
+    )
+    store.write_manifest(
+        {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "verifier": {
+                "fingerprint": verifier.fingerprint,
+                "quantization": verifier.quantization,
+                "name_or_path": verifier.name_or_path,
+                "model_type": verifier.model_type,
+                "num_layers": verifier.num_layers,
+                "hidden_size": verifier.hidden_size,
+                "vocab_size": verifier.vocab_size,
+                "dtype": verifier.dtype,
+            },
+            "aux_layer_ids": aux_ids,
+            "target_layer_id": verifier.num_layers,
+            "storage": storage,
+            "data_version": data_version,
+            "totals": {
+                "samples": len(samples),
+                "tokens": total_tokens,
+                "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
+                "bytes": total_bytes,
+            },
+            "samples": entries,
+        }
+    )
+    return report
+
+
+def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+    """Per replica, the environment that gives it its own GPUs (CUDA_VISIBLE_DEVICES) or, on a CPU,
+    its own cores for vLLM's CPU build (VLLM_CPU_OMP_THREADS_BIND, one '|'-separated list per TP rank)."""
+
+    need = replicas * tensor_parallel_size
+    count = gpu_count()
+    if count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ranks = visible.split(",") if visible else [str(i) for i in range(count)]
+        if len(ranks) < need:
+            raise SpeculatorsError(
+                f"{replicas} replicas x tensor parallel {tensor_parallel_size} need {need} GPUs but {len(ranks)} are "
+                f"visible; lower --data-parallel-size or --tensor-parallel-size"
+            )
+        variable, separator = "CUDA_VISIBLE_DEVICES", ","
+    else:
+        ranks, variable, separator = cpu_core_lists(need), "VLLM_CPU_OMP_THREADS_BIND", "|"
+    groups = [ranks[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(replicas)]
+    return [{variable: separator.join(group)} for group in groups]
+
+
+Replica = tuple[int, Path, subprocess.Popen[bytes]]  # (index, log, process)
+
+
+def start_replica(label: str, index: int, command: list[str], env: dict[str, str], log: Path) -> Replica:
+    """One replica process with its own devices (`env`), its output in `log`."""
+    print(f"{label} {index}: {' '.join(f'{k}={v}' for k, v in env.items())}, log {log}", flush=True)
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    return index, log, process
+
+
+def raise_for_failed_replicas(what: str, processes: list[Replica]) -> None:
+    """One error for the first failed replica: its `error:` line (or last line) and its log."""
+    failed = [(index, log) for index, log, process in processes if process.returncode != 0]
+    if failed:
+        index, log = failed[0]
+        lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
+        reason = next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1])
+        raise SpeculatorsError(f"{what} replica {index} failed ({reason}); see {log}, then run again to resume")
+
+
+def run_datagen_replicas(
+    settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts, data_version: str | None = None
+) -> DatagenReport:
+    """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
+    process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
+    pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
+    shards are content-addressed and renamed into place, so a failed replica is simply run again."""
+    import sys
+
+    from tqdm import tqdm
+
+    store_dir, replicas = Path(settings.output), settings.data_parallel_size
+    tensor_parallel_size, batch_size, storage = settings.tensor_parallel_size, settings.batch_size, settings.storage
+    store_dir.mkdir(parents=True, exist_ok=True)
+    aux_ids = list(settings.aux_layer_ids or verifier.default_aux_layer_ids)
+    capture_ids = [*aux_ids, verifier.num_layers]
+    verifier.check_layer_ids(capture_ids)
+    store = HiddenStateStore(store_dir)
+    check_store_holds(store, verifier, aux_ids, storage, settings.overwrite)
+    keys = sample_keys(verifier.states_fingerprint, capture_ids, storage, samples)
+    started = time.perf_counter()
+    missing = [i for i, key in enumerate(keys) if not store.has(key)]
+    missing_before, missing_tokens = len(missing), sum(len(samples[i].input_ids) for i in missing)
+    processes: list[Replica] = []
+    one_replica = settings.model_copy(
+        update={
+            "backend": "vllm",
+            "aux_layer_ids": aux_ids,
+            "data_parallel_size": 1,
+            "dtype": verifier.dtype,
+            "output": str(store_dir),
+        }
+    )
+    for index, env in enumerate(replica_devices(replicas, tensor_parallel_size) if missing else []):
+        command = [
+            sys.executable,
+            "-m",
+            "speculators.cli",
+            "datagen",
+            *to_argv(one_replica),
+            "--replica",
+            f"{index}/{replicas}",
+        ]
+        processes.append(start_replica("replica", index, command, env, store_dir / f"replica-{index}.log"))
+    with tqdm(total=missing_before, desc=f"capturing with {replicas} replicas", unit="sample") as bar:
+        while any(process.poll() is None for _, _, process in processes):
+            time.sleep(2)
+            bar.n = missing_before - sum(1 for key in keys if not store.has(key))
+            bar.refresh()
+    raise_for_failed_replicas("datagen", processes)
+    seconds = time.perf_counter() - started
+    report = run_datagen(
+        samples,
+        verifier,
+        store_dir,
+        aux_layer_ids=aux_ids,
+        batch_size=batch_size,
+        storage=storage,
+        backend="vllm",
+        data_version=data_version,
+        progress=False,
+        overwrite=settings.overwrite,
+    )
+    report.computed, report.reused, report.seconds = missing_before, len(samples) - missing_before, seconds
+    report.computed_tokens = missing_tokens
+    return report
+
+
+def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = None) -> DatagenReport:
+    """`speculators datagen`: the samples' hidden states into the store, datagen_report.json beside
+    them (the last run's counts). `replica` (INDEX, COUNT): one of run_datagen_replicas' processes.
+
+    The store's lock is held throughout: a second datagen into the same store waits, then finds every
+    shard written and computes none (replicas run under their parent's lock)."""
+
+    if replica is not None:
+        return capture_into_store(settings, replica)
+    with exclusive_lock(settings.output, "hidden-state store"):
+        return capture_into_store(settings, None)
+
+
+def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | None) -> DatagenReport:
+    import json
+
+    s = settings
+    if s.backend != "vllm" and (s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or replica or s.multi_node):
+        raise SpeculatorsError(
+            "--tensor-parallel-size, --data-parallel-size, --nnodes and --replica need --backend vllm"
+        )
+    if s.multi_node and s.data_parallel_size > 1:
+        raise SpeculatorsError(
+            f"--data-parallel-size {s.data_parallel_size} with --nnodes {s.nnodes}: capture replicas are one engine "
+            f"each on this node's GPUs, and an engine over several nodes is one verifier over all of them; use "
+            f"--data-parallel-size 1"
+        )
+    samples = read_samples(s.data)
+    prepared = Path(s.data).with_name("prepare_report.json")
+    data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
+    capture_into = partial(
+        run_datagen,
+        aux_layer_ids=s.aux_layer_ids,
+        batch_size=s.batch_size,
+        storage=s.storage,
+        data_version=data_version,
+        overwrite=s.overwrite,
+    )
+    if s.backend == "transformers":
+        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
+        report = capture_into(samples, verifier, s.output, backend="transformers")
+    else:  # vLLM loads the weights; here only the config and the files' fingerprint
+        facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype, quantization=s.quantization)
+        store = Path(s.output).resolve()
+        with vllm_log(store.with_name(store.name + "-vllm.log"), replica is None):  # (replicas inherit it)
+            if s.data_parallel_size > 1:
+                report = run_datagen_replicas(s, samples, facts, data_version)
+            else:
+                report = capture_into(
+                    samples,
+                    facts,
+                    s.output,
+                    backend="vllm",
+                    replica=replica,
+                    tensor_parallel_size=s.tensor_parallel_size,
+                    progress=replica is None,
+                    nodes=node_group_of(s),
+                )
+    if replica is None:
+        write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    return report

@@ -1,0 +1,400 @@
+"""Hidden-state capture inside vLLM (the `vllm` datagen backend), CUDA or CPU build, any TP size.
+
+vLLM's own EAGLE-3 support decides what is captured: every model class that implements
+`SupportsEagle3` calls its base model's `_maybe_add_hidden_state(aux, layer_idx, hidden, residual)`
+with layer_idx 0 for the embeddings and k + 1 after decoder layer k, and keeps `hidden + residual`
+(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in vLLM's worker
+(through `LLM.apply_model`), with `embed_input_ids` for the token ids, and record the ids we want,
+with id N (after the last layer, before the final norm) included. So the states are exactly the
+ones vLLM feeds a served drafter, for every family that supports EAGLE-3 (llama, qwen3, qwen3_moe,
+gpt_oss, ...), whatever its embedding module is called. vLLM's DeepSeek-V2/V3 model (Mistral Large 3's
+too) has no `_maybe_add_hidden_state`: it adds `hidden + residual` itself for the ids it is given in
+`aux_hidden_state_layers` and returns them beside its output, so there we give it ours and take them
+off. With tensor parallelism the residual stream is all-reduced after every layer, so each rank holds
+the full hidden states; only TP rank 0 records them.
+
+Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
+tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
+position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
+requests by their scheduled token counts (`sort_batch_req_ids`) and pads batches for CUDA graphs,
+and any runner chunks a long prefill over several steps. So every forward pass records its batch
+layout beside its rows (which request each run of rows belongs to, and from which position), read
+from the runner: V1 (the CPU build, and CUDA with VLLM_USE_V2_MODEL_RUNNER=0) keeps it in its
+persistent `input_batch` and `query_start_loc`; V2 builds an `InputBatch` per step in
+`prepare_inputs`, which a probe wraps. `assemble_states` puts the rows back together per request
+and matches each request to its prompt by its token ids.
+
+vLLM's own `extract_hidden_states` speculative method is not used: it runs on CUDA only (its KV
+connector writes per-request safetensors files through CUDA streams), so no test here could run it;
+it refuses MLA verifiers (`ExampleHiddenStatesConnector`) and multimodal inputs (its speculator sets
+`supports_mm_inputs = False`), and it keeps states in the model's dtype and writes them to disk
+before we read them back. These hooks serve every family on both builds with one code path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from speculators.errors import SpeculatorsError
+from speculators.serving.engine import (
+    check_node_gpus,
+    configure_cpu_build,
+    cpu_mla_backend,
+    cpu_rotary_workaround,
+    offline_engine_kwargs,
+    shared_engine_flags,
+    shutdown_engine,
+    vllm_image_limits,
+)
+from speculators.serving.multinode import engine_plan
+from speculators.verifier.mistral_format import vllm_format_kwargs
+from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
+from speculators.verifier.vision import collapse_placeholders, load_image
+
+if TYPE_CHECKING:
+    import torch
+
+    from speculators.settings import MultiNode
+
+# Worker-side state: collective_rpc functions run in vLLM's worker processes, where this module is
+# imported once per process; each forward pass appends one record (on TP rank 0 only): "layout" (a
+# BatchLayout as a dict), "input_ids" and the layer ids -> [rows, H] tensors.
+_RECORDS: list[dict[str | int, Any]] = []
+_RUNNER: Any = None  # the worker's model runner, whose batch layout each record takes
+_V2_LAYOUT: dict[str, list] | None = None  # Model Runner V2: the layout of the step about to run
+
+
+def batch_layout(req_ids: Sequence[str], starts: Iterable[Any], counts: Iterable[Any]) -> dict[str, list]:
+    """Which request each row of one forward pass belongs to: the requests in row order, the position
+    of each one's first row this step, and its row count (rows past their sum are padding)."""
+    return {"req_ids": list(req_ids), "starts": [int(x) for x in starts], "counts": [int(x) for x in counts]}
+
+
+def v1_layout(runner: Any) -> dict[str, list]:
+    """Model Runner V1's persistent batch: `input_batch` in row order, `query_start_loc` its row
+    offsets, `num_computed_tokens_cpu` the positions computed before this step."""
+    import numpy as np
+
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return batch_layout(
+        batch.req_ids[:n], batch.num_computed_tokens_cpu[:n], np.diff(runner.query_start_loc.np[: n + 1])
+    )
+
+
+def install_v2_layout_probe(runner: Any) -> None:
+    """Model Runner V2 builds each step's InputBatch in `prepare_inputs` (requests sorted by their
+    scheduled tokens); keep its layout for the forward pass that follows."""
+    import numpy as np
+
+    def prepare_inputs(*args: Any, **kwargs: Any) -> Any:
+        global _V2_LAYOUT
+        batch = type(runner).prepare_inputs(runner, *args, **kwargs)
+        n = batch.num_reqs
+        counts = np.diff(batch.query_start_loc_np[: n + 1])
+        _V2_LAYOUT = batch_layout(batch.req_ids[:n], batch.num_computed_tokens_np[:n], counts)
+        return batch
+
+    runner.prepare_inputs = prepare_inputs  # an instance attribute shadows the method execute_model calls
+
+
+def runner_is_v2(runner: Any) -> bool:
+    if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+        return True
+    if hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc"):
+        return False
+    raise RuntimeError(
+        f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} is neither Model Runner V1 nor "
+        f"V2, whose batch layouts capture reads; capture with --backend transformers"
+    )
+
+
+def current_layout() -> dict[str, list] | None:
+    """The layout of the forward pass now running; None for one the runner made up (a dummy batch)."""
+    global _V2_LAYOUT
+    if _RUNNER is None:
+        return None
+    if runner_is_v2(_RUNNER):
+        layout, _V2_LAYOUT = _V2_LAYOUT, None
+        return layout
+    return v1_layout(_RUNNER)
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def language_model_of(model: Any) -> Any:
+    """The model whose `.model` is the decoder stack: a vision-language model's language model
+    (vLLM: get_language_model()), otherwise the model itself."""
+    return model.get_language_model() if hasattr(model, "get_language_model") else model
+
+
+def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
+    """Runs in each worker: records input ids and the requested residual-stream states; returns N."""
+    base = getattr(language_model_of(model), "model", None)
+    needed = ("embed_input_ids", "layers")
+    exposes = hasattr(base, "_maybe_add_hidden_state") or hasattr(base, "aux_hidden_state_layers")
+    if base is None or not exposes or not all(hasattr(base, name) for name in needed):
+        raise RuntimeError(
+            f"vLLM's {type(model).__name__} does not expose EAGLE-3 aux hidden states (SupportsEagle3); "
+            f"capture this verifier with --backend transformers"
+        )
+    remove_capture_hooks(model)
+    wanted = set(capture_ids)
+    recording = _tensor_parallel_rank() == 0
+
+    returned_aux = not hasattr(base, "_maybe_add_hidden_state")
+
+    def embed_input_ids(input_ids: torch.Tensor) -> torch.Tensor:
+        # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
+        embeddings = type(base).embed_input_ids(base, input_ids)
+        if recording:
+            _RECORDS.append({"layout": current_layout(), "input_ids": input_ids.detach().cpu().clone()})
+            if returned_aux and 0 in wanted:  # id 0, the embeddings (see install_returned_aux_capture)
+                _RECORDS[-1][0] = embeddings.detach().float().cpu().clone()
+        return embeddings
+
+    base.embed_input_ids = embed_input_ids
+    if returned_aux:
+        return install_returned_aux_capture(base, wanted, recording)
+    original = type(base)._maybe_add_hidden_state
+
+    def maybe_add_hidden_state(
+        aux: list[torch.Tensor], layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        if recording and layer_idx in wanted:
+            value = hidden if residual is None else hidden + residual
+            _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
+        return original(base, aux, layer_idx, hidden, residual)
+
+    # Instance attributes shadow the class methods that the model's forward calls.
+    base._maybe_add_hidden_state = maybe_add_hidden_state
+    return len(base.layers)
+
+
+def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -> int:
+    """For models whose forward adds `hidden + residual` itself for the ids in `aux_hidden_state_layers`
+    and returns them beside its output (vLLM's DeepseekV2Model: DeepSeek-V2/V3, Mistral Large 3): ask
+    for our ids, record what comes back and return the output alone, as without EAGLE-3. Id 0 (the
+    embeddings) is recorded where they are made: this forward adds `hidden + residual` with no residual
+    yet there (a TypeError in vLLM; its drafters never ask for id 0)."""
+    ids = tuple(sorted(wanted - {0}))
+    served = base.aux_hidden_state_layers
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = type(base).forward(base, *args, **kwargs)
+        if not isinstance(output, tuple):  # a pipeline stage's intermediate tensors
+            return output
+        hidden, aux = output
+        if recording:  # one state per requested id, in increasing id order
+            for layer_id, value in zip(ids, aux, strict=True):
+                _RECORDS[-1][layer_id] = value.detach().float().cpu().clone()
+        return hidden
+
+    forward.served_aux_layers = served  # type: ignore[attr-defined]
+    base.aux_hidden_state_layers = ids
+    base.forward = forward
+    return len(base.layers)
+
+
+def install_capture(worker: Any, capture_ids: list[int]) -> int:
+    """Runs in each worker (LLM.collective_rpc): the layout probe on its model runner, the hooks on its
+    model; returns the verifier's layer count."""
+    global _RUNNER
+    runner = worker.model_runner
+    if runner_is_v2(runner):
+        install_v2_layout_probe(runner)
+    _RUNNER = runner
+    return install_capture_hooks(capture_ids, worker.get_model())
+
+
+def remove_capture(worker: Any) -> None:
+    global _RUNNER, _V2_LAYOUT
+    remove_capture_hooks(worker.get_model())
+    worker.model_runner.__dict__.pop("prepare_inputs", None)
+    _RUNNER, _V2_LAYOUT = None, None
+
+
+def fetch_capture_records(worker: Any) -> list[dict[str | int, Any]] | None:
+    return fetch_records(worker.get_model())
+
+
+def remove_capture_hooks(model: Any) -> None:
+    _RECORDS.clear()
+    base = language_model_of(model).model
+    for name in ("_maybe_add_hidden_state", "embed_input_ids"):
+        base.__dict__.pop(name, None)
+    forward = base.__dict__.get("forward")
+    if hasattr(forward, "served_aux_layers"):  # ours (install_returned_aux_capture)
+        base.aux_hidden_state_layers = forward.served_aux_layers
+        del base.forward
+
+
+def fetch_records(model: Any) -> list[dict[str | int, Any]] | None:
+    """TP rank 0's records (None from the other ranks, which record nothing)."""
+    records = list(_RECORDS)
+    _RECORDS.clear()
+    return records if _tensor_parallel_rank() == 0 else None
+
+
+def assemble_states(
+    records: list[dict[str | int, Any]], prompts: list[list[int]], capture_ids: list[int]
+) -> list[torch.Tensor]:
+    """Each prompt's [T, len(capture_ids), H] states from the forward passes' records, in any row order
+    and any chunking: rows are keyed by (request, position) through each record's layout (a position
+    computed twice, as after a preemption, keeps its later row); each request's positions must run
+    from 0 without a gap, and its token ids pick its prompt (identical prompts have identical states,
+    so either may take either). A row past a prompt's end (a decode step) is ignored."""
+    import torch
+
+    runs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # request -> (start, ids, states)
+    for record in records:
+        layout = record.get("layout")
+        if layout is None:  # a batch the runner made up (profiling, a dummy run): no request's rows
+            continue
+        row = 0
+        for req, start, count in zip(layout["req_ids"], layout["starts"], layout["counts"], strict=True):
+            chunk = torch.stack([record[i][row : row + count] for i in capture_ids], dim=1)
+            runs.setdefault(req, []).append((start, record["input_ids"][row : row + count], chunk))
+            row += count
+    states: dict[str, torch.Tensor] = {}
+    by_tokens: dict[tuple[int, ...], list[str]] = {}  # a request's tokens from position 0 without a gap
+    for req, parts in runs.items():
+        length = max(start + len(ids) for start, ids, _ in parts)
+        tokens = torch.full((length,), -1, dtype=parts[0][1].dtype)
+        filled = torch.zeros(length, dtype=torch.bool)
+        states[req] = parts[0][2].new_zeros((length, *parts[0][2].shape[1:]))
+        for start, ids, chunk in parts:  # in forward order: a recomputed position keeps its later row
+            end = start + len(ids)
+            tokens[start:end], states[req][start:end], filled[start:end] = ids, chunk, True
+        complete = int(filled.long().cumprod(0).sum())
+        by_tokens.setdefault(tuple(tokens[:complete].tolist()), []).append(req)
+    out = []
+    for index, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        candidates = by_tokens.get(key)
+        if not candidates:  # a request that ran a decode step after its prefill: one position more
+            candidates = next(
+                (reqs for seq, reqs in by_tokens.items() if reqs and len(seq) == len(key) + 1 and seq[:-1] == key), None
+            )
+        if not candidates:
+            raise SpeculatorsError(
+                f"vLLM's forward passes hold no complete run of prompt {index} ({len(prompt)} tokens); this is a "
+                f"bug in capture: capture the store with --backend transformers meanwhile"
+            )
+        req = candidates.pop(0)
+        out.append(states[req][: len(prompt)])
+    return out
+
+
+def capture_engine_kwargs(
+    model_dir: str,
+    dtype: str,
+    max_model_len: int,
+    max_batch_tokens: int = 16384,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    nodes: MultiNode | None = None,
+) -> dict[str, Any]:
+    """The capture engine's `LLM()` arguments on this node (the one place they are built: the other
+    nodes of a multi-node engine start its headless workers with the same, speculators/serving/multinode.py).
+    Eager mode and no prefix caching: the hooks record every prompt's states in Python."""
+
+    kwargs = {
+        "model": model_dir,
+        "dtype": vllm_dtype(dtype, quantization),
+        "quantization": quantization,
+        "seed": 0,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "compilation_config": {"mode": 0, **cpu_rotary_workaround(model_dir)},
+        **cpu_mla_backend(model_dir),
+        "max_model_len": max_model_len,
+        # Tokens per engine step; a longer batch, or a longer prompt, is prefilled in chunks (keyed rows).
+        "max_num_batched_tokens": max_batch_tokens,
+        "max_num_seqs": min(256, max_batch_tokens),  # vLLM: at most one sequence per batched token
+        "tensor_parallel_size": tensor_parallel_size,
+        **vllm_image_limits(model_dir),
+        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
+    }
+    return offline_engine_kwargs(kwargs, nodes)
+
+
+class VllmCapture:
+    """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`;
+    over several nodes, `nodes`, node rank 0's engine, whose arguments the others follow)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        capture_ids: list[int],
+        dtype: str,
+        max_model_len: int,
+        max_batch_tokens: int = 16384,
+        tensor_parallel_size: int = 1,
+        image_token_id: int | None = None,
+        quantization: str | None = None,
+        nodes: MultiNode | None = None,
+    ):
+
+        vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise SpeculatorsError(
+                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra"
+            ) from None
+
+        # apply_model ships our hook functions to the workers by reference.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        configure_cpu_build(tensor_parallel_size)
+        self.capture_ids = list(capture_ids)
+        self.max_batch_tokens = max_batch_tokens
+        self.image_token_id = image_token_id
+        kwargs = capture_engine_kwargs(
+            model_dir, dtype, max_model_len, max_batch_tokens, tensor_parallel_size, quantization, nodes
+        )
+        check_node_gpus(nodes, tensor_parallel_size)
+        with engine_plan(nodes, model_dir, shared_engine_flags(kwargs)):
+            self.llm = LLM(**kwargs)
+        (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
+        if max(self.capture_ids) > num_layers:
+            raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes now rather than at interpreter exit (where its threads abort)."""
+        import gc
+
+        self.llm.collective_rpc(remove_capture)
+        shutdown_engine(self.llm)
+        del self.llm
+        gc.collect()
+
+    def __call__(
+        self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None
+    ) -> list[torch.Tensor]:
+        return self.capture(prompts, images)
+
+    def capture(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[torch.Tensor]:
+        """States of each prompt; a prompt with images holds their expanded placeholders, which are
+        collapsed to one per image for vLLM (its processor expands them again from the pixels)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = []
+        for prompt, parts in zip(prompts, images or [[] for _ in prompts], strict=True):
+            if not parts:
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                continue
+            assert self.image_token_id is not None, "a prompt with images for a text-only verifier"
+            request = TokensPrompt(prompt_token_ids=collapse_placeholders(prompt, self.image_token_id))
+            request["multi_modal_data"] = {"image": [load_image(part) for part in parts]}
+            requests.append(request)
+        self.llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        records = next(r for r in self.llm.collective_rpc(fetch_capture_records) if r is not None)
+        return assemble_states(records, prompts, self.capture_ids)

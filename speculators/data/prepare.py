@@ -1,0 +1,352 @@
+"""`speculators prepare`: prompt sources -> conversations.jsonl, and with a verifier samples.jsonl.
+
+Without `regenerate` the sources' own answers are tokenized with the verifier's chat template; with
+it the verifier writes the answers (transformers, vLLM's offline engine, data-parallel vLLM replicas
+behind one server, or a running server). Regeneration resumes: answers are appended to
+samples.partial.jsonl as they come, and a rerun with the same settings regenerates only the
+conversations that are new (`regeneration_key`).
+
+Outputs under `output`: conversations.jsonl, samples.jsonl (with a verifier), prepare_report.json
+(rows read, kept, rejected and why; token statistics), regeneration-vllm.log (vLLM's offline engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, closing, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators.atomic_io import exclusive_lock, write_jsonl_atomic, write_text_atomic
+from speculators.data.capture import Replica, raise_for_failed_replicas, replica_devices, start_replica
+from speculators.data.prompts import RowRejected, prepare_conversations, source_image_root
+from speculators.data.regenerate import (
+    VllmGenerate,
+    regenerate,
+    server_generate_fn,
+    transformers_generate_fn,
+    transformers_image_generate_fn,
+)
+from speculators.data.tokenization import read_samples, token_statistics, tokenize_conversation, turn_end_ids
+from speculators.errors import SpeculatorsError
+from speculators.flags import to_argv
+from speculators.serving.engine import decoding_enforce_eager, vllm_log
+from speculators.serving.serve import ServerSettings, VllmServer
+from speculators.settings import PrepareSettings, node_group_of
+from speculators.verifier.loading import load_tokenizer, load_verifier, load_verifier_config, local_model_dir
+from speculators.verifier.vision import ImageInputs, is_vision_language
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+
+    from speculators.data.prompts import Conversation
+    from speculators.data.regenerate import ImageGenerateFn
+    from speculators.data.tokenization import TokenizedSample
+    from speculators.verifier.vision import ImageInputs
+
+
+def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
+    """Conversations, then (with a verifier) samples; returns prepare_report.json's content. The output
+    folder's lock is held throughout: a second prepare into it waits, then reuses the first's answers."""
+
+    with exclusive_lock(settings.output, "prepared data"):
+        return prepare_into(settings)
+
+
+def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
+
+    s, output = settings, Path(settings.output)
+    require_assistant = not s.regenerate if s.require_assistant is None else s.require_assistant
+    conversations, report = prepare_conversations(
+        s.sources,
+        require_assistant=require_assistant,
+        max_samples=s.max_samples,
+        hf_subset=s.hf_subset,
+        hf_split=s.hf_split,
+        seed=s.seed,
+        validation_sources=s.validation_sources,
+        source_weights=s.source_weights,
+        image_roots=s.image_roots,
+        max_user_turns=s.max_user_turns,
+    )
+    write_jsonl_atomic(output / "conversations.jsonl", conversations)
+    result: dict[str, Any] = {"prompts": report.to_dict()}
+    print(report.summary())
+    if s.verifier:
+        if s.regenerate:
+            with vllm_log(output / "regeneration-vllm.log", offline_vllm_engine(s)):
+                result["tokenization"] = regenerate_samples(s, conversations, output)
+        else:
+            result["tokenization"] = tokenize_samples(s, conversations, output)
+    write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
+    if not conversations:
+        raise SpeculatorsError(f"no usable conversation in {', '.join(s.sources)}; see the rejection reasons above")
+    print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if s.verifier else ""))
+    return result
+
+
+def offline_vllm_engine(settings: PrepareSettings) -> bool:
+    """Regeneration runs vLLM's offline engine in this process (a server logs to its own file)."""
+    served = settings.server_url or settings.data_parallel_size > 1
+    return settings.backend == "vllm" and not served
+
+
+# ----- tokenizing the sources' own answers ---------------------------------------------------------
+
+
+def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
+
+    config, location = load_verifier_config(str(settings.verifier))
+    tokenizer = load_tokenizer(location)
+    images = verifier_image_inputs(config, location)
+    samples, rejected = [], Counter[str]()
+    for conversation in conversations:
+        try:
+            samples.append(
+                tokenize_conversation(tokenizer, conversation.id, conversation.messages, settings.max_length, images)
+            )
+        except RowRejected as reason:
+            rejected[str(reason)] += 1
+    return write_samples(output, samples, {"rejected": dict(rejected)})
+
+
+def verifier_image_inputs(config: PreTrainedConfig, location: str) -> ImageInputs | None:
+    """The image processor of a vision-language verifier (None for a text-only one)."""
+
+    return ImageInputs(local_model_dir(location), config) if is_vision_language(config.model_type) else None
+
+
+def write_samples(output: Path, samples: list[TokenizedSample], details: dict[str, Any]) -> dict[str, Any]:
+
+    write_jsonl_atomic(output / "samples.jsonl", samples)
+    (output / "samples.partial.jsonl").unlink(missing_ok=True)
+    details["statistics"] = stats = token_statistics(samples)
+    for reason, count in sorted(details["rejected"].items()):
+        print(f"  tokenization rejected {count}: {reason}")
+    print(f"tokenized {stats['samples']} samples: {stats['tokens']} tokens, {stats['supervised_tokens']} supervised")
+    return details
+
+
+# ----- regenerating the answers with the verifier --------------------------------------------------
+
+
+def regeneration_key(settings: PrepareSettings) -> str:
+    """What makes regenerated answers reusable: same verifier, budget and sampling."""
+    s = settings
+    key = [str(s.verifier), s.max_new_tokens, s.temperature, s.seed, s.max_length, s.dtype]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def reuse_earlier_samples(output: Path, key: str) -> None:
+    """Seed the resume file with the answers of an earlier run with the same settings, so a rerun
+    regenerates only new conversations (removed ones are simply not written)."""
+    report, samples, partial = (
+        output / "prepare_report.json",
+        output / "samples.jsonl",
+        output / "samples.partial.jsonl",
+    )
+    if partial.exists() or not (report.is_file() and samples.is_file()):
+        return
+    earlier = json.loads(report.read_text()).get("tokenization", {}).get("regeneration_key")
+    if earlier == key:
+        write_text_atomic(partial, samples.read_text())
+
+
+def regenerate_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
+
+    config, location = load_verifier_config(str(settings.verifier))
+    images = verifier_image_inputs(config, location)
+    key = regeneration_key(settings)
+    check_node_group(settings, images is not None)
+    if settings.data_parallel_size > 1 and not settings.server_url and (images or settings.backend != "vllm"):
+        return regenerate_on_replicas(settings, conversations, output, key)
+    tokenizer, generate, server = answer_generator(settings, output, images)
+    reuse_earlier_samples(output, key)
+    with server:
+        samples, report = regenerate(
+            conversations,
+            tokenizer,
+            generate,
+            output / "samples.partial.jsonl",
+            settings.max_length,
+            batch_size=requests_in_flight(settings),
+            image_inputs=images,
+        )
+    details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
+    return write_samples(output, samples, details)
+
+
+def check_node_group(settings: PrepareSettings, images: bool) -> None:
+    """Regeneration over several nodes (--nnodes) is one vLLM engine over them, started here: refused in
+    one sentence where this prepare would start none, or only engines on this node."""
+    s = settings
+    if not s.multi_node:
+        return
+    if s.backend != "vllm" or s.server_url:
+        raise SpeculatorsError(
+            "--nnodes starts vLLM's engine over several nodes here: it needs --backend vllm and no --server-url"
+        )
+    if s.data_parallel_size > 1 and images:
+        raise SpeculatorsError(
+            f"regenerating image conversations with --data-parallel-size {s.data_parallel_size} runs one offline "
+            f"engine per replica on this node's GPUs, not an engine over --nnodes {s.nnodes}; use "
+            f"--data-parallel-size 1"
+        )
+
+
+Generate = Callable[[list[list[int]]], list[list[int]]]
+
+
+def regenerate_on_replicas(
+    settings: PrepareSettings, conversations: list[Conversation], output: Path, key: str
+) -> dict[str, Any]:
+    """`data_parallel_size` replica processes, each a plain `speculators prepare` of every n-th
+    conversation on its own GPUs (CUDA_VISIBLE_DEVICES; CPU cores for vLLM's CPU build) with its
+    own offline engine or transformers model, then their samples merged in conversation order. Used
+    where vLLM's data-parallel server cannot serve: conversations with images (its token-id API
+    takes none) and the transformers backend. Each replica resumes on its own, so a rerun after a
+    failure regenerates only what is missing."""
+    import sys
+
+    s, replicas = settings, settings.data_parallel_size
+    # The replicas re-read conversations whose images lie in the sources' folders (or the user's roots).
+    sources = [*s.validation_sources, *s.sources]
+    roots = list(dict.fromkeys([*s.image_roots, *(str(source_image_root(source)) for source in sources)]))
+    folders = [output / "replicas" / str(index) for index in range(replicas)]
+    processes: list[Replica] = []
+    for index, (folder, env) in enumerate(zip(folders, replica_devices(replicas, s.tensor_parallel_size), strict=True)):
+        folder.mkdir(parents=True, exist_ok=True)
+        write_jsonl_atomic(folder / "conversations-in.jsonl", conversations[index::replicas])
+        one = s.model_copy(
+            update={
+                "sources": [str(folder / "conversations-in.jsonl")],
+                "validation_sources": [],
+                "max_samples": None,
+                "source_weights": None,
+                "max_user_turns": None,  # (cut once, by the parent)
+                "output": str(folder),
+                "data_parallel_size": 1,
+                "image_roots": roots,
+            }
+        )
+        command = [sys.executable, "-m", "speculators.cli", "prepare", *to_argv(one)]
+        processes.append(start_replica("regeneration replica", index, command, env, folder / "prepare.log"))
+    for _, _, process in processes:
+        process.wait()
+    raise_for_failed_replicas("regeneration", processes)
+    by_id = {sample.id: sample for folder in folders for sample in read_samples(folder / "samples.jsonl")}
+    samples = [by_id[c.id] for c in conversations if c.id in by_id]
+    write_jsonl_atomic(output / "samples.partial.jsonl", samples)  # what a single-process rerun resumes from
+    rejected: Counter[str] = Counter()
+    regeneration: Counter[str] = Counter()
+    for folder in folders:
+        tokenization = json.loads((folder / "prepare_report.json").read_text())["tokenization"]
+        rejected.update(tokenization["rejected"])
+        regeneration.update(
+            {k: v for k, v in tokenization["regeneration"].items() if isinstance(v, int) and not isinstance(v, bool)}
+        )
+    details = {
+        "regeneration": {**regeneration, "replicas": replicas},
+        "rejected": dict(rejected),
+        "regeneration_key": key,
+    }
+    return write_samples(output, samples, details)
+
+
+def requests_in_flight(settings: PrepareSettings) -> int:
+    """Conversations regenerated at once: `batch_size` per engine, so a server with data-parallel
+    replicas gets that many per replica (with only `batch_size` in flight, each of N replicas ran a
+    batch of batch_size / N)."""
+    if settings.backend != "vllm":
+        return settings.batch_size
+    return settings.batch_size * settings.data_parallel_size
+
+
+def answer_generator(
+    settings: PrepareSettings, output: Path, images: ImageInputs | None = None
+) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
+    """(tokenizer, prompt ids -> answer ids, the server to run while generating) for the backend;
+    with `images` (a vision-language verifier) the generator also takes each prompt's images."""
+    s = settings
+    if s.backend != "vllm":
+        if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
+            raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
+
+        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
+        if images is not None:
+            return (
+                verifier.tokenizer,
+                transformers_image_generate_fn(
+                    verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
+                ),
+                nullcontext(),
+            )
+        generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
+        return verifier.tokenizer, generate, nullcontext()
+    if images is not None and s.server_url:
+        raise SpeculatorsError(
+            "regenerating image conversations runs vLLM's offline engine (a server's token-id API takes no images); "
+            "drop --server-url (--data-parallel-size N runs N offline engines)"
+        )
+
+    _, location = load_verifier_config(str(s.verifier))  # a GGUF file becomes its cached directory
+    tokenizer = load_tokenizer(location)
+    ends = turn_end_ids(tokenizer)
+    max_model_len = s.max_length + s.max_new_tokens
+    if offline_vllm_engine(s):
+        engine = VllmGenerate(
+            location,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            s.dtype,
+            ends,
+            max_model_len,
+            s.tensor_parallel_size,
+            quantization=s.quantization,
+            nodes=node_group_of(s),
+        )
+        return tokenizer, engine, closing(engine)  # the engine stops while vLLM's log is still the file
+
+    def on_server(url: str, model: str | None) -> Generate:
+        return server_generate_fn(
+            url,
+            s.max_new_tokens,
+            s.temperature,
+            s.seed,
+            ends,
+            model=model,
+            concurrency=requests_in_flight(s),
+            api_key=os.environ.get("VLLM_API_KEY"),
+        )
+
+    if s.server_url:
+        return tokenizer, on_server(s.server_url, s.server_model), nullcontext()
+
+    # Data-parallel replicas: vLLM's server runs one engine per replica behind one API (the offline
+    # engine cannot for dense models); requests go to it concurrently.
+
+    server = VllmServer(
+        ServerSettings(
+            verifier=str(s.verifier),
+            port=0,
+            dtype=s.dtype,
+            quantization=s.quantization,
+            seed=s.seed,
+            enforce_eager=decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
+            max_model_len=max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+            log_path=output / "regeneration-vllm.log",
+            extra_args=["--data-parallel-size", str(s.data_parallel_size)],
+            nodes=node_group_of(s),
+        )
+    )
+
+    def generate_on_server(prompts: list[list[int]]) -> list[list[int]]:  # the URL is known once it runs
+        return on_server(server.url, server.model_name)(prompts)
+
+    return tokenizer, generate_on_server, server

@@ -1,0 +1,218 @@
+"""The hidden-state store: one safetensors shard per sample plus a JSON manifest.
+
+A shard holds `input_ids` [T], `loss_mask` [T], `aux_hidden_states` [T, 3, H] and
+`target_hidden_states` [T, H] (aux id N, pre-norm), in bf16 or fp8 e4m3 with a per-token scale
+(`aux_scale` [T, 3], `target_scale` [T]); samples with images also `position_ids` [T], the
+drafter's positions (the verifier's M-RoPE temporal row). Shards are content-addressed: the key hashes the verifier
+fingerprint, the layer ids, the storage format, the token ids and the images' digests, so a rerun with new prompts only
+computes what is new. Every shard is written under a temporary name and renamed, and the manifest
+records its sha256, so a reader never sees a partial shard and a corrupted one is named.
+
+    <store>/manifest.json
+    <store>/shards/<key[:2]>/<key>.safetensors
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculators.atomic_io import write_text_atomic, write_with
+from speculators.errors import SpeculatorsError
+from speculators.verifier.quantization import FP8_MAX
+
+if TYPE_CHECKING:
+    import torch
+
+STORE_FORMAT = "speculators-hidden-states"
+STORE_VERSION = 1
+STORAGE_FORMATS = ("bfloat16", "float32", "fp8_e4m3")
+
+
+def sample_key(
+    fingerprint: str, layer_ids: list[int], storage: str, input_ids: list[int], image_digests: str = ""
+) -> str:
+    """Content key of a sample's states; `image_digests` (vision.images_digest) for images in it."""
+    digest = hashlib.sha256(f"{fingerprint}|{layer_ids}|{storage}|".encode())
+    digest.update(json.dumps(input_ids, separators=(",", ":")).encode())
+    if image_digests:  # text-only keys are unchanged
+        digest.update(f"|images:{image_digests}".encode())
+    return digest.hexdigest()[:32]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (last dim) absmax scaling to float8_e4m3fn."""
+    import torch
+
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (x32 / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.unsqueeze(-1)
+
+
+@dataclass
+class StoredSample:
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    aux_hidden_states: torch.Tensor  # [T, 3, H]
+    target_hidden_states: torch.Tensor  # [T, H]
+    # [T] long, where the drafter's positions are not 0..T-1: a vision-language verifier's M-RoPE
+    # temporal row (vision.ImageInputs.drafter_positions); None for text.
+    position_ids: torch.Tensor | None = None
+
+
+class HiddenStateStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    def shard_path(self, key: str) -> Path:
+        return self.root / "shards" / key[:2] / f"{key}.safetensors"
+
+    def has(self, key: str) -> bool:
+        return self.shard_path(key).is_file()
+
+    # ----- writing ------------------------------------------------------------------------------
+
+    def write_sample(
+        self,
+        key: str,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux: torch.Tensor,
+        target: torch.Tensor,
+        storage: str,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[str, int]:
+        """Write one shard atomically; returns (sha256, bytes). Refuses non-finite states."""
+        import torch
+        from safetensors.torch import save_file
+
+        if not (torch.isfinite(aux).all() and torch.isfinite(target).all()):
+            raise SpeculatorsError(
+                f"sample {sample_id} has non-finite hidden states; the verifier overflows in this dtype "
+                f"(try --dtype float32)"
+            )
+        tensors = {
+            "input_ids": input_ids.to(torch.long).contiguous(),
+            "loss_mask": loss_mask.to(torch.bool).contiguous(),
+        }
+        if storage == "fp8_e4m3":
+            tensors["aux_hidden_states"], tensors["aux_scale"] = quantize_fp8(aux)
+            tensors["target_hidden_states"], tensors["target_scale"] = quantize_fp8(target)
+        else:
+            dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
+            tensors["aux_hidden_states"], tensors["target_hidden_states"] = aux.to(dtype), target.to(dtype)
+        if position_ids is not None:
+            tensors["position_ids"] = position_ids.to(torch.long)
+        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
+        path = self.shard_path(key)
+        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))  # one entry: byte-stable
+        return file_sha256(path), path.stat().st_size
+
+    def write_manifest(self, manifest: dict[str, Any]) -> Path:
+
+        return write_text_atomic(self.manifest_path, json.dumps(manifest, indent=1) + "\n")
+
+    # ----- reading ------------------------------------------------------------------------------
+
+    def manifest(self) -> dict[str, Any]:
+        if not self.manifest_path.is_file():
+            raise SpeculatorsError(
+                f"{self.root} is not a hidden-state store (no manifest.json); run 'speculators datagen'"
+            )
+        try:
+            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            manifest = None
+        if (
+            not isinstance(manifest, dict)
+            or manifest.get("format") != STORE_FORMAT
+            or manifest.get("version") != STORE_VERSION
+        ):
+            raise SpeculatorsError(
+                f"{self.manifest_path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
+                f"folder (or a new one for datagen)"
+            )
+        return manifest
+
+    def previous_entries(self) -> dict[str, dict[str, Any]]:
+        """key -> manifest entry of an earlier run (empty if none), to reuse checksums."""
+        try:
+            return {entry["key"]: entry for entry in self.manifest()["samples"]}
+        except (SpeculatorsError, json.JSONDecodeError, KeyError):
+            return {}
+
+    def read_sample(self, entry: dict[str, Any], verify: bool = True, dtype: torch.dtype | None = None) -> StoredSample:
+        """One sample's tensors (fp8 de-quantized); with `verify`, the checksum must match the manifest."""
+        import torch
+        from safetensors.torch import load_file
+
+        path = self.root / entry["shard"]
+        if not path.is_file():
+            raise SpeculatorsError(f"shard {path} of sample {entry['id']} is missing; re-run 'speculators datagen'")
+        if verify and file_sha256(path) != entry["checksum"]:
+            raise SpeculatorsError(
+                f"shard {path} of sample {entry['id']} is corrupted (checksum mismatch); delete it and re-run "
+                f"'speculators datagen' to recompute it"
+            )
+        try:
+            tensors = load_file(str(path))
+        except Exception as error:
+            raise SpeculatorsError(f"shard {path} cannot be read ({error}); delete it and re-run datagen") from None
+        aux, target = tensors["aux_hidden_states"], tensors["target_hidden_states"]
+        if "aux_scale" in tensors:
+            aux, target = dequantize_fp8(aux, tensors["aux_scale"]), dequantize_fp8(target, tensors["target_scale"])
+        if dtype is not None:
+            aux, target = aux.to(dtype), target.to(dtype)
+        positions = tensors.get("position_ids")
+        return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target, positions)
+
+    def read_tokens(self, entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and loss_mask only, without reading the hidden states."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.root / entry["shard"]), "pt") as handle:
+            return handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+
+    def verify(self) -> list[str]:
+        """Problems found by re-reading every shard: checksum, shapes, finiteness, token ids."""
+        import torch
+
+        manifest = self.manifest()
+        hidden, aux_count = manifest["verifier"]["hidden_size"], len(manifest["aux_layer_ids"])
+        problems = []
+        for entry in manifest["samples"]:
+            try:
+                sample = self.read_sample(entry)
+            except SpeculatorsError as error:
+                problems.append(str(error))
+                continue
+            length = entry["num_tokens"]
+            if tuple(sample.aux_hidden_states.shape) != (length, aux_count, hidden) or tuple(
+                sample.target_hidden_states.shape
+            ) != (length, hidden):
+                problems.append(f"sample {entry['id']} has states of the wrong shape")
+            if not (
+                torch.isfinite(sample.aux_hidden_states).all() and torch.isfinite(sample.target_hidden_states).all()
+            ):
+                problems.append(f"sample {entry['id']} has non-finite states")
+        return problems

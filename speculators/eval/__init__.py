@@ -1,0 +1,1 @@
+"""Evaluation: offline acceptance and the lossless check (`evaluate`), the GuideLLM benchmark (`bench`)."""

@@ -1,0 +1,450 @@
+"""`speculators serve`: vLLM's OpenAI-compatible server for a verifier, alone or with a speculator.
+
+The server runs as a child process in its own process group, with its log in a file. It is stopped
+with the whole group (API server and engine processes) when the caller leaves the `with` block, on
+Ctrl-C, at interpreter exit, and, through the parent-death signal, when the caller is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.models.weights import read_checkpoint
+from speculators.precision import vllm_build
+from speculators.serving.engine import check_node_gpus, cpu_mla_backend, engine_flags, node_flags, vllm_image_limits
+from speculators.serving.multinode import engine_plan, headless_command, refuse_node_flags, world_size_of
+from speculators.settings import MultiNode, node_layout_problem
+from speculators.verifier.loading import convert_gguf_to_hf, load_verifier_config, resolve_verifier_source
+from speculators.verifier.mistral_format import vllm_format_kwargs
+from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
+from speculators.verifier.vision import is_vision_language, vllm_vision_support
+
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
+PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise SpeculatorsError(
+                f"port {port} on {host} is already in use; pass another --port (0 picks a free one) or stop the "
+                f"process that holds it"
+            ) from None
+
+
+def served_model_dir(verifier: str) -> str:
+    """What vLLM loads for a verifier source: a local directory, a hub id, or our bf16 copy of a GGUF."""
+
+    kind, location = resolve_verifier_source(verifier)
+    return str(convert_gguf_to_hf(location)) if kind == "gguf" else location
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class ServerSettings:
+    """`verifier` None with a `speculator`: vLLM's one-command deployment, `vllm serve <checkpoint>`
+    (the verifier is the checkpoint's speculators_config.verifier.name_or_path, K its own)."""
+
+    verifier: str | None
+    speculator: str | None = None
+    num_speculative_tokens: int | None = None  # default: the speculator's own K
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port
+    dtype: str = "auto"
+    quantization: str | None = (
+        None  # the verifier's FP8 scheme (speculators/verifier/quantization.py); never the drafter's
+    )
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    kv_cache_gib: int = 2  # the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
+    tensor_parallel_size: int = 1  # GPUs the verifier (and the drafter with it) is sharded over
+    served_model_name: str | None = None
+    logprobs_mode: str | None = None  # vLLM's --logprobs-mode (raw_logits: the model's own logits)
+    log_path: str | Path = "vllm-server.log"
+    startup_timeout: float = 900.0
+    extra_args: list[str] = field(default_factory=list)
+    # One engine over several nodes: this server is node rank 0's, the other nodes follow its engine
+    # arguments (speculators/serving/multinode.py); None or one node: a server on this node alone.
+    nodes: MultiNode | None = None
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.speculator is None:
+            return None
+
+        config = read_checkpoint(self.speculator).config
+        if self.verifier is None:  # vLLM reads method, model and K from the checkpoint; only K may be overridden
+            return {"num_speculative_tokens": self.num_speculative_tokens} if self.num_speculative_tokens else None
+        tokens = self.num_speculative_tokens or config.speculative_tokens
+        if tokens < 1:
+            raise SpeculatorsError(f"num_speculative_tokens {tokens} must be at least 1")
+        # The long form: explicit method (vLLM otherwise guesses from the directory name) and K.
+        return {
+            "method": config.speculators_model_type,
+            "model": str(Path(self.speculator).resolve()),
+            "num_speculative_tokens": tokens,
+        }
+
+
+def check_vision_serving(verifier: str) -> None:
+    """A vision-language verifier that this vLLM cannot load: one error before any server starts."""
+
+    try:
+        config, _ = load_verifier_config(verifier)
+    except SpeculatorsError:  # unreadable here (a hub id without network): vLLM will say what is wrong
+        return
+    reason = vllm_vision_support() if is_vision_language(config.model_type) else None
+    if reason:
+        raise SpeculatorsError(
+            f"cannot serve {verifier}: {reason}; meanwhile 'speculators evaluate' measures the drafter's "
+            f"acceptance and checks losslessness with transformers"
+        )
+
+
+class VllmServer:
+    """A running vLLM server: `with VllmServer(settings) as server: ... server.url ...`."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.process: subprocess.Popen | None = None
+        self.build = vllm_build()
+        self.port = settings.port
+        verifier, speculator = settings.verifier, settings.speculator
+        self.verifier_name: str | None
+        if verifier is not None:
+            self.model_dir = served_model_dir(verifier)
+            self.verifier_name = verifier
+        elif speculator is not None:  # the checkpoint directory is the model; vLLM swaps in its verifier
+            self.model_dir = str(Path(speculator).resolve())
+            self.verifier_name = read_checkpoint(speculator).config.speculators_config.verifier.name_or_path
+        else:
+            raise SpeculatorsError("pass --verifier, --speculator or both; there is nothing to serve")
+        # The name requests use: vLLM's API server names the model by its --model argument (the
+        # checkpoint directory in the one-command deployment) unless --served-model-name says otherwise.
+        self.model_name = settings.served_model_name or self.model_dir
+        self.speculative = settings.speculative_config()
+        self.log_path = Path(settings.log_path)
+
+        refuse_node_flags(settings.extra_args)
+        nodes = settings.nodes
+        problem = node_layout_problem(nodes.nnodes, nodes.node_rank, settings.tensor_parallel_size) if nodes else None
+        if problem:
+            raise SpeculatorsError(problem)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's process: vLLM's entry point, where it listens, its engine arguments (`engine_args`)
+        and, over several nodes, node rank 0's node flags."""
+        s = self.settings
+        if self.build["device"] == "cpu":
+            # vllm-cpu's `vllm` CLI looks up a distribution named "vllm" and fails; the (deprecated) module
+            # entry point is the one that starts there.
+            entry = ["-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
+        else:
+            entry = ["-m", "vllm.entrypoints.cli.main", "serve", self.model_dir]  # `vllm serve`
+        listen = ["--host", s.host, "--port", str(self.port)]
+        return [sys.executable, *entry, *listen, *self.engine_args(), *node_flags(s.nodes)]
+
+    def engine_args(self) -> list[str]:
+        """The engine's `vllm serve` flags, the one place they are built: node rank 0's server takes them,
+        and over several nodes every other node's headless workers take the same (headless_command)."""
+
+        s = self.settings
+        # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
+        dtype = vllm_dtype(s.dtype, s.quantization)
+        command = ["--dtype", dtype, "--seed", str(s.seed)]
+        if s.served_model_name:
+            command += ["--served-model-name", s.served_model_name]
+        if s.max_model_len:
+            command += ["--max-model-len", str(s.max_model_len)]
+        if s.enforce_eager:
+            command.append("--enforce-eager")
+        if s.logprobs_mode:
+            command += ["--logprobs-mode", s.logprobs_mode]
+        if s.tensor_parallel_size > 1:
+            command += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+        command += vllm_quantization_args(s.quantization)
+        if self.build["device"] == "cpu" and "--attention-backend" not in s.extra_args:
+            try:  # an MLA verifier keeps the reference CPU MLA backend (AMX MLA takes no fp32)
+                backend = cpu_mla_backend(self.verifier_name or self.model_dir)
+            except SpeculatorsError:  # a hub id out of reach: vLLM's choice
+                backend = {}
+            command += [arg for key, value in backend.items() for arg in ("--" + key.replace("_", "-"), value)]
+        if self.settings.verifier is not None:  # a Mistral-format verifier: its formats (the drafter's stay auto)
+            formats = vllm_format_kwargs(self.model_dir, with_drafter=self.speculative is not None)
+            named = {key: value for key, value in formats.items() if "--" + key.replace("_", "-") not in s.extra_args}
+            command += engine_flags(named)
+        if self.speculative:
+            command += ["--speculative-config", json.dumps(self.speculative)]
+        if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:
+            try:  # a vision-language verifier: profiled for images, not video
+                limits = vllm_image_limits(self.verifier_name).get("limit_mm_per_prompt")
+            except SpeculatorsError:  # a hub id out of reach: vLLM's defaults
+                limits = None
+            if limits:
+                command += ["--limit-mm-per-prompt", json.dumps(limits)]
+        return command + list(s.extra_args)
+
+    def headless_command(self, node_rank: int) -> list[str]:
+        """vLLM's headless workers of this server's engine on node `node_rank` of its group (what that
+        node's `speculators follow` runs, from the plan node rank 0 serves)."""
+
+        if self.settings.nodes is None or not self.settings.nodes.multi_node:
+            raise SpeculatorsError("a server on one node has no headless workers on other nodes")
+        nodes = self.settings.nodes.model_copy(update={"node_rank": node_rank})
+        return headless_command(self.model_dir, self.engine_args(), nodes)
+
+    def start(self) -> VllmServer:
+        s = self.settings
+        if self.verifier_name:
+            check_vision_serving(self.verifier_name)
+        if self.port == 0:
+            self.port = free_port(s.host)
+        check_port_free(s.host, self.port)
+        env = dict(os.environ)
+        if self.build["device"] == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kv_cache_gib))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+        check_node_gpus(s.nodes, world_size_of(self.engine_args()))
+        # Over several nodes the engine starts once every node runs its workers with these arguments.
+        with engine_plan(s.nodes, self.model_dir, self.engine_args()):
+            with open(self.log_path, "w") as log:
+                log.write("$ " + " ".join(self.command()) + "\n")
+                log.flush()
+                self.process = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            atexit.register(self.stop)
+            self.wait_until_healthy()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout
+        what = f"vLLM ({self.build['distribution']} {self.build['version']}) for {self.verifier_name}"
+        process = self.process
+        if process is None:
+            raise SpeculatorsError(f"{what} is not started; call start() or use the server as a context manager")
+        while True:
+            code = process.poll()
+            if code is not None:
+                raise SpeculatorsError(
+                    f"{what} exited with code {code} before it was ready; the end of its log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SpeculatorsError(
+                    f"{what} was not ready after {self.settings.startup_timeout:.0f} s; raise the startup timeout or "
+                    f"read its log {self.log_path}:\n" + self.log_tail()
+                )
+            time.sleep(1.0)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after `timeout` seconds."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Engine processes of the group may outlive the API server by a moment.
+        deadline = time.monotonic() + 30
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, Any]:
+        return scrape_spec_decode_counters(self.url)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "model": self.model_dir,
+            "verifier": self.verifier_name,
+            "speculative_config": self.speculative,
+            "vllm": self.build,
+            "command": self.command(),
+            "log": str(self.log_path),
+        }
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# ----- Prometheus spec-decode counters -------------------------------------------------------------
+
+METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+
+
+def parse_spec_decode_counters(text: str) -> dict[str, Any]:
+    """Spec-decode counters from a Prometheus exposition (summed over label sets but position)."""
+    counters: dict[str, Any] = {name: 0.0 for name in SPEC_DECODE_COUNTERS.values()}
+    per_position: dict[int, float] = {}
+    for line in text.splitlines():
+        match = METRIC_LINE.match(line)
+        if not match:
+            continue
+        name, value = match["name"], float(match["value"])
+        if name in SPEC_DECODE_COUNTERS:
+            counters[SPEC_DECODE_COUNTERS[name]] += value
+        elif name == PER_POSITION_COUNTER:
+            position = re.search(r'position="(\d+)"', match["labels"] or "")
+            if position:
+                per_position[int(position[1])] = per_position.get(int(position[1]), 0.0) + value
+    counters["accepted_per_position"] = [per_position[i] for i in sorted(per_position)]
+    return counters
+
+
+def scrape_spec_decode_counters(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
+            return parse_spec_decode_counters(response.read().decode())
+    except (urllib.error.URLError, OSError) as error:
+        raise SpeculatorsError(f"could not read {url}/metrics: {error}; is the vLLM server running?") from None
+
+
+def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance length = 1 + accepted / drafts; per-position rate = accepted at position / drafts."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    positions = max(len(after["accepted_per_position"]), len(before["accepted_per_position"]))
+    padded = [
+        (counts + [0.0] * positions)[:positions]
+        for counts in (before["accepted_per_position"], after["accepted_per_position"])
+    ]
+    per_position = [a - b for b, a in zip(*padded, strict=True)]
+    return {
+        "drafts": int(drafts),
+        "draft_tokens": int(after["draft_tokens"] - before["draft_tokens"]),
+        "accepted_tokens": int(accepted),
+        "accepted_per_position": [int(c) for c in per_position],
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+    }
+
+
+def serve_forever(settings: ServerSettings, follow_log: bool = True) -> int:
+    """The CLI: start, print the URL, follow the log until Ctrl-C (or the server exits), stop."""
+    server = VllmServer(settings)
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # A supervisor's SIGTERM stops vLLM like Ctrl-C does; SIGINT is set explicitly because a shell
+    # starts background jobs with it ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    print(
+        f"starting {server.build['distribution']} {server.build['version']} for {server.verifier_name}"
+        + (
+            f" with speculator {settings.speculator} ({json.dumps(server.speculative)})"
+            if settings.speculator
+            else " (baseline, no speculator)"
+        )
+        + f"; model name {server.model_name}; log: {server.log_path}",
+        flush=True,
+    )
+    try:
+        with server:
+            print(
+                f"ready: {server.url} (OpenAI-compatible; /metrics has the spec-decode counters); Ctrl-C stops it",
+                flush=True,
+            )
+            with open(server.log_path, errors="replace") as log:
+                log.seek(0, os.SEEK_END)
+                while server.process is not None and server.process.poll() is None:
+                    line = log.readline()
+                    if not line:
+                        time.sleep(0.5)
+                    elif follow_log:
+                        print(line, end="", flush=True)
+            print(f"vLLM exited; the end of its log:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("stopping vLLM", flush=True)
+        return 0

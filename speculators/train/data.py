@@ -1,0 +1,127 @@
+"""Training data from a hidden-state store: shifted samples packed into fixed token budgets.
+
+Per sample (docs/eagle3.md): input_ids = x[1:], aux = g[:-1], target states = y[1:],
+loss_mask = mask[1:], positions 1..T-1 (with images: the stored drafter positions of x[:-1], plus
+one). Samples are packed in a seeded, per-epoch order into
+sequences of at most `token_budget` tokens (batch dimension 1); document ids keep attention and
+step targets inside their own sample. The train/validation split is a hash of the sample id, so
+it never changes when the store grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from speculators.data.prompts import VALIDATION_PREFIX
+from speculators.data.store import HiddenStateStore
+from speculators.errors import SpeculatorsError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Pack:
+    input_ids: torch.Tensor  # [1, T] long
+    aux_hidden_states: torch.Tensor  # [1, T, 3, H]
+    target_hidden_states: torch.Tensor  # [1, T, H]
+    loss_mask: torch.Tensor  # [1, T] bool
+    position_ids: torch.Tensor  # [1, T] long, restarting at 1 per document
+    document_ids: torch.Tensor  # [1, T] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def is_validation(sample_id: str, share: float) -> bool:
+    """Samples from validation sources always; the others by a hash of their id, a `share` of them."""
+
+    if sample_id.startswith(VALIDATION_PREFIX):
+        return True
+    bucket = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < share
+
+
+class PackedStore:
+    """Packs of a store's training or validation samples, deterministic per (seed, epoch)."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        token_budget: int,
+        split: str = "train",
+        validation_share: float = 0.05,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        loss_positions: str = "answers",
+    ):
+        self.store = HiddenStateStore(store_dir)
+        self.manifest = self.store.manifest()
+        self.token_budget = token_budget
+        self.seed = seed
+        self.dtype = dtype
+        self.score_all = loss_positions == "all"
+        entries = [e for e in self.manifest["samples"] if e["num_tokens"] >= 3 and e["supervised_tokens"] > 0]
+        self.entries = [e for e in entries if is_validation(e["id"], validation_share) == (split == "validation")]
+        self.verified: set[str] = set()  # shards whose checksum this run has checked
+        if split == "train" and not self.entries:
+            raise SpeculatorsError(
+                f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
+            )
+
+    def pack_plan(self, epoch: int) -> list[list[int]]:
+        """Entry indices per pack; the order is shuffled per epoch (not for validation: seed < 0)."""
+        order = list(range(len(self.entries)))
+        if self.seed >= 0:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        packs: list[list[int]] = []
+        current: list[int] = []
+        used = 0
+        for index in order:
+            length = min(self.entries[index]["num_tokens"] - 1, self.token_budget)
+            if current and used + length > self.token_budget:
+                packs.append(current)
+                current, used = [], 0
+            current.append(index)
+            used += length
+        if current:
+            packs.append(current)
+        return packs
+
+    def load_pack(self, indices: list[int]) -> Pack:
+        import torch
+
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
+        room = self.token_budget
+        for doc, index in enumerate(indices):
+            # Each shard's checksum is checked at its first read in a run (a bit flip is named, never
+            # trained on); later epochs re-read it without hashing it again.
+            entry = self.entries[index]
+            sample = self.store.read_sample(entry, verify=entry["key"] not in self.verified, dtype=self.dtype)
+            self.verified.add(entry["key"])
+            length = min(sample.input_ids.numel() - 1, room)
+            room -= length
+            parts["ids"].append(sample.input_ids[1 : length + 1])
+            parts["aux"].append(sample.aux_hidden_states[:length])
+            parts["target"].append(sample.target_hidden_states[1 : length + 1])
+            mask = sample.loss_mask[1 : length + 1]
+            # Every position's target is the verifier's own distribution, so prompt positions teach
+            # the drafter the verifier too, at the cost of scoring them.
+            parts["mask"].append(torch.ones_like(mask) if self.score_all else mask)
+            # Position of pack index u: the drafter position of token u, plus one (text: u + 1).
+            positions = sample.position_ids if sample.position_ids is not None else torch.arange(length)
+            parts["pos"].append(positions[:length] + 1)
+            parts["doc"].append(torch.full((length,), doc))
+        return Pack(
+            input_ids=torch.cat(parts["ids"])[None],
+            aux_hidden_states=torch.cat(parts["aux"])[None],
+            target_hidden_states=torch.cat(parts["target"])[None],
+            loss_mask=torch.cat(parts["mask"])[None],
+            position_ids=torch.cat(parts["pos"])[None],
+            document_ids=torch.cat(parts["doc"])[None],
+        )

@@ -1,0 +1,1 @@
+"""Verifiers: loading (transformers, GGUF, Mistral format), FP8, vision-language inputs, tiny test models."""
