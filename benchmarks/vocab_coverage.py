@@ -32,10 +32,10 @@ def main() -> None:
     answers, manifest = count_supervised_tokens(args.store)  # what `speculators vocab` counts
     vocab_size = answers.numel()
     prompts, held_out = (torch.zeros(vocab_size, dtype=torch.long) for _ in range(2))
-    for entry in manifest["samples"]:
-        ids, mask = store.read_tokens(entry)
+    for entry in manifest.samples:
+        ids, mask = store.read_tokens(entry.shard)
         mask = mask.bool()
-        if is_validation(entry["id"], 0.0):
+        if is_validation(entry.id, 0.0):
             held_out += torch.bincount(ids[mask], minlength=vocab_size)
         else:
             prompts += torch.bincount(ids[~mask], minlength=vocab_size)

@@ -377,7 +377,7 @@ def export_store(store: Path, export: Path, validation_share: float, ref_python:
     import numpy as np
     import torch
     from safetensors.torch import save_file
-    from speculators.vocab import load_draft_vocab
+    from speculators.train.vocab import load_draft_vocab
 
     from speculators.train.data import PackedStore
 
@@ -413,7 +413,7 @@ def export_store(store: Path, export: Path, validation_share: float, ref_python:
         sample = train.store.read_sample(entry)  # checksum verified; fp8 de-quantized to fp32
         if sample.position_ids is not None:
             raise BenchError(
-                f"sample {entry['id']} has image positions; the reference's offline format has text positions only"
+                f"sample {entry.id} has image positions; the reference's offline format has text positions only"
             )
         hidden = torch.cat([sample.aux_hidden_states, sample.target_hidden_states[:, None]], dim=1).contiguous()
         save_file(
@@ -437,11 +437,11 @@ def export_store(store: Path, export: Path, validation_share: float, ref_python:
         # int(n * ratio) == n_train in the reference's split (train/data.py)
         "train_data_ratio": (n_train + 0.5) / n,
         "draft_vocab_size": int(vocab["d2t"].numel()),
-        "aux_layer_ids": manifest["aux_layer_ids"],
-        "storage": manifest["storage"],
-        "hidden_size": manifest["verifier"]["hidden_size"],
-        "file_dtype": "float32" if manifest["storage"] != "bfloat16" else "bfloat16",
-        "tokens": sum(e["num_tokens"] for e in entries),
+        "aux_layer_ids": manifest.aux_layer_ids,
+        "storage": manifest.storage,
+        "hidden_size": manifest.verifier.hidden_size,
+        "file_dtype": "float32" if manifest.storage != "bfloat16" else "bfloat16",
+        "tokens": sum(e.num_tokens for e in entries),
         "seconds": round(time.perf_counter() - started, 1),
     }
     info_path.write_text(json.dumps(info, indent=2) + "\n")
@@ -657,7 +657,7 @@ def train_ours_process(config_path: str) -> None:
 
 def prompt_categories(source: str) -> dict[str, str]:
     """Conversation id -> category for rows that name one (`category`, or natural prompts' `kind`)."""
-    from speculators.prompts import VALIDATION_PREFIX, conversation_id, iter_source_rows, parse_row
+    from speculators.data.prompts import VALIDATION_PREFIX, conversation_id, iter_source_rows, parse_row
 
     categories = {}
     try:
@@ -693,10 +693,10 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
     """Both drafters with our evaluator on every prompt set, the verifier loaded once. MT-Bench runs in
     two turns (turn 2 after the verifier's own greedy turn-1 answer, the same for both drafters) where
     the evaluator has `evaluate_mt_bench`; otherwise as any prompt source (first turns)."""
-    import speculators.evaluate as evaluation
-    import speculators.prompts as prompt_sources
+    import speculators.eval.evaluate as evaluation
+    import speculators.data.prompts as prompt_sources
 
-    from speculators.verifier import load_verifier
+    from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(args.verifier, dtype=args.eval_dtype)
     results: dict[str, dict[str, Any]] = {}
@@ -798,7 +798,7 @@ def table(training: dict[str, dict[str, Any]], evaluation: dict[str, dict[str, A
 
 
 def parse_args() -> argparse.Namespace:
-    from speculators.verifier import cache_root
+    from speculators.verifier.loading import cache_root
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -861,11 +861,11 @@ def main() -> None:
     store = Path(args.store).resolve() if args.store else work / "store"
     output = Path(args.output) if args.output else work / "vs_reference.json"
 
-    from speculators.prompts import load_prompts
+    from speculators.data.prompts import load_prompts
 
     from speculators.precision import native_bf16
-    from speculators.train import check_store_fits_verifier
-    from speculators.verifier import VerifierFacts
+    from speculators.train.trainer import check_store_fits_verifier
+    from speculators.verifier.loading import VerifierFacts
 
     started = time.perf_counter()
     for source in args.prompts:  # a prompt set that cannot be read fails now, not after training
@@ -875,7 +875,7 @@ def main() -> None:
     aux_ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
     ref_python = reference_environment(Path(args.reference_venv), work / "logs")
     ensure_store(args, store, facts.vocab_size, aux_ids)
-    from speculators.hidden_state_store import HiddenStateStore
+    from speculators.data.store import HiddenStateStore
 
     manifest = HiddenStateStore(store).manifest()
     check_store_fits_verifier(manifest, facts, str(store))
@@ -903,7 +903,7 @@ def main() -> None:
     print()
     print(
         f"verifier {args.verifier}; store {store} ({info['train_rows']} training samples, "
-        f"{info['val_rows']} validation, {manifest['storage']}); {args.epochs} epochs, lr {args.lr}, "
+        f"{info['val_rows']} validation, {manifest.storage}); {args.epochs} epochs, lr {args.lr}, "
         f"K = TTT steps = {args.ttt_steps}, token budget {args.token_budget}, {precision} training; "
         f"evaluation in {args.eval_dtype}, {args.max_new_tokens} new tokens"
     )

@@ -7,7 +7,9 @@ command line that reproduces it (`to_argv`: what the Dagster workload runs and p
 
 Per field, `json_schema_extra` may set `flag` (the flag's name when it differs from the field's:
 `sources` -> `--source`), `short` (e.g. `-k`), `repeat` (a list given by repeating the flag, not
-comma-separated), `example` (of a comma-separated list, for its error) and `metavar`.
+comma-separated), `example` and `what` (of a comma-separated list, for its error), `metavar`,
+`positional` (an argument without a flag: `validate CHECKPOINT`) and `parse_check` (the field's ge/le
+bounds checked as argparse parses the flag, `number`'s error, rather than by the model's validation).
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ def number(kind: type[int] | type[float], low: float | None = None, high: float 
     return parse
 
 
+def is_positional(info: FieldInfo) -> bool:
+    return bool(field_extra(info).get("positional"))
+
+
+def bounds(info: FieldInfo) -> tuple[float | None, float | None]:
+    """The field's inclusive bounds (ge, le): what `number` checks of a `parse_check` flag."""
+    low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
+    high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
+    return low, high
+
+
 def default_text(info: FieldInfo) -> str:
     if info.is_required():
         return ""
@@ -101,13 +114,21 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
             continue
         extra = field_extra(info)
         kind = unwrap(info.annotation)
-        options: dict[str, Any] = {"dest": name, "required": info.is_required()}
+        # (a positional argument's dest is its name; required unless it has a default)
+        options: dict[str, Any] = {} if is_positional(info) else {"dest": name, "required": info.is_required()}
         if not info.is_required():
             options["default"] = info.get_default(call_default_factory=True)
+            if is_positional(info):
+                options["nargs"] = "?"
         options["help"] = (info.description or "") + default_text(info)
-        if kind is not bool and typing.get_origin(kind) is not Literal:
+        if is_positional(info):
+            if extra.get("metavar"):
+                options["metavar"] = extra["metavar"]
+        elif kind is not bool and typing.get_origin(kind) is not Literal:
             options["metavar"] = extra.get("metavar") or flag_of(name, info)[2:].upper().replace("-", "_")
-        if kind is bool:
+        if extra.get("parse_check"):  # (argparse names the flag in front of the error)
+            options["type"] = number(kind, *bounds(info))
+        elif kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             choices = typing.get_args(kind)
@@ -118,11 +139,12 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
                 options["action"], options["type"] = "append", item
             else:
                 # (argparse names the flag in front of the error)
-                options["type"] = comma_list(item, unwrap(item).__name__, extra.get("example", "2,4"))
+                what = extra.get("what", unwrap(item).__name__)
+                options["type"] = comma_list(item, what, extra.get("example", "2,4"))
         else:
             options["type"] = kind
         names = [extra["short"], flag_of(name, info)] if extra.get("short") else [flag_of(name, info)]
-        parser.add_argument(*names, **options)
+        parser.add_argument(*([name] if is_positional(info) else names), **options)
 
 
 def describe(error: ValidationError, model: type[BaseModel]) -> str:
@@ -131,7 +153,7 @@ def describe(error: ValidationError, model: type[BaseModel]) -> str:
         return str(first["msg"]).removeprefix("Value error, ")
     name = str(first["loc"][0])
     info = model.model_fields.get(name)
-    where = flag_of(name, info) if info is not None else name
+    where = name if info is None else name.upper() if is_positional(info) else flag_of(name, info)
     value = first.get("input")
     message = str(first["msg"])
     # A field validator's own sentence stands as written; pydantic's built-in messages read lower-cased.
@@ -157,10 +179,15 @@ def to_argv(settings: BaseModel) -> list[str]:
     """The flags that rebuild `settings` through `add_flags`/`from_args`, required ones first: every
     field given when the model was made, and every other field whose value is not its default."""
     argv: list[str] = []
-    for name, info in fields_in_order(type(settings)):
+    fields = fields_in_order(type(settings))
+    for name, info in [f for f in fields if is_positional(f[1])] + [f for f in fields if not is_positional(f[1])]:
         value = getattr(settings, name)
         default = None if info.is_required() else info.get_default(call_default_factory=True)
         if name not in settings.model_fields_set and value == default:
+            continue
+        if is_positional(info):  # (positional arguments first: a flag's list value may look like one)
+            if value is not None:
+                argv.append(str(value))
             continue
         if value is None:  # a flag cannot say None: only a field whose default is None may hold it
             if default is None:

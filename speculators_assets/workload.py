@@ -31,6 +31,9 @@ from speculators_assets.variants import Variant
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from speculators.data.store import StoreManifest
+    from speculators.train.records import TrainingSummary
+
 Metadata = dict[str, Any]
 
 
@@ -73,6 +76,27 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     from speculators.atomic_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_manifest(store: Path) -> StoreManifest | None:
+    """The store's manifest; None if there is none (or it is not a store's)."""
+    from speculators.data.store import HiddenStateStore
+    from speculators.errors import SpeculatorsError
+
+    try:
+        return HiddenStateStore(store).manifest()
+    except SpeculatorsError:
+        return None
+
+
+def read_summary(path: Path) -> TrainingSummary | None:
+    """A training summary; None if there is none (or it cannot be read)."""
+    from speculators.train.records import TrainingSummary
+
+    try:
+        return TrainingSummary.read(path)
+    except (OSError, ValueError):
+        return None
 
 
 def directory_bytes(path: Path) -> int:
@@ -318,12 +342,14 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     verified = speculators("verify-store", str(store), capture=True)
 
     prepared = read_json(data / "prepare_report.json")["tokenization"]
-    manifest = read_json(store / "manifest.json")
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise StepFailed(f"datagen wrote no hidden-state store manifest at {store}")
     capture = read_json(store / "datagen_report.json") or {}
     vocab = read_json(store / "draft_vocab.json") or {}
     with open(data / "samples.jsonl", encoding="utf-8") as handle:
         samples_written = sum(1 for _ in handle)
-    stored = len(manifest["samples"])
+    stored = len(manifest.samples)
     step.check(
         "counts_match_prepared_data",
         stored == samples_written,
@@ -361,7 +387,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "store_bytes": directory_bytes(store),
         "draft_vocab_size": v.drafter.draft_vocab_size,
         "draft_vocab_coverage": coverage,
-        "verifier_quantization": manifest["verifier"].get("quantization") or "none",
+        "verifier_quantization": manifest.verifier.quantization or "none",
         "path": path_value(store),
     }
     version = store_version(store, manifest)
@@ -369,25 +395,24 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     return metadata, version
 
 
-def store_version(store: Path, manifest: dict[str, Any]) -> str:
+def store_version(store: Path, manifest: StoreManifest) -> str:
     """Content key of a store: its sample keys (verifier + tokens), which of them are validation-only
     (a sample's split changes what training learns from) and its draft vocabulary."""
     from speculators.data.prompts import VALIDATION_PREFIX
 
     vocab = hashlib.sha256((store / "draft_vocab.safetensors").read_bytes()).hexdigest()
-    validation = sorted(e["key"] for e in manifest["samples"] if e["id"].startswith(VALIDATION_PREFIX))
-    return key_of(sorted(entry["key"] for entry in manifest["samples"]), vocab, *([validation] if validation else []))
+    validation = sorted(e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX))
+    return key_of(sorted(entry.key for entry in manifest.samples), vocab, *([validation] if validation else []))
 
 
 def previous_accepted(step: Step) -> dict[str, Any] | None:
     return read_json(step.dir("speculator_checkpoint") / "latest" / "accepted.json")
 
 
-def drafter_gates(variant: Variant, summary: dict[str, Any], previous: dict[str, Any] | None) -> list[dict]:
+def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: dict[str, Any] | None) -> list[dict]:
     """The drafter's gates: the acceptance floor, and no regression against the last accepted drafter."""
-    from speculators.train.trainer import summary_acceptance
-
-    (acceptance, kind), gates = summary_acceptance(summary), variant.gates
+    acceptance, kind = summary.acceptance() if summary is not None else (0.0, "no training summary")
+    gates = variant.gates
     checks = [
         {
             "name": "acceptance_floor",
@@ -450,7 +475,7 @@ def trained_drafter_key(v: Variant, store_key: str) -> str:
 
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
     v, store = step.variant, step.dir("verifier_hidden_states") / "store"
-    manifest = read_json(store / "manifest.json")
+    manifest = read_manifest(store)
     if manifest is None or not (store / "draft_vocab.safetensors").is_file():
         raise StepFailed(f"no hidden-state store with a draft vocab at {store}; materialize verifier_hidden_states")
     previous = previous_accepted(step)
@@ -459,20 +484,20 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
     key = trained_drafter_key(v, store_version(store, manifest))
     out = step.dir("trained_drafter") / key
-    summary = read_json(out / "summary.json")
+    summary = read_summary(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
     if not reused:
         arguments = train_command(v, store, out, warm.resolve() if warm_start else None)
         speculators(*arguments, gpus=v.profile("trained_drafter").gpus)
-        summary = read_json(out / "summary.json")
+        summary = read_summary(out / "summary.json")
+    if summary is None:
+        raise StepFailed(f"training wrote no summary at {out / 'summary.json'}")
     stamp = read_json(step.dir("raw_prompts") / "stamp.json") or {}
     current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
     write_json(step.dir("trained_drafter") / "current.json", current)
 
-    from speculators.train.trainer import summary_acceptance
-
-    best = summary.get("best_validation") or summary["final_train"]
-    acceptance, acceptance_kind = summary_acceptance(summary)
+    best = summary.best_validation or summary.final_train
+    acceptance, acceptance_kind = summary.acceptance()
     for gate in drafter_gates(v, summary, previous):
         step.check(**gate)
     curves = out / "training_curves.png"
@@ -480,10 +505,10 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
         "reused": reused,
         "key": key,
         "warm_start": str(warm.resolve()) if warm_start else "none",
-        "steps": summary["steps"],
-        "epochs": summary["epochs"],
-        "tokens_per_second": summary["tokens_per_second"],
-        "wall_time_s": summary.get("wall_seconds"),
+        "steps": summary.steps,
+        "epochs": summary.epochs,
+        "tokens_per_second": summary.tokens_per_second,
+        "wall_time_s": summary.wall_seconds,
         "acceptance_length": acceptance,
         "acceptance_length_source": acceptance_kind,
         "acceptance_length_estimate": float(best["acceptance_length"]),
@@ -530,7 +555,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         "valid against the verifier" if passed else "; ".join(problems),
         problems={"raw_value": problems, "type": "json"},
     )
-    drafter_summary = read_json(Path(current["drafter"]).parent / "summary.json") or {}
+    drafter_summary = read_summary(Path(current["drafter"]).parent / "summary.json")
     latest = out_root / "latest"
     # The drafter's gates again: materializing this asset alone must not publish a rejected drafter.
     failed_gates = [
@@ -538,10 +563,8 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     ]
     if failed_gates:
         print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
-    if passed and not failed_gates:  # publish: the stable per-variant path vLLM users point at
-        from speculators.train.trainer import summary_acceptance
-
-        acceptance = summary_acceptance(drafter_summary)[0]
+    if passed and not failed_gates and drafter_summary is not None:  # publish: the path vLLM users point at
+        acceptance = drafter_summary.acceptance()[0]
         write_json(
             target / "accepted.json",
             {

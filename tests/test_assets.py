@@ -237,22 +237,38 @@ def test_a_gpu_variant_on_the_local_runner_fails_fast():
     )
 
 
+def training_summary(best_validation: dict | None, final_train: dict):
+    """A training summary with these metrics (what the gates read) and placeholders for the rest."""
+    from speculators.train.records import TrainingSummary
+
+    return TrainingSummary(
+        steps=1,
+        epochs=1.0,
+        train_tokens=1,
+        train_seconds=1.0,
+        tokens_per_second=1.0,
+        world_size=1,
+        final_train=final_train,
+        best_validation=best_validation,
+        drafter="drafter",
+        config={},
+    )
+
+
 def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     from speculators_assets.workload import drafter_gates
 
     variant = load_variants()["smollm2_135m"]  # floor 1.3, tolerance 0.05
     # The replayed acceptance of the validation samples decides, not the per-token estimates.
-    summary = {
-        "best_validation": {"acceptance_length": 2.4, "replayed_acceptance_length": 1.9},
-        "final_train": {"acceptance_length": 2.5},
-    }
+    best = {"acceptance_length": 2.4, "replayed_acceptance_length": 1.9}
+    summary = training_summary(best, {"acceptance_length": 2.5})
     assert all(g["passed"] for g in drafter_gates(variant, summary, None))
     assert all(g["passed"] for g in drafter_gates(variant, summary, {"acceptance_length": 1.94}))
     gates = {g["name"]: g for g in drafter_gates(variant, summary, {"acceptance_length": 2.0})}
     assert gates["acceptance_floor"]["passed"] and not gates["no_regression"]["passed"]
     assert "1.900 against the previous drafter's 2.000" in gates["no_regression"]["description"]
     assert "1.900 (replayed on validation samples) against the floor 1.3" in gates["acceptance_floor"]["description"]
-    low = {"best_validation": None, "final_train": {"acceptance_length": 1.2}}  # no validation split: train estimate
+    low = training_summary(None, {"acceptance_length": 1.2})  # no validation split: the training estimate
     assert not drafter_gates(variant, low, None)[0]["passed"]
 
 
@@ -321,7 +337,7 @@ def reported_check_names() -> dict[str, set[str]]:
     from speculators_assets import workload
 
     variant = load_variants()["smollm2_135m"]
-    summary = {"best_validation": {"acceptance_length": 2.0}, "final_train": {"acceptance_length": 2.0}}
+    summary = training_summary({"acceptance_length": 2.0}, {"acceptance_length": 2.0})
     gates = {
         g["name"]
         for previous in (None, {"acceptance_length": 1.0})

@@ -273,7 +273,7 @@ class HiddenSample:
     """A stored sample's tokens as a samples.jsonl row (the data datagen would capture again)."""
 
     def __init__(self, root: Path, entry: dict):
-        ids, mask = HiddenStateStore(root).read_tokens(entry)
+        ids, mask = HiddenStateStore(root).read_tokens(entry["shard"])
         self.row = {"id": entry["id"], "input_ids": ids.tolist(), "loss_mask": mask.int().tolist()}
 
     def to_json(self) -> str:

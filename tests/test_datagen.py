@@ -53,9 +53,9 @@ def test_captured_states_equal_a_reference_forward(llama, tmp_path):
     assert report.computed == 6 and report.reused == 0
     store = HiddenStateStore(tmp_path / "store")
     manifest = store.manifest()
-    assert manifest["aux_layer_ids"] == AUX and manifest["target_layer_id"] == 8
-    assert manifest["verifier"]["fingerprint"] == llama.fingerprint
-    for sample, entry in zip(samples, manifest["samples"], strict=True):
+    assert manifest.aux_layer_ids == AUX and manifest.target_layer_id == 8
+    assert manifest.verifier.fingerprint == llama.fingerprint
+    for sample, entry in zip(samples, manifest.samples, strict=True):
         stored = store.read_sample(entry)
         assert stored.input_ids.tolist() == sample.input_ids and stored.loss_mask.int().tolist() == sample.loss_mask
         with torch.inference_mode():
@@ -86,15 +86,15 @@ def test_incremental_run_computes_only_new_samples(llama, tmp_path):
 def test_corrupted_shard_is_named(llama, tmp_path):
     run_datagen(make_samples(llama.tokenizer, 3), llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     store = HiddenStateStore(tmp_path / "store")
-    entry = store.manifest()["samples"][1]
-    path = tmp_path / "store" / entry["shard"]
+    entry = store.manifest().samples[1]
+    path = tmp_path / "store" / entry.shard
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(SpeculatorsError, match=f"shard {path} of sample {entry['id']} is corrupted"):
+    with pytest.raises(SpeculatorsError, match=f"shard {path} of sample {entry.id} is corrupted"):
         store.read_sample(entry)
     problems = store.verify()
-    assert len(problems) == 1 and entry["id"] in problems[0]
+    assert len(problems) == 1 and entry.id in problems[0]
 
 
 def test_fp8_storage_halves_bytes_and_stays_close(llama, tmp_path):
@@ -103,8 +103,8 @@ def test_fp8_storage_halves_bytes_and_stays_close(llama, tmp_path):
     fp8 = run_datagen(samples, llama, tmp_path / "fp8", aux_layer_ids=AUX, storage="fp8_e4m3", progress=False)
     # Hidden states dominate: 4 x H x 2 bytes per token in bf16, 4 x H + 4 x 4 (scales) in fp8.
     assert fp8.bytes / fp8.tokens < 0.6 * bf16.bytes / bf16.tokens
-    a = HiddenStateStore(tmp_path / "bf16").read_sample(HiddenStateStore(tmp_path / "bf16").manifest()["samples"][0])
-    b = HiddenStateStore(tmp_path / "fp8").read_sample(HiddenStateStore(tmp_path / "fp8").manifest()["samples"][0])
+    a = HiddenStateStore(tmp_path / "bf16").read_sample(HiddenStateStore(tmp_path / "bf16").manifest().samples[0])
+    b = HiddenStateStore(tmp_path / "fp8").read_sample(HiddenStateStore(tmp_path / "fp8").manifest().samples[0])
     relative = (a.aux_hidden_states.float() - b.aux_hidden_states).norm() / a.aux_hidden_states.float().norm()
     assert relative < 0.06
 
@@ -279,7 +279,7 @@ def test_cli_prepare_datagen_vocab(tiny_verifier_dir, tmp_path):
         == 0
     )
     manifest = HiddenStateStore(tmp_path / "store").manifest()
-    assert manifest["data_version"] == report["prompts"]["data_version"]
+    assert manifest.data_version == report["prompts"]["data_version"]
     assert main(["vocab", "--store", str(tmp_path / "store"), "--draft-vocab-size", "32"]) == 0
     assert main(["verify-store", str(tmp_path / "store")]) == 0
     assert main(["prepare", "--source", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "x")]) == 2

@@ -12,15 +12,29 @@ from pydantic import BaseModel
 
 from speculators import settings
 from speculators.cli import build_parser, main
-from speculators.flags import flag_of, from_args, to_argv
+from speculators.flags import flag_of, from_args, is_positional, to_argv
 from speculators_assets import variants
 
 COMMANDS = {
+    "validate": settings.ValidateSettings,
+    "convert": settings.ConvertSettings,
+    "verifier": settings.VerifierSettings,
+    "init": settings.InitSettings,
+    "tiny-verifier": settings.TinyVerifierSettings,
     "prepare": settings.PrepareSettings,
     "datagen": settings.CaptureSettings,
+    "vocab": settings.VocabSettings,
     "train": settings.TrainConfig,
+    "evaluate": settings.EvaluateSettings,
+    "serve": settings.ServeSettings,
+    "follow": settings.FollowSettings,
     "bench": settings.BenchSettings,
+    "verify-store": settings.VerifyStoreSettings,
 }
+
+
+def test_every_command_has_its_settings_model():
+    assert set(build_parser()._subparsers._group_actions[0].choices) == set(COMMANDS)
 
 
 def changed_value(name: str, info) -> object:
@@ -58,6 +72,9 @@ def test_a_model_serialised_into_flags_parses_back_to_itself(command):
     changed = model(**{name: changed_value(name, info) for name, info in fields.items()})
     argv = [command, *to_argv(changed)]
     for name, info in fields.items():
+        if is_positional(info):
+            assert argv[1] == str(getattr(changed, name)), f"{name} missing from {argv}"
+            continue
         flag = flag_of(name, info)
         assert flag in argv or flag.replace("--", "--no-", 1) in argv, f"{flag} missing from {argv}"
     args = build_parser().parse_args(argv)
@@ -72,7 +89,8 @@ def test_flags_left_out_take_the_models_defaults(command):
     args = build_parser().parse_args([command, *to_argv(minimal)])
     assert from_args(model, args) == minimal
     flags = {token for token in to_argv(minimal) if token.startswith("--")}
-    assert flags == {flag_of(name, model.model_fields[name]) for name in required}  # defaults are not repeated
+    named = {name for name in required if not is_positional(model.model_fields[name])}
+    assert flags == {flag_of(name, model.model_fields[name]) for name in named}  # defaults are not repeated
 
 
 def test_help_shows_the_fields_description_and_default(capsys):
@@ -117,3 +135,57 @@ def test_a_variant_section_still_rejects_unknown_keys():
         variants.TrainingSettings(learning_rate=1)
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         variants.DatagenSettings(tensor_parallel_size=2)  # the compute profile's, not the section's
+
+
+def test_serve_and_the_librarys_server_are_one_record():
+    """`speculators serve`'s flags, ServerSettings and bench's servers share the fields and defaults of
+    settings.Server (its engine profile is what a variant's benchmark section sets)."""
+    from speculators.serving.serve import ServerSettings
+
+    shared = set(settings.Server.model_fields)
+    served = from_args(settings.ServeSettings, build_parser().parse_args(["serve"]))
+    assert served.model_dump(include=shared) == ServerSettings().model_dump(include=shared)
+    assert ServerSettings("v", port=0).verifier == "v" and ServerSettings(verifier=None).verifier is None
+    assert set(settings.ServerProfile.model_fields) <= set(settings.BenchProfile.model_fields)
+    assert set(settings.ServerLaunch.model_fields) <= set(settings.BenchSettings.model_fields)
+    with pytest.raises(ValueError, match="port"):
+        ServerSettings("v", port=70000)
+
+
+def test_the_dtype_and_storage_tables_are_their_literal_types():
+    from speculators.data.store import STORAGE_FORMATS
+    from speculators.models.config import DTYPE_NAMES
+    from speculators.models.eagle3 import TORCH_DTYPES
+    from speculators.precision import COMPUTE_DTYPES
+    from speculators.verifier.tiny import FAMILIES
+
+    assert tuple(TORCH_DTYPES) == DTYPE_NAMES == typing.get_args(settings.CheckpointDtype)
+    assert ("auto", *DTYPE_NAMES) == COMPUTE_DTYPES
+    assert typing.get_args(settings.StorageFormat) == STORAGE_FORMATS
+    assert typing.get_args(settings.TinyFamily) == FAMILIES
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "value"),
+    [
+        (["evaluate", "--verifier", "v", "--no-stop-at-eos"], "stop_at_eos", False),
+        (["evaluate", "--verifier", "v"], "stop_at_eos", True),
+        (["validate", "c", "--json"], "as_json", True),
+        (["serve", "--enforce-eager", "--quiet"], "quiet", True),
+        (["serve", "--log-file", "l.log"], "log_path", "l.log"),
+        (["convert", "s", "--verifier", "v", "--output", "o", "--keep-embeddings"], "keep_embeddings", True),
+        (["convert", "s", "--verifier", "v", "--output", "o", "--no-fc-norm"], "fc_norm", False),
+        (["init", "--verifier", "v", "--output", "o", "--overwrite"], "overwrite", True),
+        (["tiny-verifier", "--family", "llama", "--output", "o", "--mistral-format"], "mistral_format", True),
+        (["verify-store", "s"], "store", "s"),
+    ],
+)
+def test_the_flags_spellings_keep_their_meaning(argv, name, value):
+    model = COMMANDS[argv[0]]
+    assert getattr(from_args(model, build_parser().parse_args(argv)), name) == value
+
+
+def test_a_bound_checked_as_the_flag_is_parsed_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--verifier", "v", "--speculator", "s", "--output", "o", "-k", "0"])
+    assert "argument -k/--num-speculative-tokens: 0 must be at least 1" in capsys.readouterr().err

@@ -262,7 +262,7 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
         )
     )
     manifest = HiddenStateStore(store).manifest()
-    assert manifest["verifier"]["quantization"] == SCHEME and manifest["verifier"]["dtype"] == "bfloat16"
+    assert manifest.verifier.quantization == SCHEME and manifest.verifier.dtype == "bfloat16"
     build_store_vocab(store, 128)
     drafter = train_peaked_drafter(store, peaked_verifier, tmp_path / "train")
 

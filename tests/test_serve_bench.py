@@ -313,7 +313,7 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
 
     from speculators.data.tokenization import render_ids
     from speculators.eval.bench import OutputJudge, compare_outputs
-    from speculators.eval.evaluate import top_two
+    from speculators.eval.lossless import top_two
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")

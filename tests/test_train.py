@@ -110,13 +110,13 @@ def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_ver
             log_every=5,
         )
     )
-    assert summary["final_train"]["full_acc"][0] > 0.9
+    assert summary.final_train["full_acc"][0] > 0.9
     assert validate_checkpoint(tmp_path / "run" / "drafter", verifier=str(verifier)).ok
     config = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX and config["draft_vocab_size"] == 128
     assert (tmp_path / "run" / "training_curves.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    assert rows[-1]["event"] in ("train", "validation") and summary["tokens_per_second"] > 0
+    assert rows[-1]["event"] in ("train", "validation") and summary.tokens_per_second > 0
     # lm_head stays the verifier's rows (frozen by default).
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import load_verifier
@@ -156,7 +156,7 @@ def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp
     killed_at = json.loads(state_file.read_text())["step"]
     assert 8 <= killed_at < 16
     summary = train(resumed)
-    assert summary["steps"] == 16
+    assert summary.steps == 16
     a = Eagle3Drafter.from_pretrained(tmp_path / "reference" / "checkpoints" / "last" / "drafter").state_dict()
     b = Eagle3Drafter.from_pretrained(tmp_path / "resumed" / "checkpoints" / "last" / "drafter").state_dict()
     for name in a:
@@ -183,8 +183,8 @@ def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
 def test_aux_noise_changes_training(store, peaked_verifier, tmp_path):
     plain = train(config_for(store, peaked_verifier, tmp_path / "plain", max_steps=4))
     noisy = train(config_for(store, peaked_verifier, tmp_path / "noisy", max_steps=4, aux_noise=0.3))
-    assert plain["final_train"]["loss"] != noisy["final_train"]["loss"]
-    assert noisy["config"]["aux_noise"] == 0.3
+    assert plain.final_train["loss"] != noisy.final_train["loss"]
+    assert noisy.config["aux_noise"] == 0.3
 
 
 def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_verifier, tmp_path):
@@ -211,8 +211,8 @@ def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_ver
     assert train_packs.score_all and not val_packs.score_all and val_packs.entries
     plain = train(config_for(store, peaked_verifier, tmp_path / "answers", max_steps=4))
     full = train(config_for(store, peaked_verifier, tmp_path / "all", max_steps=4, loss_positions="all"))
-    assert full["config"]["loss_positions"] == "all" and plain["config"]["loss_positions"] == "answers"
-    assert full["final_train"]["loss"] != plain["final_train"]["loss"]
+    assert full.config["loss_positions"] == "all" and plain.config["loss_positions"] == "answers"
+    assert full.final_train["loss"] != plain.final_train["loss"]
 
 
 def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
@@ -301,7 +301,7 @@ def test_warm_start_continues_from_an_earlier_drafter(store, peaked_verifier, tm
         )
     )
     cold = train(config_for(store, verifier, tmp_path / "cold", max_steps=1, lr=1e-9))
-    assert sum(warm["final_train"]["loss"]) < sum(cold["final_train"]["loss"])
+    assert sum(warm.final_train["loss"]) < sum(cold.final_train["loss"])
 
 
 def test_clear_errors(store, peaked_verifier, tmp_path):
@@ -322,14 +322,14 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
 def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
     config = config_for(store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2)
     first = train(config)
-    assert first["steps"] == 4
+    assert first.steps == 4
     from safetensors.torch import load_file
 
     optimizer_tensors = load_file(str(tmp_path / "muon" / "checkpoints" / "last" / "optimizer.safetensors"))
     assert any(name.startswith("0/") and name.endswith("/momentum_buffer") for name in optimizer_tensors)  # Muon
     assert any(name.startswith("1/") and name.endswith("/exp_avg") for name in optimizer_tensors)  # AdamW (norms)
     resumed = train(config.model_copy(update={"max_steps": 6}))
-    assert resumed["steps"] == 6
+    assert resumed.steps == 6
     assert validate_checkpoint(tmp_path / "muon" / "drafter", verifier=str(peaked_verifier)).ok
 
 

@@ -214,12 +214,12 @@ def test_store_keys_follow_the_images_and_hold_the_drafter_positions(loaded, vl_
     store = HiddenStateStore(vl_store["dir"])
     manifest = store.manifest()
     assert store.verify() == []
-    sample, entry = vl_store["samples"][0], manifest["samples"][0]
+    sample, entry = vl_store["samples"][0], manifest.samples[0]
     capture_ids = [*PEAKED_AUX, loaded.num_layers]
-    assert entry["key"] == sample_key(
+    assert entry.key == sample_key(
         loaded.fingerprint, capture_ids, "float32", sample.input_ids, images_digest(sample.images)
     )
-    assert entry["key"] != sample_key(loaded.fingerprint, capture_ids, "float32", sample.input_ids)
+    assert entry.key != sample_key(loaded.fingerprint, capture_ids, "float32", sample.input_ids)
     stored = store.read_sample(entry)
     inputs = loaded.image_inputs
     grids = [inputs.grid(load_image(part)) for part in sample.images]
@@ -264,7 +264,7 @@ def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_stor
     by_id = {s.id: s for s in vl_store["samples"]}
     prompts, budget = [], 0
     for entry in packs.entries:
-        sample = by_id[entry["id"]]
+        sample = by_id[entry.id]
         first = sample.loss_mask.index(1)
         prompts.append((sample.id, sample.input_ids[:first], sample.images))
         budget = max(budget, len(sample.input_ids) - first)

@@ -74,8 +74,8 @@ def relative_errors(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def assert_same_store(a, b, atol: float = 1e-4, bf16_rounding: bool = False) -> None:
     left, right = HiddenStateStore(a), HiddenStateStore(b)
     assert left.verify() == [] and right.verify() == []
-    first, second = left.manifest()["samples"], right.manifest()["samples"]
-    assert [e["key"] for e in first] == [e["key"] for e in second] and len(first) > 0
+    first, second = left.manifest().samples, right.manifest().samples
+    assert [e.key for e in first] == [e.key for e in second] and len(first) > 0
     errors = []
     for x_entry, y_entry in zip(first, second, strict=True):
         x, y = left.read_sample(x_entry), right.read_sample(y_entry)

@@ -24,9 +24,11 @@ from speculators.atomic_io import exclusive_lock, write_text_atomic
 from speculators.data.capture_vllm import VllmCapture
 from speculators.data.store import (
     STORAGE_FORMATS,
-    STORE_FORMAT,
-    STORE_VERSION,
     HiddenStateStore,
+    SampleEntry,
+    StoredVerifier,
+    StoreManifest,
+    StoreTotals,
     file_sha256,
     sample_key,
 )
@@ -163,13 +165,13 @@ def check_store_holds(
     if not store.manifest_path.exists():
         return
     manifest = store.manifest()  # (one error if it is not a store manifest)
-    held = manifest["verifier"]
-    then = (held["fingerprint"], held.get("quantization"), manifest["aux_layer_ids"], manifest["storage"])
+    held = manifest.verifier
+    then = (held.fingerprint, held.quantization, manifest.aux_layer_ids, manifest.storage)
     now = (verifier.fingerprint, verifier.quantization, aux_ids, storage)
     if then == now or overwrite:
         return
     raise SpeculatorsError(
-        f"store {store.root} holds the states of verifier {held['name_or_path']} (fingerprint {then[0]}"
+        f"store {store.root} holds the states of verifier {held.name_or_path} (fingerprint {then[0]}"
         f"{', ' + str(then[1]) if then[1] else ''}, aux layers {then[2]}, {then[3]}), not of {verifier.name_or_path} "
         f"(fingerprint {now[0]}{', ' + str(now[1]) if now[1] else ''}, aux layers {now[2]}, {now[3]}); write to "
         f"a new --output, or pass --overwrite to re-point this store (its shards stay, keyed by content)"
@@ -278,60 +280,58 @@ def run_datagen(
     if replica is not None:
         return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
-    entries: list[dict[str, Any]] = []
+    entries: list[SampleEntry] = []
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
         if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
-            stored_ids, _ = store.read_tokens({"shard": str(path.relative_to(store.root))})
+            stored_ids, _ = store.read_tokens(str(path.relative_to(store.root)))
             if stored_ids.tolist() != sample.input_ids:
                 raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
         if key in written:
             checksum, size = written[key]
-        elif key in previous and previous[key].get("bytes") == path.stat().st_size:
-            checksum, size = previous[key]["checksum"], previous[key]["bytes"]
+        elif key in previous and previous[key].bytes == path.stat().st_size:
+            checksum, size = previous[key].checksum, previous[key].bytes
         else:
             checksum, size = file_sha256(path), path.stat().st_size
         entries.append(
-            {
-                "id": sample.id,
-                "key": key,
-                "shard": str(path.relative_to(store.root)),
-                "num_tokens": len(sample.input_ids),
-                "supervised_tokens": sample.supervised_tokens,
-                "checksum": checksum,
-                "bytes": size,
-            }
+            SampleEntry(
+                id=sample.id,
+                key=key,
+                shard=str(path.relative_to(store.root)),
+                num_tokens=len(sample.input_ids),
+                supervised_tokens=sample.supervised_tokens,
+                checksum=checksum,
+                bytes=size,
+            )
         )
-    total_bytes = sum(e["bytes"] for e in entries)
+    total_bytes = sum(e.bytes for e in entries)
     report = DatagenReport(
         len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
     )
     store.write_manifest(
-        {
-            "format": STORE_FORMAT,
-            "version": STORE_VERSION,
-            "verifier": {
-                "fingerprint": verifier.fingerprint,
-                "quantization": verifier.quantization,
-                "name_or_path": verifier.name_or_path,
-                "model_type": verifier.model_type,
-                "num_layers": verifier.num_layers,
-                "hidden_size": verifier.hidden_size,
-                "vocab_size": verifier.vocab_size,
-                "dtype": verifier.dtype,
-            },
-            "aux_layer_ids": aux_ids,
-            "target_layer_id": verifier.num_layers,
-            "storage": storage,
-            "data_version": data_version,
-            "totals": {
-                "samples": len(samples),
-                "tokens": total_tokens,
-                "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
-                "bytes": total_bytes,
-            },
-            "samples": entries,
-        }
+        StoreManifest(
+            verifier=StoredVerifier(
+                fingerprint=verifier.fingerprint,
+                quantization=verifier.quantization,
+                name_or_path=verifier.name_or_path,
+                model_type=verifier.model_type,
+                num_layers=verifier.num_layers,
+                hidden_size=verifier.hidden_size,
+                vocab_size=verifier.vocab_size,
+                dtype=verifier.dtype,
+            ),
+            aux_layer_ids=aux_ids,
+            target_layer_id=verifier.num_layers,
+            storage=storage,
+            data_version=data_version,
+            totals=StoreTotals(
+                samples=len(samples),
+                tokens=total_tokens,
+                supervised_tokens=sum(e.supervised_tokens for e in entries),
+                bytes=total_bytes,
+            ),
+            samples=entries,
+        )
     )
     return report
 

@@ -38,19 +38,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
-from speculators.serving.engine import (
-    check_node_gpus,
-    configure_cpu_build,
-    cpu_mla_backend,
-    cpu_rotary_workaround,
-    offline_engine_kwargs,
-    shared_engine_flags,
-    shutdown_engine,
-    vllm_image_limits,
-)
-from speculators.serving.multinode import engine_plan
-from speculators.verifier.mistral_format import vllm_format_kwargs
-from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
+from speculators.serving.engine import shutdown_engine, verifier_engine_kwargs
+from speculators.serving.multinode import start_offline_engine
 from speculators.verifier.vision import collapse_placeholders, load_image
 
 if TYPE_CHECKING:
@@ -301,28 +290,25 @@ def capture_engine_kwargs(
     quantization: str | None = None,
     nodes: MultiNode | None = None,
 ) -> dict[str, Any]:
-    """The capture engine's `LLM()` arguments on this node (the one place they are built: the other
-    nodes of a multi-node engine start its headless workers with the same, speculators/serving/multinode.py).
-    Eager mode and no prefix caching: the hooks record every prompt's states in Python."""
+    """The capture engine's `LLM()` arguments on this node (serving.engine.verifier_engine_kwargs): seed 0,
+    eager mode, no compilation (mode 0) and no prefix caching, since the hooks record every prompt's
+    states in Python; and its batch limits."""
 
-    kwargs = {
-        "model": model_dir,
-        "dtype": vllm_dtype(dtype, quantization),
-        "quantization": quantization,
-        "seed": 0,
-        "enforce_eager": True,
-        "enable_prefix_caching": False,
-        "compilation_config": {"mode": 0, **cpu_rotary_workaround(model_dir)},
-        **cpu_mla_backend(model_dir),
-        "max_model_len": max_model_len,
+    return verifier_engine_kwargs(
+        model_dir,
+        dtype,
+        quantization,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        nodes=nodes,
+        compilation_config={"mode": 0},
+        enable_prefix_caching=False,
         # Tokens per engine step; a longer batch, or a longer prompt, is prefilled in chunks (keyed rows).
-        "max_num_batched_tokens": max_batch_tokens,
-        "max_num_seqs": min(256, max_batch_tokens),  # vLLM: at most one sequence per batched token
-        "tensor_parallel_size": tensor_parallel_size,
-        **vllm_image_limits(model_dir),
-        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
-    }
-    return offline_engine_kwargs(kwargs, nodes)
+        max_num_batched_tokens=max_batch_tokens,
+        max_num_seqs=min(256, max_batch_tokens),  # vLLM: at most one sequence per batched token
+    )
 
 
 class VllmCapture:
@@ -342,26 +328,15 @@ class VllmCapture:
         nodes: MultiNode | None = None,
     ):
 
-        vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise SpeculatorsError(
-                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra"
-            ) from None
-
-        # apply_model ships our hook functions to the workers by reference.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        configure_cpu_build(tensor_parallel_size)
         self.capture_ids = list(capture_ids)
         self.max_batch_tokens = max_batch_tokens
         self.image_token_id = image_token_id
         kwargs = capture_engine_kwargs(
             model_dir, dtype, max_model_len, max_batch_tokens, tensor_parallel_size, quantization, nodes
         )
-        check_node_gpus(nodes, tensor_parallel_size)
-        with engine_plan(nodes, model_dir, shared_engine_flags(kwargs)):
-            self.llm = LLM(**kwargs)
+        # apply_model ships our hook functions to the workers by reference (set before the plan, which carries it).
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        self.llm = start_offline_engine(kwargs, nodes)
         (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")

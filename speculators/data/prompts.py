@@ -58,7 +58,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any, Literal, NoReturn
 
 from speculators.data.demo_images import demo_image_rows
 from speculators.data.demo_prompts import BUILTIN_SOURCES, demo_prompts
@@ -802,6 +802,36 @@ def mt_bench_question(row: Any) -> MtBenchQuestion | None:
     return MtBenchQuestion(number, category, (turns[0], turns[1]))
 
 
+SourceKind = Literal["builtin", "mt-bench", "packaged", "demo-vl", "demo", "hf", "local"]
+
+
+def source_kind(source: str) -> SourceKind:
+    """What a prompt source names, decided here once for every reader of sources: a built-in file
+    (`natural:eval`), MT-Bench's questions, another packaged data set (`sharegpt`), generated rows
+    (`demo-vl:*`, `demo:*`), a dataset (`hf:*`), or a local file or folder."""
+    if source in BUILTIN_SOURCES:
+        return "builtin"
+    if source == MT_BENCH:
+        return "mt-bench"
+    if source in PACKAGED_SOURCES:
+        return "packaged"
+    if source.startswith("demo-vl"):
+        return "demo-vl"
+    if source.startswith("demo"):
+        return "demo"
+    if source.startswith("hf:"):
+        return "hf"
+    return "local"
+
+
+def local_source_path(source: str) -> Path:
+    """A local source's file or folder, or one error when it does not exist."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SpeculatorsError(f"prompt source {source} does not exist; pass a file, hf:<dataset> or demo:train")
+    return path
+
+
 def iter_source_rows(
     source: str, hf_subset: str | None = None, hf_split: str | None = None, seed: int = 0
 ) -> Iterator[tuple[str, Any, Path | None]]:
@@ -810,57 +840,50 @@ def iter_source_rows(
     (`natural:eval`) or a packaged data set (`sharegpt`, `mt-bench`'s first turns). `base_dir` is the
     folder relative image paths resolve against: the row's file's folder, None for datasets, packaged
     data sets and generated rows."""
-    if source in BUILTIN_SOURCES:
+    kind = source_kind(source)
+    if kind == "builtin":
         for _, row in iter_file_rows(BUILTIN_SOURCES[source]):
             yield row["id"], row, BUILTIN_SOURCES[source].parent
-        return
-    if source == MT_BENCH:
+    elif kind == "mt-bench":
         for question in mt_bench_questions():
             turn = question.first_turn()
             yield turn.id, {"id": turn.id, "category": turn.category, "messages": turn.messages}, None
-        return
-    if source == SHAREGPT:
-        for location, row in iter_file_rows(packaged_file(SHAREGPT)):
+    elif kind == "packaged":
+        for location, row in iter_file_rows(packaged_file(source)):
             yield location, row, None
-        return
-    if source.startswith("demo-vl"):
+    elif kind == "demo-vl":
         split = demo_vl_split(source)
         for index, row in enumerate(demo_image_rows(split, seed=seed)):
             yield f"demo-vl-{split}[{index}]", row, None
-        return
-    if source.startswith("demo"):
+    elif kind == "demo":
         split = source.partition(":")[2] or "train"
         if split not in ("train", "eval"):
             raise SpeculatorsError(f"demo split '{split}' is not train or eval; use demo:train or demo:eval")
         for index, prompt in enumerate(demo_prompts(split, seed=seed)):
             yield f"demo-{split}[{index}]", {"prompt": prompt}, None
-        return
-    if source.startswith("hf:"):
+    elif kind == "hf":
         for location, row in iter_hf_rows(source.removeprefix("hf:"), hf_subset, hf_split):
             yield location, row, None
-        return
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise SpeculatorsError(f"prompt source {source} does not exist; pass a file, hf:<dataset> or demo:train")
-    files = (
-        sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")) if path.is_dir() else [path]
-    )
-    for file in files:
-        base_dir = file.parent.resolve()
-        for location, row in iter_file_rows(file):
-            yield location, row, base_dir
+    else:
+        path = local_source_path(source)
+        suffixes = (".jsonl", ".json", ".parquet")
+        files = sorted(p for p in path.iterdir() if p.suffix in suffixes) if path.is_dir() else [path]
+        for file in files:
+            base_dir = file.parent.resolve()
+            for location, row in iter_file_rows(file):
+                yield location, row, base_dir
 
 
 def is_local_source(source: str) -> bool:
     """Whether a source names a local file or folder (not hf:, demo, demo-vl, a built-in file or a
     packaged data set)."""
-    return source not in BUILTIN_SOURCES and source not in PACKAGED_SOURCES and not source.startswith(("hf:", "demo"))
+    return source_kind(source) == "local"
 
 
 def source_image_root(source: str) -> Path:
     """The folder a source's rows may name local images in without --image-root: a file source's
     folder, a folder source itself, the working directory for hf: and generated rows."""
-    if source in BUILTIN_SOURCES:
+    if source_kind(source) == "builtin":
         return BUILTIN_SOURCES[source].parent
     if not is_local_source(source):
         return Path.cwd().resolve()
@@ -1113,22 +1136,21 @@ def source_fingerprint(source: str) -> str:
     """Content hash of a prompt source, cheap enough to poll: file bytes, the demo prompt set, or
     for `hf:` the dataset spec itself (pin a revision in the name to make that meaningful)."""
     digest = hashlib.sha256(source.encode())
-    if source in BUILTIN_SOURCES:
+    kind = source_kind(source)
+    if kind == "builtin":
         digest.update(BUILTIN_SOURCES[source].read_bytes())
-    elif source in PACKAGED_SOURCES:  # (ShareGPT's 125 MB hash in about a third of a second)
+    elif kind in ("mt-bench", "packaged"):  # (ShareGPT's 125 MB hash in about a third of a second)
         with open_source_file(packaged_file(source)) as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-    elif source.startswith("demo-vl"):
+    elif kind == "demo-vl":
         rows = demo_image_rows(demo_vl_split(source))
         digest.update("\n".join(json.dumps(row, sort_keys=True) for row in rows).encode())
-    elif source.startswith("demo"):
+    elif kind == "demo":
         split = source.partition(":")[2] or "train"
         digest.update("\n".join(demo_prompts(split)).encode())
-    elif not source.startswith("hf:"):
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise SpeculatorsError(f"prompt source {source} does not exist; pass a file, hf:<dataset> or demo:train")
+    elif kind == "local":
+        path = local_source_path(source)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
             digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())

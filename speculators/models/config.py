@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from speculators import SPECULATORS_FORMAT_VERSION
 from speculators.atomic_io import write_text_atomic
 from speculators.errors import CheckpointFormatError, SpeculatorsError, name_some, shorten
+from speculators.settings import CheckpointDtype, DraftLayerType
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +29,9 @@ if TYPE_CHECKING:
 SUPPORTED_ALGORITHMS = ("eagle3",)
 # Other algorithms of the reference library, recognised so the error can say what they are.
 KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "dflash", "peagle", "independent")
-DraftLayerType = Literal["llama", "qwen3"]
 DRAFT_LAYER_TYPES: tuple[DraftLayerType, ...] = get_args(DraftLayerType)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DTYPE_NAMES: tuple[str, ...] = get_args(CheckpointDtype)
 # Keys that only make sense for the reference library's own classes; never written by us.
 REFERENCE_ONLY_KEYS = (
     "auto_map",

@@ -15,6 +15,7 @@ The tensor names match the speculators checkpoint format exactly (`fc.weight`, `
 from __future__ import annotations
 
 import itertools
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,10 @@ from speculators.errors import SpeculatorsError
 from speculators.models.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
 from speculators.models.ttt import later_steps_needed
 from speculators.models.weights import read_checkpoint
+from speculators.settings import CheckpointDtype
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# (torch names the dtypes as the checkpoints do: torch.bfloat16, torch.float16, torch.float32)
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(CheckpointDtype)}
 
 
 def is_speculator_checkpoint(folder: Path) -> bool:

@@ -23,6 +23,8 @@ from speculators.errors import SpeculatorsError
 from speculators.precision import on_cpu_build
 from speculators.verifier.architectures import text_config_of
 from speculators.verifier.loading import load_verifier_config
+from speculators.verifier.mistral_format import vllm_format_kwargs
+from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
 from speculators.verifier.vision import MAX_IMAGES_PER_PROMPT, is_vision_language
 
 if TYPE_CHECKING:
@@ -97,6 +99,47 @@ def offline_engine_kwargs(kwargs: dict[str, Any], nodes: MultiNode | None) -> di
     if nodes is None or not nodes.multi_node:
         return dict(kwargs)
     return {**OFFLINE_DEFAULTS, **kwargs, **node_engine_kwargs(nodes)}
+
+
+def verifier_engine_kwargs(
+    model_dir: str,
+    dtype: str,
+    quantization: str | None,
+    seed: int,
+    enforce_eager: bool,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    nodes: MultiNode | None = None,
+    compilation_config: dict[str, Any] | None = None,
+    **stage: Any,
+) -> dict[str, Any]:
+    """An offline engine's `LLM()` arguments for the verifier in `model_dir` on this node, the one place
+    what every such engine (regeneration's, capture's) names alike is built: the dtype vLLM runs it in
+    (vllm_dtype) and its quantization (a scheme this build cannot run fails here, before any engine
+    starts), seed, eager mode, maximum length and tensor-parallel size; on vLLM's CPU build an MLA
+    verifier's rotary workaround (merged into the stage's `compilation_config`; the key is left out
+    when both are empty) and attention backend; a vision-language verifier's image limits and a
+    Mistral-format verifier's formats; then `stage`, the stage's own engine arguments, and over
+    several nodes offline_engine_kwargs' additions. The other nodes of a multi-node engine start its
+    headless workers with the same arguments (speculators/serving/multinode.py)."""
+
+    vllm_quantization_args(quantization)
+    compilation = {**(compilation_config or {}), **cpu_rotary_workaround(model_dir)}
+    kwargs = {
+        "model": model_dir,
+        "dtype": vllm_dtype(dtype, quantization),
+        "quantization": quantization,
+        "seed": seed,
+        "enforce_eager": enforce_eager,
+        "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        **({"compilation_config": compilation} if compilation else {}),
+        **stage,
+        **cpu_mla_backend(model_dir),
+        **vllm_image_limits(model_dir),
+        **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
+    }
+    return offline_engine_kwargs(kwargs, nodes)
 
 
 def engine_flags(kwargs: dict[str, Any]) -> list[str]:

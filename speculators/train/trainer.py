@@ -34,6 +34,7 @@ from speculators.models.weights import read_safetensors
 from speculators.precision import check_cuda_device, native_bf16
 from speculators.settings import TrainConfig, TrainRecipe
 from speculators.train.data import PackedStore
+from speculators.train.records import TrainingState, TrainingSummary
 from speculators.train.vocab import load_draft_vocab
 from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, draft_config_for_verifier
 
@@ -42,12 +43,13 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.checkpoint.state_dict import ValueType
 
+    from speculators.data.store import StoreManifest
     from speculators.models.config import Eagle3Config
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.train.data import Pack, PackedStore
     from speculators.verifier.loading import VerifierFacts, VerifierHead
 
-__all__ = ["TrainConfig", "TrainRecipe", "train"]
+__all__ = ["TrainConfig", "TrainRecipe", "TrainingSummary", "train"]
 
 
 # ----- distributed and precision helpers ---------------------------------------------------------
@@ -171,16 +173,16 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
 
 
 def build_drafter(
-    config: TrainConfig, verifier: VerifierHead, manifest: dict[str, Any], vocab: dict[str, torch.Tensor]
+    config: TrainConfig, verifier: VerifierHead, manifest: StoreManifest, vocab: dict[str, torch.Tensor]
 ) -> Eagle3Drafter:
 
     selected = vocab["selected_ids"]
     if config.warm_start:
         drafter = Eagle3Drafter.from_pretrained(config.warm_start, dtype="float32")
-        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest["aux_layer_ids"]:
+        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
             raise SpeculatorsError(
                 f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
-                f"but the store holds {manifest['aux_layer_ids']}"
+                f"but the store holds {manifest.aux_layer_ids}"
             )
         if drafter.config.draft_vocab_size != selected.numel():
             raise SpeculatorsError(
@@ -193,7 +195,7 @@ def build_drafter(
             verifier.config,
             checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
             draft_vocab_size=selected.numel(),
-            aux_layer_ids=manifest["aux_layer_ids"],
+            aux_layer_ids=manifest.aux_layer_ids,
             draft_layer_type=config.draft_layer_type,
             num_draft_layers=config.num_draft_layers,
             speculative_tokens=config.speculative_tokens or config.ttt_steps,
@@ -206,22 +208,22 @@ def build_drafter(
     return drafter
 
 
-def check_store_fits_verifier(manifest: dict[str, Any], verifier: VerifierFacts, store: str) -> None:
-    stored = manifest["verifier"]
-    if max(manifest["aux_layer_ids"]) > verifier.num_layers:
+def check_store_fits_verifier(manifest: StoreManifest, verifier: VerifierFacts, store: str) -> None:
+    stored = manifest.verifier
+    if max(manifest.aux_layer_ids) > verifier.num_layers:
         raise SpeculatorsError(
-            f"store {store} holds aux layers {manifest['aux_layer_ids']} but the verifier has {verifier.num_layers} "
-            f"layers; pass the store's verifier ({stored['name_or_path']})"
+            f"store {store} holds aux layers {manifest.aux_layer_ids} but the verifier has {verifier.num_layers} "
+            f"layers; pass the store's verifier ({stored.name_or_path})"
         )
-    if stored["hidden_size"] != verifier.hidden_size or stored["vocab_size"] != verifier.vocab_size:
+    if stored.hidden_size != verifier.hidden_size or stored.vocab_size != verifier.vocab_size:
         raise SpeculatorsError(
-            f"store {store} was captured from a verifier with hidden {stored['hidden_size']} / vocab "
-            f"{stored['vocab_size']}, not {verifier.hidden_size} / {verifier.vocab_size}; pass the store's verifier "
-            f"({stored['name_or_path']})"
+            f"store {store} was captured from a verifier with hidden {stored.hidden_size} / vocab "
+            f"{stored.vocab_size}, not {verifier.hidden_size} / {verifier.vocab_size}; pass the store's verifier "
+            f"({stored.name_or_path})"
         )
-    if stored["fingerprint"] != verifier.fingerprint:
+    if stored.fingerprint != verifier.fingerprint:
         raise SpeculatorsError(
-            f"store {store} was captured from verifier {stored['name_or_path']} (fingerprint {stored['fingerprint']}), "
+            f"store {store} was captured from verifier {stored.name_or_path} (fingerprint {stored.fingerprint}), "
             f"whose weights differ from {verifier.name_or_path}; pass the same verifier or re-run datagen"
         )
 
@@ -260,7 +262,7 @@ def drafter_from_state(config: Eagle3Config, model_state: dict[str, ValueType]) 
 
 
 def save_checkpoint(
-    directory: Path, drafter: Eagle3Drafter, optimizer_states: list[dict[str, Any]], state: dict[str, Any]
+    directory: Path, drafter: Eagle3Drafter, optimizer_states: list[dict[str, Any]], state: TrainingState
 ) -> None:
     """Drafter (speculators format) + optimizer tensors (safetensors) + trainer state (JSON), atomically."""
     from safetensors.torch import save_file
@@ -280,11 +282,10 @@ def save_checkpoint(
     with atomic_directory(directory, lambda old: (old / "trainer_state.json").is_file()) as tmp:
         drafter.save_pretrained(tmp / "drafter", dtype="float32")
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        trainer_state = {**state, "optimizer_scalars": scalars, "optimizer_param_groups": groups}
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        state.write(tmp / "trainer_state.json", scalars, groups)
 
 
-def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> TrainingState:
     """Restore model and optimizer state on every rank (each reads the full checkpoint); a damaged
     checkpoint, or one of a run with another drafter shape or optimizer, is one error."""
     try:
@@ -297,7 +298,7 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.op
         ) from None
 
 
-def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> TrainingState:
     import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -311,15 +312,19 @@ def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch
     model_state: dict[str, ValueType] = {names[k]: v for k, v in saved.items()}
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=full)
-    state = json.loads((directory / "trainer_state.json").read_text())
+    state = TrainingState.read(directory / "trainer_state.json")
+    if len(state.optimizer_param_groups) < len(optimizers):
+        raise SpeculatorsError(
+            f"it holds {len(state.optimizer_param_groups)} optimizers, this run has {len(optimizers)}"
+        )
     tensors = read_safetensors(directory / "optimizer.safetensors")
     for index, optimizer in enumerate(optimizers):
         per_param: dict[str, dict[str, torch.Tensor]] = {}
-        for name, value in [*tensors.items(), *((k, torch.tensor(v)) for k, v in state["optimizer_scalars"].items())]:
+        for name, value in [*tensors.items(), *((k, torch.tensor(v)) for k, v in state.optimizer_scalars.items())]:
             owner, fqn, key = name.split("/")
             if int(owner) == index:
                 per_param.setdefault(fqn, {})[key] = value
-        saved_state = {"state": per_param, "param_groups": state["optimizer_param_groups"][index]}
+        saved_state = {"state": per_param, "param_groups": state.optimizer_param_groups[index]}
         set_optimizer_state_dict(
             model, optimizer, optim_state_dict=saved_state, options=StateDictOptions(full_state_dict=True)
         )
@@ -458,16 +463,6 @@ def plot_curves(log_path: Path, output: Path) -> None:
     plt.close(figure)
 
 
-def summary_acceptance(summary: dict[str, Any]) -> tuple[float, str]:
-    """(acceptance length, what it is) from a training summary: decoding replayed on the validation
-    samples when there are any, else the training window's per-token estimate."""
-    best = summary.get("best_validation") or {}
-    if "replayed_acceptance_length" in best:
-        return float(best["replayed_acceptance_length"]), "replayed on validation samples"
-    train = summary.get("final_train") or {}
-    return float(train.get("acceptance_length", 0.0)), "training estimate (no validation samples)"
-
-
 # ----- the run, the log window, the metrics log ---------------------------------------------------
 
 
@@ -512,7 +507,7 @@ def start_run(config: TrainConfig) -> Run:
     train_packs, val_packs = packed_stores(config)
     manifest = train_packs.manifest
     vocab = load_draft_vocab(config.store)
-    verifier = VerifierHead.from_source(config.verifier, dtype=manifest["verifier"]["dtype"])
+    verifier = VerifierHead.from_source(config.verifier, dtype=manifest.verifier.dtype)
     check_store_fits_verifier(manifest, verifier, config.store)
     drafter = build_drafter(config, verifier, manifest, vocab).to(device)
     if uses_bf16(config, device) and not config.train_lm_head:
@@ -699,7 +694,7 @@ def stop_if_not_finite(
         return
     entries = run.train_packs.entries
     broken = [
-        entries[index]["id"]
+        entries[index].id
         for _, indices, pack in losses
         for document, index in enumerate(indices)
         if not pack_document_finite(pack, document)
@@ -710,7 +705,7 @@ def stop_if_not_finite(
             f"{where}; the stored hidden states of sample(s) {', '.join(broken[:5])} are not finite: check the store "
             f"with 'speculators verify-store {run.config.store}' and re-run datagen for them"
         )
-    samples = ", ".join(entries[index]["id"] for _, indices, _ in losses for index in indices[:5])
+    samples = ", ".join(entries[index].id for _, indices, _ in losses for index in indices[:5])
     raise SpeculatorsError(
         f"{where} on samples whose stored states are finite ({samples}): the weights diverged; lower --lr "
         f"(now {run.config.lr:g}) or --grad-clip (now {run.config.grad_clip:g})"
@@ -727,10 +722,10 @@ def pack_document_finite(pack: Pack, document: int) -> bool:
     )
 
 
-def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, clock: WallClock) -> None:
+def validate_and_checkpoint(run: Run, state: TrainingState, log: MetricsLog, clock: WallClock) -> None:
     """Every --eval-every steps: validation, and the best drafter kept; every --checkpoint-every steps
     (and at the end): the resumable checkpoint."""
-    config, step = run.config, state["step"]
+    config, step = run.config, state.step
     evaluate = step % config.eval_every == 0 or step == run.total_steps
     save_last = step % config.checkpoint_every == 0 or step == run.total_steps
     improved = False
@@ -750,13 +745,13 @@ def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, cl
         )
         if metrics is not None:
             log.validation({"event": "validation", "step": step, "wall_seconds": clock.seconds(), **metrics}, k)
-            best = state["best_validation_loss"]
+            best = state.best_validation_loss
             improved = best is None or sum(metrics["loss"]) < best
             if improved:
-                state["best_validation_loss"], state["best_validation"] = sum(metrics["loss"]), metrics
+                state.best_validation_loss, state.best_validation = sum(metrics["loss"]), metrics
     if not (save_last or improved):
         return
-    state["wall_seconds"] = clock.seconds()
+    state.wall_seconds = clock.seconds()
     model_state, optimizer_states = gather_full_state(run.model, run.optimizers)  # (collective)
     if run.rank == 0:
         snapshot = drafter_from_state(run.drafter.config, model_state)
@@ -766,12 +761,12 @@ def validate_and_checkpoint(run: Run, state: dict[str, Any], log: MetricsLog, cl
             save_checkpoint(run.output / "checkpoints" / "last", snapshot, optimizer_states, state)
 
 
-def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) -> dict[str, Any]:
-    """The final drafter (validated), summary.json and the curves; the summary (empty off rank 0)."""
+def finish(run: Run, state: TrainingState, clock: WallClock, log_path: Path) -> TrainingSummary | None:
+    """The final drafter (validated), summary.json and the curves; the summary (None off rank 0)."""
 
     model_state, _ = gather_full_state(run.model, [])  # (collective)
     if run.rank != 0:
-        return {}
+        return None
     output = run.output
     # Validated before it is swapped into place: a drafter that fails (non-finite weights included) is
     # never published.
@@ -781,21 +776,21 @@ def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) ->
         if not report.ok:
             raise SpeculatorsError(f"the trained drafter failed validation: {'; '.join(report.problems)}")
     last_train = [json.loads(x) for x in log_path.read_text().splitlines() if '"train"' in x][-1]
-    summary = {
-        "steps": state["step"],
-        "epochs": state["step"] / run.steps_per_epoch,
-        "train_tokens": state["tokens"],
-        "train_seconds": round(state["train_seconds"], 2),
-        "wall_seconds": clock.seconds(),
-        "tokens_per_second": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
-        "world_size": run.world,
-        "final_train": {k: v for k, v in last_train.items() if k not in ("event",)},
-        "best_validation_loss": state["best_validation_loss"],
-        "best_validation": state.get("best_validation"),
-        "drafter": str(output / "drafter"),
-        "config": run.config.model_dump(),
-    }
-    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = TrainingSummary(
+        steps=state.step,
+        epochs=state.step / run.steps_per_epoch,
+        train_tokens=state.tokens,
+        train_seconds=round(state.train_seconds, 2),
+        wall_seconds=clock.seconds(),
+        tokens_per_second=round(state.tokens / max(state.train_seconds, 1e-9), 1),
+        world_size=run.world,
+        final_train={k: v for k, v in last_train.items() if k not in ("event",)},
+        best_validation_loss=state.best_validation_loss,
+        best_validation=state.best_validation,
+        drafter=str(output / "drafter"),
+        config=run.config.model_dump(),
+    )
+    summary.write(output / "summary.json")
     plot_curves(log_path, output / "training_curves.png")
     return summary
 
@@ -803,9 +798,9 @@ def finish(run: Run, state: dict[str, Any], clock: WallClock, log_path: Path) ->
 # ----- the loop ----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def train(config: TrainConfig) -> TrainingSummary | None:
     """Train, holding the run folder's lock on rank 0: a second `train` into the same folder waits,
-    then resumes from the first's last checkpoint (nothing is trained twice)."""
+    then resumes from the first's last checkpoint (nothing is trained twice). The summary; None off rank 0."""
 
     if int(os.environ.get("RANK", "0")) != 0:  # (the other ranks follow rank 0 through the collectives)
         return train_run(config)
@@ -813,37 +808,37 @@ def train(config: TrainConfig) -> dict[str, Any]:
         return train_run(config)
 
 
-def train_run(config: TrainConfig) -> dict[str, Any]:
+def train_run(config: TrainConfig) -> TrainingSummary | None:
     run = start_run(config)
-    state: dict[str, Any] = {"step": 0, "best_validation_loss": None, "tokens": 0, "train_seconds": 0.0}
+    state = TrainingState.start()
     last = run.output / "checkpoints" / "last"
     if (last / "trainer_state.json").is_file():
         state = load_checkpoint(last, run.model, run.optimizers)
         if run.rank == 0:
-            print(f"resuming from {last} at step {state['step']}", flush=True)
-    clock, window = WallClock(state.get("wall_seconds", 0.0)), LogWindow()
+            print(f"resuming from {last} at step {state.step}", flush=True)
+    clock, window = WallClock(state.wall_seconds), LogWindow()
     log_path = run.output / "train_log.jsonl"
-    log = MetricsLog(log_path, run.rank, config.progress, run.total_steps, state["step"])
+    log = MetricsLog(log_path, run.rank, config.progress, run.total_steps, state.step)
     run.model.train()
     try:
-        for step in range(state["step"], run.total_steps):
+        for step in range(state.step, run.total_steps):
             optimizer_step(run, step, window)
-            state["step"] = step + 1
+            state.step = step + 1
             log.bar.update(1)
-            if state["step"] % config.log_every == 0 or state["step"] == run.total_steps:
+            if state.step % config.log_every == 0 or state.step == run.total_steps:
                 metrics, tokens, seconds = window.close(run.world)
-                state["tokens"] += tokens
-                state["train_seconds"] += seconds
+                state.tokens += tokens
+                state.train_seconds += seconds
                 log.train(
                     {
                         "event": "train",
-                        "step": state["step"],
+                        "step": state.step,
                         "wall_seconds": clock.seconds(),
                         "lr": lr_at(step, run.total_steps, config),
                         "tokens_per_second": tokens / seconds,
                         **metrics,
                     },
-                    epoch=state["step"] / run.steps_per_epoch,
+                    epoch=state.step / run.steps_per_epoch,
                 )
             with window.paused():
                 validate_and_checkpoint(run, state, log, clock)

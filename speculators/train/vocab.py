@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from speculators.atomic_io import exclusive_lock, write_text_atomic, write_with
 from speculators.data.prompts import VALIDATION_PREFIX
-from speculators.data.store import HiddenStateStore
+from speculators.data.store import HiddenStateStore, StoreManifest
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.models.weights import read_safetensors
 
@@ -69,19 +69,19 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVoca
     )
 
 
-def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, dict[str, Any]]:
+def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, StoreManifest]:
     """Token counts over the supervised tokens of the samples training may learn from: samples of a
     validation source are left out (their answers must not shape the vocabulary they are scored with)."""
     import torch
 
     store = HiddenStateStore(store_dir)
     manifest = store.manifest()
-    vocab = manifest["verifier"]["vocab_size"]
+    vocab = manifest.verifier.vocab_size
     counts = torch.zeros(vocab, dtype=torch.long)
-    for entry in manifest["samples"]:
-        if entry["id"].startswith(VALIDATION_PREFIX):
+    for entry in manifest.samples:
+        if entry.id.startswith(VALIDATION_PREFIX):
             continue
-        ids, mask = store.read_tokens(entry)
+        ids, mask = store.read_tokens(entry.shard)
         counts += torch.bincount(ids[mask.bool()], minlength=vocab)
     return counts, manifest
 
@@ -109,8 +109,8 @@ def write_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVoca
         "supervised_tokens": vocab.supervised_tokens,
         "distinct_supervised_tokens": vocab.distinct_tokens,
         "coverage": round(vocab.coverage, 6),
-        "verifier_fingerprint": manifest["verifier"]["fingerprint"],
-        "data_version": manifest.get("data_version"),
+        "verifier_fingerprint": manifest.verifier.fingerprint,
+        "data_version": manifest.data_version,
     }
     write_text_atomic(root / VOCAB_SUMMARY, json.dumps(summary, indent=2) + "\n")
     return vocab

@@ -190,7 +190,7 @@ def checkpoint_verifier_name(source: str | Path, location: str, explicit: str | 
         return recorded
     print(
         f"warning: the checkpoint names its verifier by the local path {location}; `vllm serve <checkpoint>` "
-        f"finds it only there: pass --verifier-name with its hub id (README: Serving)",
+        f"finds it only there: pass --verifier-name with its hub id (docs/evaluation-and-serving.md)",
         flush=True,
     )
     return location

@@ -8,11 +8,13 @@ Nothing is downloaded. Used by the tests, the benchmarks and the tiny Dagster va
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import atomic_directory
 from speculators.errors import SpeculatorsError
+from speculators.settings import TinyFamily
 from speculators.verifier.mistral_format import (
     hf_config_from_params,
     mistral_tensor_name,
@@ -23,7 +25,7 @@ from speculators.verifier.mistral_format import (
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3")
+FAMILIES: tuple[str, ...] = typing.get_args(TinyFamily)
 VISION_LANGUAGE_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 LLAMA3_TEMPLATE = (

@@ -1,0 +1,94 @@
+"""The records `speculators train` writes: the resumable training state and the training summary.
+
+Both are read back by attribute (the trainer on resume; the command line and the Dagster code
+location from the summary) and written as the JSON they have always been: the same keys in the same
+order. Keys a record does not name (of older or newer files) are kept, never refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+
+class TrainingState(BaseModel):
+    """checkpoints/last/trainer_state.json: where a run is, to resume it (the tensors are beside it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int = 0  # optimizer steps done
+    best_validation_loss: float | None = None  # the lowest validation loss so far (sum over TTT steps)
+    tokens: int = 0  # training tokens seen (all ranks)
+    train_seconds: float = 0.0  # seconds spent in training steps (validation and saving left out)
+    best_validation: dict[str, Any] | None = None  # the validation metrics of that best; absent before one
+    wall_seconds: float = 0.0  # wall time of the run, across resumes (absent in early checkpoints)
+    optimizer_scalars: dict[str, float] = {}  # "<optimizer>/<param>/<key>" -> each scalar of the optimizers' state
+    optimizer_param_groups: list[Any] = []  # each optimizer's param groups
+    # The keys in the order they were first set (a file's: its own): the order they are written in.
+    _order: list[str] = PrivateAttr(default_factory=list)
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._order = [name for name in type(self).model_fields if name in self.model_fields_set]
+        self._order += list(self.__pydantic_extra__ or {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in type(self).model_fields and name not in self._order:
+            self._order.append(name)
+
+    @classmethod
+    def start(cls) -> Self:
+        """The state of a run that has not trained yet."""
+        return cls(step=0, best_validation_loss=None, tokens=0, train_seconds=0.0)
+
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        data = json.loads(path.read_text())
+        state = cls.model_validate(data)
+        state._order = list(data)
+        return state
+
+    def write(self, path: Path, optimizer_scalars: dict[str, float], optimizer_param_groups: list[Any]) -> None:
+        """The state with the optimizers' (one-space-indented JSON, no final newline)."""
+        data = self.model_dump()
+        state = {name: data[name] for name in self._order}
+        state |= {"optimizer_scalars": optimizer_scalars, "optimizer_param_groups": optimizer_param_groups}
+        path.write_text(json.dumps(state, indent=1))
+
+
+class TrainingSummary(BaseModel):
+    """<output>/summary.json: what a finished run did and how well its drafter drafts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    steps: int  # optimizer steps trained
+    epochs: float  # the same in epochs of the training packs
+    train_tokens: int  # training tokens seen (all ranks)
+    train_seconds: float  # seconds spent in training steps
+    wall_seconds: float | None = None  # wall time of the run, across resumes (absent in early summaries)
+    tokens_per_second: float  # training throughput: train_tokens / train_seconds
+    world_size: int  # processes trained on
+    final_train: dict[str, Any]  # the last train log line's metrics (its "event" left out)
+    best_validation_loss: float | None = None  # the lowest validation loss, None without validation samples
+    best_validation: dict[str, Any] | None = None  # that validation's metrics, None without validation samples
+    drafter: str  # the final drafter's folder
+    config: dict[str, Any]  # the run's settings (TrainConfig)
+
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        return cls.model_validate(json.loads(path.read_text()))
+
+    def write(self, path: Path) -> None:
+        """Two-space-indented JSON and a newline."""
+        path.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+
+    def acceptance(self) -> tuple[float, str]:
+        """(acceptance length, what it is): decoding replayed on the validation samples when there are
+        any, else the training window's per-token estimate."""
+        best = self.best_validation or {}
+        if "replayed_acceptance_length" in best:
+            return float(best["replayed_acceptance_length"]), "replayed on validation samples"
+        return float(self.final_train.get("acceptance_length", 0.0)), "training estimate (no validation samples)"
