@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from synthetic_samples import synthetic_samples
 
-from speculators.data.capture import make_capture_fn, plan_batches, run_datagen
+from speculators.data.capture import capture_samples, make_capture_fn, plan_batches
 from speculators.data.store import HiddenStateStore
 from speculators.verifier.loading import VerifierFacts, load_verifier
 
@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for backend in ("vllm", "transformers"):
             store = Path(tmp) / backend
-            report = run_datagen(
+            report = capture_samples(
                 samples,
                 facts if backend == "vllm" else verifier,
                 store,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from synthetic_samples import synthetic_samples
 
-from speculators.data.capture import run_datagen
+from speculators.data.capture import capture_samples
 from speculators.verifier.loading import load_verifier
 
 
@@ -33,13 +33,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
-        full = run_datagen(samples, verifier, root / "full", storage="bfloat16", progress=False)
+        full = capture_samples(samples, verifier, root / "full", storage="bfloat16", progress=False)
         full_seconds = time.perf_counter() - start
-        run_datagen(old, verifier, root / "incremental", storage="bfloat16", progress=False)
+        capture_samples(old, verifier, root / "incremental", storage="bfloat16", progress=False)
         start = time.perf_counter()
-        incremental = run_datagen(samples, verifier, root / "incremental", storage="bfloat16", progress=False)
+        incremental = capture_samples(samples, verifier, root / "incremental", storage="bfloat16", progress=False)
         incremental_seconds = time.perf_counter() - start
-        fp8 = run_datagen(samples, verifier, root / "fp8", storage="fp8_e4m3", progress=False)
+        fp8 = capture_samples(samples, verifier, root / "fp8", storage="fp8_e4m3", progress=False)
 
     tokens = full.tokens
     print(

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speculators.data.capture import run_datagen
+from speculators.data.capture import capture_samples
 from speculators.data.demo_prompts import demo_prompts
 from speculators.data.tokenization import tokenize_conversation
 from speculators.train.trainer import TrainConfig, train
@@ -50,7 +50,7 @@ def main() -> None:
                 )
                 for i, p in enumerate(demo_prompts("train")[: args.samples])
             ]
-            run_datagen(samples, verifier, store, aux_layer_ids=[2, 15, 27], progress=False)
+            capture_samples(samples, verifier, store, aux_layer_ids=[2, 15, 27], progress=False)
             build_store_vocab(store, 8192)
             del verifier
         rows = []

@@ -377,9 +377,9 @@ def export_store(store: Path, export: Path, validation_share: float, ref_python:
     import numpy as np
     import torch
     from safetensors.torch import save_file
-    from speculators.train.vocab import load_draft_vocab
 
     from speculators.train.data import PackedStore
+    from speculators.train.vocab import load_draft_vocab
 
     key = {
         "manifest": file_digest(store / "manifest.json"),
@@ -693,9 +693,8 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
     """Both drafters with our evaluator on every prompt set, the verifier loaded once. MT-Bench runs in
     two turns (turn 2 after the verifier's own greedy turn-1 answer, the same for both drafters) where
     the evaluator has `evaluate_mt_bench`; otherwise as any prompt source (first turns)."""
-    import speculators.eval.evaluate as evaluation
     import speculators.data.prompts as prompt_sources
-
+    import speculators.eval.evaluate as evaluation
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(args.verifier, dtype=args.eval_dtype)
@@ -862,7 +861,6 @@ def main() -> None:
     output = Path(args.output) if args.output else work / "vs_reference.json"
 
     from speculators.data.prompts import load_prompts
-
     from speculators.precision import native_bf16
     from speculators.train.trainer import check_store_fits_verifier
     from speculators.verifier.loading import VerifierFacts

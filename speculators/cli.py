@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command("prepare", PrepareSettings, cmd_prepare, "prompt sources -> conversations (+ tokenized samples)")
     datagen = command("datagen", CaptureSettings, cmd_datagen, "tokenized samples -> hidden-state store")
-    # INDEX/COUNT: set by run_datagen_replicas for its replica processes
+    # INDEX/COUNT: set by run_capture_replicas for its replica processes
     datagen.add_argument("--replica", type=parse_replica, help=argparse.SUPPRESS)
     command("vocab", VocabSettings, cmd_vocab, "draft vocabulary (d2t, t2d) from a hidden-state store")
     command("train", TrainConfig, cmd_train, "train an EAGLE-3 drafter (training-time test) from a store")

@@ -66,7 +66,7 @@ def build_peaked_store(
 ) -> Path:
     """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128;
     with `quantization`, the FP8 verifier's own answers and states."""
-    from speculators.data.capture import run_datagen
+    from speculators.data.capture import capture_samples
     from speculators.data.prompts import Conversation
     from speculators.data.regenerate import regenerate, transformers_generate_fn
     from speculators.train.vocab import build_store_vocab
@@ -78,7 +78,7 @@ def build_peaked_store(
     samples, _ = regenerate(
         conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512, progress=False
     )
-    run_datagen(samples, verifier, directory, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False)
+    capture_samples(samples, verifier, directory, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False)
     build_store_vocab(directory, 128)
     return directory
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from speculators.serving.serve import free_port
 from speculators_assets.demo import prepare_home
+from tests.paths import ROOT_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT_DIR
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
 
 

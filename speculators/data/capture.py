@@ -52,7 +52,7 @@ WINDOW = 8  # small: appended data shares at most one window (re-batched) with o
 
 
 @dataclass
-class DatagenReport:
+class CaptureReport:
     samples: int
     computed: int
     reused: int
@@ -178,7 +178,7 @@ def check_store_holds(
     )
 
 
-def run_datagen(
+def capture_samples(
     samples: list[TokenizedSample],
     verifier: VerifierFacts,
     store_dir: str | Path,
@@ -192,11 +192,11 @@ def run_datagen(
     replica: tuple[int, int] | None = None,
     overwrite: bool = False,
     nodes: MultiNode | None = None,
-) -> DatagenReport:
+) -> CaptureReport:
     """Capture the samples' states into the store and write its manifest. `verifier` is a loaded
     `Verifier` (transformers backend) or `VerifierFacts` (vllm backend: vLLM loads the weights).
     `replica=(i, n)`: compute only every n-th batch from the i-th and write no manifest (one of n
-    data-parallel replicas; `run_datagen_replicas` starts them and writes the manifest after).
+    data-parallel replicas; `run_capture_replicas` starts them and writes the manifest after).
     `nodes`: the vllm engine spans several nodes, this is node rank 0 (speculators/serving/multinode.py)."""
     import torch
     from tqdm import tqdm
@@ -278,7 +278,7 @@ def run_datagen(
         close()
     seconds = time.perf_counter() - started
     if replica is not None:
-        return DatagenReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
+        return CaptureReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
     entries: list[SampleEntry] = []
     for sample, key in zip(samples, keys, strict=True):
@@ -305,7 +305,7 @@ def run_datagen(
             )
         )
     total_bytes = sum(e.bytes for e in entries)
-    report = DatagenReport(
+    report = CaptureReport(
         len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
     )
     store.write_manifest(
@@ -378,9 +378,9 @@ def raise_for_failed_replicas(what: str, processes: list[Replica]) -> None:
         raise SpeculatorsError(f"{what} replica {index} failed ({reason}); see {log}, then run again to resume")
 
 
-def run_datagen_replicas(
+def run_capture_replicas(
     settings: CaptureSettings, samples: list[TokenizedSample], verifier: VerifierFacts, data_version: str | None = None
-) -> DatagenReport:
+) -> CaptureReport:
     """`data_parallel_size` vLLM replicas of the verifier, each a `speculators datagen --replica i/n`
     process on its own GPUs (tensor parallel inside it) computing every n-th batch, then the manifest
     pass here (every shard present: no engine starts). Replicas share nothing but the store, whose
@@ -429,7 +429,7 @@ def run_datagen_replicas(
             bar.refresh()
     raise_for_failed_replicas("datagen", processes)
     seconds = time.perf_counter() - started
-    report = run_datagen(
+    report = capture_samples(
         samples,
         verifier,
         store_dir,
@@ -446,9 +446,9 @@ def run_datagen_replicas(
     return report
 
 
-def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = None) -> DatagenReport:
+def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = None) -> CaptureReport:
     """`speculators datagen`: the samples' hidden states into the store, datagen_report.json beside
-    them (the last run's counts). `replica` (INDEX, COUNT): one of run_datagen_replicas' processes.
+    them (the last run's counts). `replica` (INDEX, COUNT): one of run_capture_replicas' processes.
 
     The store's lock is held throughout: a second datagen into the same store waits, then finds every
     shard written and computes none (replicas run under their parent's lock)."""
@@ -459,7 +459,7 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
         return capture_into_store(settings, None)
 
 
-def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | None) -> DatagenReport:
+def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | None) -> CaptureReport:
     import json
 
     s = settings
@@ -477,7 +477,7 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
     capture_into = partial(
-        run_datagen,
+        capture_samples,
         aux_layer_ids=s.aux_layer_ids,
         batch_size=s.batch_size,
         storage=s.storage,
@@ -492,7 +492,7 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
         store = Path(s.output).resolve()
         with vllm_log(store.with_name(store.name + "-vllm.log"), replica is None):  # (replicas inherit it)
             if s.data_parallel_size > 1:
-                report = run_datagen_replicas(s, samples, facts, data_version)
+                report = run_capture_replicas(s, samples, facts, data_version)
             else:
                 report = capture_into(
                     samples,

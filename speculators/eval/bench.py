@@ -589,7 +589,7 @@ def compare_runs(baseline: dict[str, Any], speculator: dict[str, Any]) -> dict[s
     return {"speedup": ratios}
 
 
-def compare_outputs(
+def compare_served_outputs(
     baseline: list[dict[str, Any]], speculator: list[dict[str, Any]], judge: OutputJudge
 ) -> dict[str, Any]:
     """Token ids prompt by prompt: identical, a numerical near-tie (the judge's verdict) or diverged."""
@@ -855,7 +855,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization)
-    outputs = compare_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
+    outputs = compare_served_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
         "settings": settings.model_dump(),
         "prompts": prompts.info,

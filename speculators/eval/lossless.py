@@ -8,7 +8,7 @@ that close may swap); anything else diverged, which is a bug. The tolerance is a
 `tie_ulps` units in the last place of the top logit in the verifier's dtype (default_tie_tolerance).
 
 Where the logits at the split come from is each caller's own: evaluate reads both decoders' top two
-at that position (evaluate.compare_outputs), bench the baseline server's reported logits or a
+at that position (evaluate.compare_outputs), bench (compare_served_outputs) the baseline server's reported logits or a
 transformers re-score (bench.OutputJudge), and an FP8 verifier's evaluation-order noise may widen the
 tolerance (quantization.path_noise).
 """

@@ -243,7 +243,7 @@ def replay_decoding(
     acceptance (every position starting a chain), rounds start right after rejections, as they do in
     decoding. `in_vocab` [B, T] marks targets whose full-vocabulary greedy token is in the draft
     vocabulary (decoding rejects the rest; default: all). Equals `speculators evaluate`'s acceptance
-    on the same answers when the forward passes agree (tests/test_train.py).
+    on the same answers when the forward passes agree (tests/unit/train/test_train.py).
     """
     steps = min(num_tokens, len(hits))
     mask = loss_mask.bool()

@@ -222,7 +222,7 @@ def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
     flattened [tokens, heads * head_dim] other models pass), and MLA passes exactly that 3-D view.
     vLLM's PyTorch rotary (`forward_native`) is right, so the kernel is switched off. Measured on the
     tiny DeepSeek-V3: about 1% relative error at every aux id with the kernel, 3e-7 without
-    (tests/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
+    (tests/families/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
     return {"custom_ops": ["-rotary_embedding"]} if cpu_mla(model_dir) else {}
 
 

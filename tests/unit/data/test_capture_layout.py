@@ -13,8 +13,7 @@ from speculators import precision
 from speculators.data import capture_vllm
 from speculators.errors import SpeculatorsError
 from speculators.serving import engine
-
-from .engine_probe import forbid_cuda_in_this_process
+from tests.engine_probe import forbid_cuda_in_this_process
 
 IDS = [0, 2, 5]
 HIDDEN = 4

@@ -304,7 +304,7 @@ def test_loading_rejects_a_checkpoint_with_a_wrong_tensor(tmp_path):
     ],
 )
 def test_forward_matches_an_independent_implementation(options):
-    from .reference_eagle3 import reference_draft_logits
+    from tests.reference_eagle3 import reference_draft_logits
 
     drafter = make_drafter(seed=7, **options)
     for name, param in drafter.named_parameters():  # q/k norms away from 1 as well

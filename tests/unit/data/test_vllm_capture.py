@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from speculators.atomic_io import write_jsonl_atomic
-from speculators.data.capture import run_datagen
+from speculators.data.capture import capture_samples
 from speculators.data.store import HiddenStateStore
 from speculators.verifier.loading import load_verifier
+from tests.conftest import CAPTURE_FAMILIES
 
-from .conftest import CAPTURE_FAMILIES
 from .test_datagen import make_samples
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ AUX = [0, 4, 6]  # id 0 (the embeddings), two middle layers, and id 8 (pre-norm 
 # (median under 2%); the deeper ids (where flips compound) are left out of the comparison.
 GPT_OSS_AUX = [0, 1, 2]
 # DeepSeek-V3: ids 1 and 2 follow its two dense layers (2 enters the first MoE layer), 5 follows MoE layers
-# (tests/test_deepseek_v3.py says what vLLM records there).
+# (tests/families/test_deepseek_v3.py says what vLLM records there).
 DEEPSEEK_V3_AUX = [1, 2, 5]
 
 
@@ -105,7 +105,7 @@ def prepared(tiny_verifier_dir, tmp_path_factory):
             verifier = load_verifier(tiny_verifier_dir(family), dtype="float32")
             samples = make_samples(verifier.tokenizer, 7)  # 40-90 tokens: past gpt_oss's 16-token window
             write_jsonl_atomic(directory / "samples.jsonl", samples)
-            run_datagen(
+            capture_samples(
                 samples, verifier, directory / "hf", aux_layer_ids=aux_ids(family), storage="float32", progress=False
             )
             built[family] = (tiny_verifier_dir(family), directory / "samples.jsonl", directory / "hf")

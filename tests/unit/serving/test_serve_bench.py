@@ -312,7 +312,7 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     import torch
 
     from speculators.data.tokenization import render_ids
-    from speculators.eval.bench import OutputJudge, compare_outputs
+    from speculators.eval.bench import OutputJudge, compare_served_outputs
     from speculators.eval.lossless import top_two
     from speculators.verifier.loading import load_verifier
 
@@ -343,7 +343,7 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     assert reaching(prompt, first, other)["status"] == "near_tie"  # a three-way near-tie within tolerance
     assert judge(prompt, first, first[:4])["status"] == "diverged"  # a prefix: cut short, not a tie
 
-    # compare_outputs counts them prompt by prompt; a prompt tokenized differently is a divergence.
+    # compare_served_outputs counts them prompt by prompt; a prompt tokenized differently is a divergence.
     hello = [{"role": "user", "content": "Hi."}]
 
     def served(messages, prompt_ids, ids):
@@ -351,12 +351,12 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
 
     baseline = [served(messages, prompt, first), served(hello, [1, 2], [5, 6]), served(hello, [1, 2], [5])]
     speculator = [served(messages, prompt, runner_up), served(hello, [1, 2], [5, 6]), served(hello, [1, 3], [6])]
-    counted = compare_outputs(baseline, speculator, judge)
+    counted = compare_served_outputs(baseline, speculator, judge)
     assert (counted["compared"], counted["identical"], counted["near_tie"], counted["diverged"]) == (3, 1, 1, 1)
     assert [d["prompt"] for d in counted["differences"]] == ["Describe a tide pool.", "Hi."]
     assert counted["differences"][1]["reason"] == "the servers tokenized the prompt differently"
     with pytest.raises(SpeculatorsError, match="different prompts"):
-        compare_outputs(baseline, speculator[::-1], judge)
+        compare_served_outputs(baseline, speculator[::-1], judge)
 
 
 def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(peaked_verifier, monkeypatch):

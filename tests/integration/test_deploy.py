@@ -16,8 +16,9 @@ from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 from speculators_assets.environment import K8S_STORAGE_ROOT, Settings
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import load_variants
+from tests.paths import ROOT_DIR
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = ROOT_DIR / "deploy"
 ROOT = DEPLOY.parent
 MODELS = {
     "Namespace": kubernetes.client.V1Namespace,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.models.config import DraftLayerConfig, Eagle3Config, load_eagle3_config, parse_eagle3_config
 from speculators.verifier.loading import draft_config_for_verifier
+from tests.paths import GOLDEN_DIR, TEST_DATA_DIR
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = GOLDEN_DIR
 
 
 def smollm2_verifier_config():
@@ -191,7 +191,7 @@ def test_a_sliding_window_that_no_draft_layer_uses_is_a_note():
     assert any("use_sliding_window=True" in n and "full attention" in n for n in notes)
 
 
-MODEL_CONFIGS = Path(__file__).parent / "data" / "model_configs"
+MODEL_CONFIGS = TEST_DATA_DIR / "model_configs"
 
 
 def drafter_config_for_published_verifier(name: str) -> Eagle3Config:

@@ -13,8 +13,7 @@ from speculators.checkpoint.validation import validate_checkpoint
 from speculators.cli import main
 from speculators.errors import SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
-
-from .reference_eagle3 import reference_draft_logits
+from tests.reference_eagle3 import reference_draft_logits
 
 H, V, D, HEADS, KV, HD, INNER = 64, 512, 96, 2, 1, 32, 160
 

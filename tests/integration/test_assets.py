@@ -17,8 +17,9 @@ from speculators_assets.resources import PipelineRunner
 from speculators_assets.steps import BY_NAME, NAMES, STEPS
 from speculators_assets.variants import VariantError, load_variant, load_variants
 from tests.conftest import built_node_pods
+from tests.paths import ROOT_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT_DIR
 ASSETS = list(NAMES)
 # The matrix's rows with their aux ids (their facts against the published configs: test_model_matrix.py).
 GPU_VARIANTS = {
@@ -180,7 +181,9 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
     for rank, (_, pod) in enumerate(built):
         env = {e.name: e.value for e in pod.spec.containers[0].env}
         assert env["SPECULATORS_NODE_RANK"] == str(rank) and env["SPECULATORS_MASTER_ADDR"] == master
-    worker = pods[1]["spec"]["containers"][0]["command"]  # (every node's engine arguments: tests/test_multinode.py)
+    worker = pods[1]["spec"]["containers"][0][
+        "command"
+    ]  # (every node's engine arguments: tests/unit/serving/test_multinode.py)
     assert worker[:4] == ["python", "-m", "speculators.cli", "follow"]
     assert worker[worker.index("--nnodes") :] == [
         "--nnodes",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,9 @@ from speculators.verifier.mistral_format import (
     read_params,
     to_hf_rotary_layout,
 )
+from tests.paths import TEST_DATA_DIR
 
-LARGE_3 = Path(__file__).parent / "data" / "model_configs" / "mistral_large_3.params.json"
+LARGE_3 = TEST_DATA_DIR / "model_configs" / "mistral_large_3.params.json"
 
 # The spec's table (spec/mistral-large-3.md): Mistral Large 3 in Hugging Face (deepseek_v3) keys
 LARGE_3_FACTS = {

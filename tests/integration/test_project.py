@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT_DIR
+
+ROOT = ROOT_DIR
 
 
 def run_python(code: str) -> str:

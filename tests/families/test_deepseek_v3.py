@@ -105,7 +105,7 @@ def test_vllm_cpu_rotary_kernel_misrotates_the_3d_multi_head_query_mla_passes(ti
     the same query flattened to [tokens, heads * 64] (how llama-style models pass it), the single-head key
     and vLLM's PyTorch rotary (forward_native) are right. With the kernel the tiny DeepSeek-V3's states
     differ from transformers' by ~1% at every id after the first layer; without it they agree to 3e-7
-    (tests/test_vllm_capture.py runs this family). If this test fails, vLLM fixed the kernel and the
+    (tests/unit/data/test_vllm_capture.py runs this family). If this test fails, vLLM fixed the kernel and the
     workaround can go."""
     pytest.importorskip("vllm")
     if torch.cuda.is_available():
@@ -203,7 +203,7 @@ def peaked_deepseek(tmp_path_factory):
 def deepseek_drafter(peaked_deepseek, tmp_path_factory):
     """Our EAGLE-3 drafter trained on the peaked DeepSeek-V3's own answers (as `trained_drafter` is on
     the tiny Llama's): the aux states come from the transformers capture."""
-    from .conftest import build_peaked_store, train_peaked_drafter
+    from tests.conftest import build_peaked_store, train_peaked_drafter
 
     store = build_peaked_store(peaked_deepseek, tmp_path_factory.mktemp("deepseek-store"))
     return train_peaked_drafter(store, peaked_deepseek, tmp_path_factory.mktemp("deepseek-drafter"), epochs=40)
@@ -230,8 +230,8 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
     from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate, load_proposer, tokenize_prompts
     from speculators.serving.engine import cpu_rotary_workaround
     from speculators.serving.serve import ServerSettings, VllmServer
+    from tests.conftest import write_peaked_prompts
 
-    from .conftest import write_peaked_prompts
     from .test_serve_bench import NEW_TOKENS, SERVER, K, completions
 
     verifier = load_verifier(peaked_deepseek, dtype="float32")

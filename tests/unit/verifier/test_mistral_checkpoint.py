@@ -7,7 +7,7 @@ llama-4 query scaling with 32-position periods, so a short prompt crosses them. 
 Mistral 4 model, speculators.verifier.mistral_format) and vLLM's (`--config-format mistral --load-format mistral`,
 MistralLarge3ForCausalLM) give the same greedy tokens and the same aux states; the drafter trained on it is
 lossless under our evaluator, and vLLM's CPU build refuses to serve it beside the verifier for the reason
-it refuses DeepSeek-V3's (tests/test_deepseek_v3.py)."""
+it refuses DeepSeek-V3's (tests/families/test_deepseek_v3.py)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_vllm_reads_the_mistral_checkpoint_as_we_do_greedy_tokens_and_aux_states
     names the formats itself) stores the aux states our transformers capture stores, at ids after the
     dense layers, the MoE layers and the last layer (the prompts pass the 32-position llama-4 period)."""
     from speculators.atomic_io import write_jsonl_atomic
-    from speculators.data.capture import run_datagen
+    from speculators.data.capture import capture_samples
     from speculators.data.tokenization import tokenize_conversation
     from speculators.eval.evaluate import greedy_generate
     from speculators.serving.serve import ServerSettings, VllmServer
@@ -231,7 +231,7 @@ def test_vllm_reads_the_mistral_checkpoint_as_we_do_greedy_tokens_and_aux_states
         tokenize_conversation(verifier.tokenizer, f"s{i}", CONVERSATION[: 2 + 2 * (i % 2)], 512) for i in range(5)
     ]
     write_jsonl_atomic(tmp_path / "samples.jsonl", samples)
-    run_datagen(samples, verifier, tmp_path / "hf", aux_layer_ids=aux, storage="float32", progress=False)
+    capture_samples(samples, verifier, tmp_path / "hf", aux_layer_ids=aux, storage="float32", progress=False)
     vllm_datagen(mistral_dir, tmp_path / "samples.jsonl", tmp_path / "vllm", aux=aux)
     assert_same_store(tmp_path / "hf", tmp_path / "vllm", atol=1e-4)
 
@@ -251,13 +251,13 @@ def test_a_drafter_trained_on_the_mistral_checkpoint_is_lossless_vllm_cpu_refuse
     `speculators evaluate` (fp32: every output exactly the verifier's greedy one, drafts accepted). vLLM's
     CPU build loads both (the drafter's folder through vLLM's auto detection) and refuses the pair at its
     KV-cache set-up, as for DeepSeek-V3: MLA's CPU backend takes block size 16 only, the drafter's llama
-    layer's multiples of 32 (tests/test_deepseek_v3.py)."""
+    layer's multiples of 32 (tests/families/test_deepseek_v3.py)."""
     import subprocess
     import sys
 
     from speculators.serving.serve import ServerSettings, VllmServer
+    from tests.conftest import build_peaked_store, train_peaked_drafter, write_peaked_prompts
 
-    from .conftest import build_peaked_store, train_peaked_drafter, write_peaked_prompts
     from .test_serve_bench import SERVER, K
 
     store = build_peaked_store(peaked_mistral, tmp_path / "store")

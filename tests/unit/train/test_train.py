@@ -20,8 +20,9 @@ from speculators.models.eagle3 import Eagle3Drafter
 from speculators.models.ttt import expected_acceptance_length, ttt_loss
 from speculators.train.trainer import TrainConfig, train
 from tests.conftest import PEAKED_AUX
+from tests.paths import ROOT_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT_DIR
 AUX = PEAKED_AUX
 
 

@@ -9,18 +9,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from speculators.atomic_io import write_jsonl_atomic
-from speculators.data.capture import run_datagen
+from speculators.data.capture import capture_samples
 from speculators.data.store import HiddenStateStore
 from speculators.data.tokenization import TokenizedSample, tokenize_conversation
 from speculators.errors import SpeculatorsError
 from speculators.train.vocab import build_store_vocab, load_draft_vocab, select_draft_vocab
 from speculators.verifier.loading import load_verifier
+from tests.paths import ROOT_DIR
 
 AUX = [1, 4, 6]
 
@@ -47,7 +47,7 @@ def llama(tiny_verifier_dir):
 
 def test_captured_states_equal_a_reference_forward(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 6)
-    report = run_datagen(
+    report = capture_samples(
         samples, llama, tmp_path / "store", aux_layer_ids=AUX, batch_size=4, storage="float32", progress=False
     )
     assert report.computed == 6 and report.reused == 0
@@ -69,22 +69,22 @@ def test_captured_states_equal_a_reference_forward(llama, tmp_path):
 def test_incremental_run_computes_only_new_samples(llama, tmp_path):
     first = make_samples(llama.tokenizer, 18)
     new = make_samples(llama.tokenizer, 2, offset=18)
-    run_datagen(first, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
-    report = run_datagen(first + new, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    capture_samples(first, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    report = capture_samples(first + new, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     assert report.reused == 18 and report.computed == 2
     assert report.computed_tokens == sum(len(s.input_ids) for s in new)
-    again = run_datagen(first + new, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    again = capture_samples(first + new, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     assert again.computed == 0
     # Other aux ids are other content: refused into this store (its manifest would be replaced), and with
     # overwrite nothing is reused.
     with pytest.raises(SpeculatorsError, match=r"holds the states of .* aux layers \[1, 4, 6\].*--overwrite"):
-        run_datagen(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False)
-    other = run_datagen(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False, overwrite=True)
+        capture_samples(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False)
+    other = capture_samples(first, llama, tmp_path / "store", aux_layer_ids=[2, 4, 6], progress=False, overwrite=True)
     assert other.computed == 18
 
 
 def test_corrupted_shard_is_named(llama, tmp_path):
-    run_datagen(make_samples(llama.tokenizer, 3), llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    capture_samples(make_samples(llama.tokenizer, 3), llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     store = HiddenStateStore(tmp_path / "store")
     entry = store.manifest().samples[1]
     path = tmp_path / "store" / entry.shard
@@ -99,8 +99,8 @@ def test_corrupted_shard_is_named(llama, tmp_path):
 
 def test_fp8_storage_halves_bytes_and_stays_close(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 4)
-    bf16 = run_datagen(samples, llama, tmp_path / "bf16", aux_layer_ids=AUX, storage="bfloat16", progress=False)
-    fp8 = run_datagen(samples, llama, tmp_path / "fp8", aux_layer_ids=AUX, storage="fp8_e4m3", progress=False)
+    bf16 = capture_samples(samples, llama, tmp_path / "bf16", aux_layer_ids=AUX, storage="bfloat16", progress=False)
+    fp8 = capture_samples(samples, llama, tmp_path / "fp8", aux_layer_ids=AUX, storage="fp8_e4m3", progress=False)
     # Hidden states dominate: 4 x H x 2 bytes per token in bf16, 4 x H + 4 x 4 (scales) in fp8.
     assert fp8.bytes / fp8.tokens < 0.6 * bf16.bytes / bf16.tokens
     a = HiddenStateStore(tmp_path / "bf16").read_sample(HiddenStateStore(tmp_path / "bf16").manifest().samples[0])
@@ -112,13 +112,13 @@ def test_fp8_storage_halves_bytes_and_stays_close(llama, tmp_path):
 def test_clear_errors(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 2)
     with pytest.raises(SpeculatorsError, match=r"outside the verifier vocab 0\.\.511"):
-        run_datagen([TokenizedSample("bad", [1, 2, 900], [0, 1, 1])], llama, tmp_path / "s", aux_layer_ids=AUX)
+        capture_samples([TokenizedSample("bad", [1, 2, 900], [0, 1, 1])], llama, tmp_path / "s", aux_layer_ids=AUX)
     with pytest.raises(SpeculatorsError, match=r"\[9\] are outside 0..8"):
-        run_datagen(samples, llama, tmp_path / "s", aux_layer_ids=[1, 4, 9])
+        capture_samples(samples, llama, tmp_path / "s", aux_layer_ids=[1, 4, 9])
     with pytest.raises(SpeculatorsError, match="unknown datagen backend 'tpu'"):
-        run_datagen(samples, llama, tmp_path / "s", aux_layer_ids=AUX, backend="tpu")
+        capture_samples(samples, llama, tmp_path / "s", aux_layer_ids=AUX, backend="tpu")
     with pytest.raises(SpeculatorsError, match="no samples"):
-        run_datagen([], llama, tmp_path / "s")
+        capture_samples([], llama, tmp_path / "s")
 
 
 def test_non_finite_states_are_refused(tiny_verifier_dir, tmp_path):
@@ -127,14 +127,14 @@ def test_non_finite_states_are_refused(tiny_verifier_dir, tmp_path):
         broken.model.model.layers[2].mlp.down_proj.weight.fill_(float("nan"))
     broken._fingerprint = "broken"
     with pytest.raises(SpeculatorsError, match="sample s0 has non-finite hidden states"):
-        run_datagen(make_samples(broken.tokenizer, 1), broken, tmp_path / "s", aux_layer_ids=AUX, progress=False)
+        capture_samples(make_samples(broken.tokenizer, 1), broken, tmp_path / "s", aux_layer_ids=AUX, progress=False)
     assert not list((tmp_path / "s").rglob("*.safetensors"))
 
 
 DATAGEN_SCRIPT = """
 import sys, time
 import speculators.data.store as hss
-from speculators.data.capture import run_datagen
+from speculators.data.capture import capture_samples
 from speculators.data.tokenization import read_samples
 from speculators.verifier.loading import load_verifier
 original = hss.HiddenStateStore.write_sample
@@ -144,17 +144,17 @@ def slow_write(self, *args, **kwargs):
     return result
 hss.HiddenStateStore.write_sample = slow_write
 verifier = load_verifier(sys.argv[1], dtype="float32")
-run_datagen(read_samples(sys.argv[2]), verifier, sys.argv[3], aux_layer_ids=[1, 4, 6], batch_size=2, progress=False)
+capture_samples(read_samples(sys.argv[2]), verifier, sys.argv[3], aux_layer_ids=[1, 4, 6], batch_size=2, progress=False)
 """
 
 
 def test_sigkill_and_resume_equals_an_uninterrupted_run(llama, tiny_verifier_dir, tmp_path):
     samples = make_samples(llama.tokenizer, 30)
     write_jsonl_atomic(tmp_path / "samples.jsonl", samples)
-    run_datagen(samples, llama, tmp_path / "reference", aux_layer_ids=AUX, batch_size=2, progress=False)
+    capture_samples(samples, llama, tmp_path / "reference", aux_layer_ids=AUX, batch_size=2, progress=False)
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR)}
     process = subprocess.Popen(
         [
             sys.executable,
@@ -175,7 +175,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(llama, tiny_verifier_dir
     assert 8 <= done < 30, done  # killed mid-run
     assert not (killed / "manifest.json").exists()
 
-    resumed = run_datagen(samples, llama, killed, aux_layer_ids=AUX, batch_size=2, progress=False)
+    resumed = capture_samples(samples, llama, killed, aux_layer_ids=AUX, batch_size=2, progress=False)
     assert resumed.reused >= done - 1 and resumed.computed == 30 - resumed.reused
     reference_manifest = json.loads((tmp_path / "reference" / "manifest.json").read_text())
     assert json.loads((killed / "manifest.json").read_text()) == reference_manifest
@@ -208,7 +208,7 @@ def test_store_vocab_leaves_out_validation_source_samples(llama, tmp_path):
 
     train, held = make_samples(llama.tokenizer, 3), make_samples(llama.tokenizer, 2, offset=3)
     held = [replace(s, id=VALIDATION_PREFIX + s.id) for s in held]
-    run_datagen(train + held, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    capture_samples(train + held, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     build_store_vocab(tmp_path / "store", 64)
     expected = torch.zeros(512, dtype=torch.long)
     for sample in train:
@@ -221,7 +221,7 @@ def test_store_vocab_leaves_out_validation_source_samples(llama, tmp_path):
 
 def test_store_vocab_counts_supervised_tokens_only(llama, tmp_path):
     samples = make_samples(llama.tokenizer, 5)
-    run_datagen(samples, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
+    capture_samples(samples, llama, tmp_path / "store", aux_layer_ids=AUX, progress=False)
     vocab = build_store_vocab(tmp_path / "store", 64)
     expected = torch.zeros(512, dtype=torch.long)
     for sample in samples:

@@ -18,8 +18,9 @@ import pytest
 
 from speculators.verifier.mistral_format import hf_config_from_params
 from speculators_assets.variants import PACKAGE_VARIANTS, Variant, load_variant
+from tests.paths import TEST_DATA_DIR
 
-CONFIGS = Path(__file__).parent / "data" / "model_configs"
+CONFIGS = TEST_DATA_DIR / "model_configs"
 GIB = 2**30
 MXFP4_BYTES_PER_PARAM = 4.25 / 8  # 4-bit values plus one 8-bit scale per 32
 WEIGHT_SHARE = 0.75  # weights may take this much of a TP group's GPU memory; the rest is KV cache and activations

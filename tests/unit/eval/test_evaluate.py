@@ -117,7 +117,7 @@ def test_bf16_divergences_are_only_near_ties(peaked_verifier, trained_drafter, p
 
 
 def test_a_reference_library_checkpoint_evaluates(tiny_verifier_dir, tmp_path):
-    from tests.test_convert import research_tensors, write_reference_library_checkpoint
+    from tests.unit.checkpoint.test_convert import research_tensors, write_reference_library_checkpoint
 
     source = write_reference_library_checkpoint(tmp_path / "reference", research_tensors(seed=2))
     report = run_evaluation(
