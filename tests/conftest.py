@@ -170,14 +170,23 @@ def lineage(peaked_verifier, tmp_path_factory):
                 os.environ[key] = value
 
 
-# Modules that take minutes, longest first: `make test` runs two pytest-xdist workers that take whole
-# modules (`--dist loadfile`) in collection order, so starting with these keeps both busy to the end.
+# Modules that take minutes, longest first (by their time in the last `make test`): `make test` runs two
+# pytest-xdist workers that take whole modules (`--dist loadfile`) in collection order, a worker getting
+# the next module once its current one has two tests left; a long module left to the end would run
+# alone on one worker while the other idles.
 SLOWEST_MODULES = (
     "test_lineage.py",
+    "test_fp8.py",
+    "test_vllm_capture.py",
     "test_serve_bench.py",
     "test_vision_language.py",
+    "test_evaluate.py",
     "test_regenerate.py",
-    "test_vllm_capture.py",
+    "test_mistral_checkpoint.py",
+    "test_mtbench.py",
+    "test_deepseek_v3.py",
+    "test_train.py",
+    "test_smollm2.py",
 )
 
 

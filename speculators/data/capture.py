@@ -43,7 +43,6 @@ from speculators.verifier.vision import images_digest, load_image
 if TYPE_CHECKING:
     import torch
 
-    from speculators.verifier.loading import Verifier, VerifierFacts
 
 # token id lists (and each one's image parts, for a vision-language verifier) -> states
 # [T, len(capture ids), H] per prompt

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from speculators.data.prompts import Conversation
     from speculators.data.regenerate import ImageGenerateFn
     from speculators.data.tokenization import TokenizedSample
-    from speculators.verifier.vision import ImageInputs
 
 
 def run_prepare(settings: PrepareSettings) -> dict[str, Any]:

@@ -71,7 +71,6 @@ from speculators.verifier.vision import openai_messages, request_images
 
 if TYPE_CHECKING:
     from speculators.data.prompts import Conversation, MtBenchQuestion
-    from speculators.serving.serve import ServerSettings, VllmServer
     from speculators.verifier.loading import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)

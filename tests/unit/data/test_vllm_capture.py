@@ -18,7 +18,7 @@ from speculators.data.store import HiddenStateStore
 from speculators.verifier.loading import load_verifier
 from tests.conftest import CAPTURE_FAMILIES
 
-from .test_datagen import make_samples
+from tests.unit.data.test_datagen import make_samples
 
 pytestmark = pytest.mark.slow
 AUX = [0, 4, 6]  # id 0 (the embeddings), two middle layers, and id 8 (pre-norm output of the last layer) follows
