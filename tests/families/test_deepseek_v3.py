@@ -231,7 +231,6 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
     from speculators.serving.engine import cpu_rotary_workaround
     from speculators.serving.serve import ServerSettings, VllmServer
     from tests.conftest import write_peaked_prompts
-
     from tests.unit.serving.test_serve_bench import NEW_TOKENS, SERVER, K, completions
 
     verifier = load_verifier(peaked_deepseek, dtype="float32")

@@ -17,7 +17,6 @@ from speculators.data.capture import capture_samples
 from speculators.data.store import HiddenStateStore
 from speculators.verifier.loading import load_verifier
 from tests.conftest import CAPTURE_FAMILIES
-
 from tests.unit.data.test_datagen import make_samples
 
 pytestmark = pytest.mark.slow

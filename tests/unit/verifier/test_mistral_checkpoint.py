@@ -209,9 +209,8 @@ def test_vllm_reads_the_mistral_checkpoint_as_we_do_greedy_tokens_and_aux_states
     from speculators.data.tokenization import tokenize_conversation
     from speculators.eval.evaluate import greedy_generate
     from speculators.serving.serve import ServerSettings, VllmServer
-
-    from tests.unit.serving.test_serve_bench import NEW_TOKENS, SERVER, completions
     from tests.unit.data.test_vllm_capture import assert_same_store, vllm_datagen
+    from tests.unit.serving.test_serve_bench import NEW_TOKENS, SERVER, completions
 
     prompts = greedy_prompts(verifier)
     flags = ["--config-format", "mistral", "--load-format", "mistral", "--tokenizer-mode", "mistral"]
@@ -257,7 +256,6 @@ def test_a_drafter_trained_on_the_mistral_checkpoint_is_lossless_vllm_cpu_refuse
 
     from speculators.serving.serve import ServerSettings, VllmServer
     from tests.conftest import build_peaked_store, train_peaked_drafter, write_peaked_prompts
-
     from tests.unit.serving.test_serve_bench import SERVER, K
 
     store = build_peaked_store(peaked_mistral, tmp_path / "store")
