@@ -7,15 +7,21 @@ from the variant's compute profile. The same command runs in both.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
+from dagster_pipes import PipesDefaultMessageWriter
 
 from speculators_assets.environment import LOCAL_STORAGE_ROOT, Settings
 from speculators_assets.variants import ComputeProfile, Variant, master_address, node_group_name
@@ -48,6 +54,71 @@ def known_preview_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*expected_writer_count", category=dg.PreviewWarning)
         yield
+
+
+class WholeLineMessageReader(dg.PipesMessageReader):
+    """Reads the workload's Pipes messages from a temporary file, one whole line at a time.
+
+    Dagster's own file reader (`PipesTempFileMessageReader`, 1.13) hands every `readline()` to
+    `json.loads`, and `readline()` at the end of a file that is still being written returns the part
+    written so far: a large message (trained_drafter's carries its training curves as a PNG, ~100 KB)
+    read while the workload writes it fails to parse, the reader thread stops, and that message and
+    every later one are lost; the asset then records an empty materialization. This reader keeps a
+    partial line until its newline arrives, and reports one left without a newline when the workload
+    ends (it died while writing)."""
+
+    POLL_SECONDS = 0.01
+
+    @contextmanager
+    def read_messages(self, handler: Any) -> Iterator[dict[str, Any]]:
+        closed = threading.Event()
+        with tempfile.TemporaryDirectory(prefix="speculators-pipes-") as folder:
+            path = os.path.join(folder, "messages.jsonl")
+            open(path, "wb").close()
+            thread = threading.Thread(target=self._read, args=(path, handler, closed), daemon=True)
+            thread.start()
+            try:
+                yield {
+                    PipesDefaultMessageWriter.FILE_PATH_KEY: path,
+                    PipesDefaultMessageWriter.INCLUDE_STDIO_IN_MESSAGES_KEY: False,
+                }
+            finally:
+                closed.set()
+                thread.join()
+
+    def _read(self, path: str, handler: Any, closed: threading.Event) -> None:
+        try:
+            for line in whole_lines(path, closed.is_set, self.POLL_SECONDS):
+                handler.handle_message(json.loads(line))
+        except Exception:
+            handler.report_pipes_framework_exception(f"{type(self).__name__} reader thread", sys.exc_info())
+
+    def no_messages_debug_text(self) -> str:
+        return "Attempted to read messages from a temporary file, one whole line at a time."
+
+
+def whole_lines(path: str, should_stop: Any, poll_seconds: float = 0.01) -> Iterator[str]:
+    """The lines appended to `path` until `should_stop()`, each yielded once its newline is written.
+    The file is read once more after `should_stop()` turns true, so nothing written before is missed."""
+    pending = b""
+    with open(path, "rb") as stream:
+        while True:
+            stopping = should_stop()  # read before the last read: what was written before it is read
+            chunk = stream.read()
+            if chunk:
+                *complete, pending = (pending + chunk).split(b"\n")
+                for line in complete:
+                    if line.strip():
+                        yield line.decode("utf-8")
+                continue
+            if stopping:
+                break
+            time.sleep(poll_seconds)
+    if pending.strip():
+        raise ValueError(
+            f"the workload's last Pipes message ends without a newline ({len(pending)} bytes: it stopped "
+            f"while writing it); the step's log says why"
+        )
 
 
 class PipelineRunner(dg.ConfigurableResource):
@@ -94,7 +165,8 @@ class PipelineRunner(dg.ConfigurableResource):
                     f"{available}; run it with the k8s runner (SPECULATORS_RUNNER=k8s) or pick a CPU variant"
                 )
             with known_preview_quiet():
-                return dg.PipesSubprocessClient().run(context=context, command=command, extras=extras)
+                client = dg.PipesSubprocessClient(message_reader=WholeLineMessageReader())
+                return client.run(context=context, command=command, extras=extras)
         if self.mode == "k8s":
             from dagster_k8s import PipesK8sClient
 
