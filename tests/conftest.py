@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 
+# pytest-xdist workers share the machine's cores: each worker's PyTorch (and every process it starts
+# that does not set its own count, as vLLM's CPU workers do) gets its share of them. With the default
+# (every core per worker) two workers' OpenMP threads wait on each other: test_train.py and
+# test_evaluate.py side by side took 174 s with 2 threads each on 2 cores, 46 s with 1.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+
 # No test may reach a model hub; quiet transformers' progress bars.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
