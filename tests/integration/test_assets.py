@@ -409,16 +409,21 @@ with open_dagster_pipes() as pipes:
 
 
 def materialize_with(reader: dg.PipesMessageReader) -> dict[str, object]:
+    from speculators_assets.resources import known_preview_quiet
+
     @dg.asset
     def half_written(context):  # (unannotated: this module postpones annotations, which Dagster refuses)
         client = dg.PipesSubprocessClient(message_reader=reader)
-        yield from client.run(context=context, command=[sys.executable, "-c", HALF_WRITTEN_MESSAGE]).get_results()
+        with known_preview_quiet():
+            invocation = client.run(context=context, command=[sys.executable, "-c", HALF_WRITTEN_MESSAGE])
+        yield from invocation.get_results()
 
     result = dg.materialize([half_written], instance=dg.DagsterInstance.ephemeral())
     (event,) = result.get_asset_materialization_events()
     return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the stock reader's, below
 def test_a_pipes_message_read_while_it_is_written_arrives_whole():
     from speculators_assets.resources import WholeLineMessageReader
 
