@@ -35,7 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from recipe_sweep import sub_store  # (this script's folder is on sys.path when it runs)
+from recipe_sweep import best_validation, sub_store  # (this script's folder is on sys.path when it runs)
+
+from speculators.data.store import StoreManifest
+from speculators.train.records import TrainingSummary
 
 
 def run(arguments: list[str], log: Path) -> None:
@@ -66,12 +69,12 @@ def build_store(variant, work: Path) -> Path:  # type: ignore[no-untyped-def]
     return store
 
 
-def train(variant, store: Path, out: Path) -> dict:  # type: ignore[no-untyped-def]
+def train(variant, store: Path, out: Path) -> TrainingSummary:  # type: ignore[no-untyped-def]
     from speculators_assets.workload import train_command
 
     if not (out / "summary.json").is_file():
         run(train_command(variant, store, out, None), out.parent / f"{out.name}.log")
-    return json.loads((out / "summary.json").read_text())
+    return TrainingSummary.read(out / "summary.json")
 
 
 def serve_mt_bench(variant, drafter: Path, out: Path, questions: int) -> dict:  # type: ignore[no-untyped-def]
@@ -124,10 +127,10 @@ def main() -> None:
     started = time.perf_counter()
     store = build_store(variant, work)
     data_minutes = (time.perf_counter() - started) / 60
-    manifest = json.loads((store / "manifest.json").read_text())
     from speculators.data.prompts import VALIDATION_PREFIX
 
-    training = [e for e in manifest["samples"] if not e["id"].startswith(VALIDATION_PREFIX)]
+    manifest = StoreManifest.read(store / "manifest.json")
+    training = [e for e in manifest.samples if not e.id.startswith(VALIDATION_PREFIX)]
     if len(training) < sizes[-1]:
         print(f"note: the store holds {len(training)} training samples, fewer than {sizes[-1]}", flush=True)
 
@@ -137,7 +140,7 @@ def main() -> None:
         summary = train(variant, sized, work / f"drafter-{size}")
         drafter = work / f"drafter-{size}" / "drafter"
         report = None if args.no_serve else serve_mt_bench(variant, drafter, work / f"mt-bench-{size}", args.mt_bench)
-        tokens = sum(e["num_tokens"] for e in training[:size])
+        tokens = sum(e.num_tokens for e in training[:size])
         rows.append((min(size, len(training)), tokens, summary, report))
 
     print(
@@ -151,7 +154,7 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---|---|---:|---|")
     for size, tokens, summary, report in rows:
-        best = summary["best_validation"]
+        best = best_validation(summary, work / f"drafter-{size}")
         replayed = (
             f"**{best['replayed_acceptance_length']:.3f}** "
             f"({' / '.join(f'{r:.3f}' for r in best['replayed_acceptance_per_position'])})"
@@ -170,7 +173,7 @@ def main() -> None:
                 f"{name} {c['acceptance_length']:.2f}" for name, c in columns.items() if c["acceptance_length"]
             )
         print(
-            f"| {size} | {tokens} | {summary['train_seconds'] / 60:.1f} | {summary['tokens_per_second']:.0f} | "
+            f"| {size} | {tokens} | {summary.train_seconds / 60:.1f} | {summary.tokens_per_second:.0f} | "
             f"{replayed} | {served} | {speedup} | {categories} |"
         )
     if len(rows) > 1:
@@ -178,8 +181,8 @@ def main() -> None:
         for (small, _, s_small, r_small), (large, _, s_large, r_large) in itertools.pairwise(rows):
             doublings = math.log2(large / small)
             replayed = (
-                s_large["best_validation"]["replayed_acceptance_length"]
-                - s_small["best_validation"]["replayed_acceptance_length"]
+                best_validation(s_large, work)["replayed_acceptance_length"]
+                - best_validation(s_small, work)["replayed_acceptance_length"]
             ) / doublings
             line = f"- {small} -> {large}: replayed {replayed:+.3f}"
             if r_small and r_large:

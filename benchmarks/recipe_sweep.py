@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from speculators.train.records import TrainingSummary
 
 RECIPES: dict[str, list[str]] = {
     "base": [],
@@ -36,19 +39,29 @@ RECIPES: dict[str, list[str]] = {
 }
 
 
+def best_validation(summary: TrainingSummary, out: Path) -> dict[str, Any]:
+    """The run's best validation metrics (the replayed acceptance is measured there)."""
+    if summary.best_validation is None:
+        raise SystemExit(f"error: {out} trained without validation samples, so it has no replayed acceptance")
+    return summary.best_validation
+
+
 def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
     """A store holding the first `train_samples` training samples of `store` and all its validation-
     source samples, sharing its shards, with its own draft vocabulary."""
     from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.store import StoreManifest, StoreTotals
 
-    manifest = json.loads((store / "manifest.json").read_text())
-    train = [e for e in manifest["samples"] if not e["id"].startswith(VALIDATION_PREFIX)][:train_samples]
-    keep = {e["key"] for e in train} | {e["key"] for e in manifest["samples"] if e["id"].startswith(VALIDATION_PREFIX)}
+    manifest = StoreManifest.read(store / "manifest.json")
+    train = [e for e in manifest.samples if not e.id.startswith(VALIDATION_PREFIX)][:train_samples]
+    keep = {e.key for e in train} | {e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX)}
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "shards").exists():
         (directory / "shards").symlink_to((store / "shards").resolve(), target_is_directory=True)
-    manifest["samples"] = [e for e in manifest["samples"] if e["key"] in keep]
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    samples = [e for e in manifest.samples if e.key in keep]
+    manifest.model_copy(update={"samples": samples, "totals": StoreTotals.over(samples)}).write(
+        directory / "manifest.json"
+    )
     vocab = json.loads((store / "draft_vocab.json").read_text())
     subprocess.run(
         [
@@ -114,8 +127,8 @@ def main() -> None:
         if not (out / "summary.json").is_file():
             command = [sys.executable, "-m", "speculators.cli", "train", *base, *RECIPES[name]]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        summary = json.loads((out / "summary.json").read_text())
-        best = summary["best_validation"]
+        summary = TrainingSummary.read(out / "summary.json")
+        best = best_validation(summary, out)
         rows.append(
             (
                 name,
@@ -124,7 +137,7 @@ def main() -> None:
                 best["replayed_acceptance_per_position"],
                 best["acceptance_length"],
                 best["full_acc"],
-                summary["tokens_per_second"],
+                summary.tokens_per_second,
                 time.perf_counter() - started,
             )
         )

@@ -39,7 +39,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # The dtypes a checkpoint is written in; a compute dtype is one of them or `auto` (speculators/precision.py).
-CheckpointDtype = Literal["bfloat16", "float16", "float32"]
+# The half-precision ones are also what vLLM's online FP8 methods compute the rest of a model in.
+HalfDtype = Literal["bfloat16", "float16"]
+CheckpointDtype = Literal[HalfDtype, "float32"]
 ComputeDtype = Literal["auto", CheckpointDtype]
 # The dtypes a hidden-state store keeps its states in (speculators/data/store.py).
 StorageFormat = Literal["bfloat16", "float32", "fp8_e4m3"]

@@ -303,9 +303,9 @@ def capture_samples(
                 bytes=size,
             )
         )
-    total_bytes = sum(e.bytes for e in entries)
+    totals = StoreTotals.over(entries)
     report = CaptureReport(
-        len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, total_bytes
+        len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, totals.bytes
     )
     store.write_manifest(
         StoreManifest(
@@ -323,12 +323,7 @@ def capture_samples(
             target_layer_id=verifier.num_layers,
             storage=storage,
             data_version=data_version,
-            totals=StoreTotals(
-                samples=len(samples),
-                tokens=total_tokens,
-                supervised_tokens=sum(e.supervised_tokens for e in entries),
-                bytes=total_bytes,
-            ),
+            totals=totals,
             samples=entries,
         )
     )

@@ -63,6 +63,15 @@ class StoreTotals(StoreRecord):
     supervised_tokens: int  # their supervised (loss mask) tokens
     bytes: int  # their shards' bytes
 
+    @classmethod
+    def over(cls, entries: list[SampleEntry]) -> Self:
+        return cls(
+            samples=len(entries),
+            tokens=sum(e.num_tokens for e in entries),
+            supervised_tokens=sum(e.supervised_tokens for e in entries),
+            bytes=sum(e.bytes for e in entries),
+        )
+
 
 class SampleEntry(StoreRecord):
     """One sample of the store and its shard."""

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from speculators.errors import SpeculatorsError
 from speculators.precision import on_cpu_build, resolve_dtype
-from speculators.settings import VerifierQuantization
+from speculators.settings import HalfDtype, VerifierQuantization
 from speculators.verifier.architectures import adapter_for
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for per-token and per-channe
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Projections vLLM fuses into one layer (one weight, so one per-tensor scale), by transformers name.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-VLLM_DTYPES = ("bfloat16", "float16")  # what vLLM's online FP8 methods compute the rest of the model in
+VLLM_DTYPES: tuple[str, ...] = typing.get_args(HalfDtype)  # what vLLM's online FP8 methods compute the rest in
 
 
 def check_quantization(name: str | None) -> None:
