@@ -28,6 +28,8 @@ from speculators.verifier.quantization import vllm_dtype, vllm_quantization_args
 from speculators.verifier.vision import MAX_IMAGES_PER_PROMPT, is_vision_language
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from speculators.settings import MultiNode
 
 
@@ -124,7 +126,8 @@ def verifier_engine_kwargs(
     headless workers with the same arguments (speculators/serving/multinode.py)."""
 
     vllm_quantization_args(quantization)
-    compilation = {**(compilation_config or {}), **cpu_rotary_workaround(model_dir)}
+    config, _ = load_verifier_config(model_dir)  # (read once for the family-specific options below)
+    compilation = {**(compilation_config or {}), **cpu_rotary_workaround(config)}
     kwargs = {
         "model": model_dir,
         "dtype": vllm_dtype(dtype, quantization),
@@ -135,8 +138,8 @@ def verifier_engine_kwargs(
         "tensor_parallel_size": tensor_parallel_size,
         **({"compilation_config": compilation} if compilation else {}),
         **stage,
-        **cpu_mla_backend(model_dir),
-        **vllm_image_limits(model_dir),
+        **cpu_mla_backend(config),
+        **vllm_image_limits(config),
         **vllm_format_kwargs(model_dir),  # a Mistral-format verifier: its config, weights and tokenizer
     }
     return offline_engine_kwargs(kwargs, nodes)
@@ -215,7 +218,12 @@ def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cpu_core_lists(tensor_parallel_size)))
 
 
-def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
+def config_of(verifier: str | PretrainedConfig) -> PretrainedConfig:
+    """A verifier's config: read from its directory, file or hub id, or the config itself."""
+    return load_verifier_config(verifier)[0] if isinstance(verifier, str | Path) else verifier
+
+
+def cpu_rotary_workaround(verifier: str | PretrainedConfig) -> dict[str, Any]:
     """compilation_config entries vLLM's CPU build needs for an MLA verifier (DeepSeek-V2/V3, Mistral
     Large 3): its rotary kernel (`RotaryEmbedding.forward_cpu`, the C++ `rotary_embedding` op) rotates a
     query given as [tokens, heads, rope dims] wrongly when it has more than one head (right for the
@@ -223,24 +231,23 @@ def cpu_rotary_workaround(model_dir: str) -> dict[str, Any]:
     vLLM's PyTorch rotary (`forward_native`) is right, so the kernel is switched off. Measured on the
     tiny DeepSeek-V3: about 1% relative error at every aux id with the kernel, 3e-7 without
     (tests/families/test_deepseek_v3.py). Nothing for CUDA builds or other families."""
-    return {"custom_ops": ["-rotary_embedding"]} if cpu_mla(model_dir) else {}
+    return {"custom_ops": ["-rotary_embedding"]} if cpu_mla(verifier) else {}
 
 
-def cpu_mla_backend(model_dir: str) -> dict[str, str]:
+def cpu_mla_backend(verifier: str | PretrainedConfig) -> dict[str, str]:
     """The engine argument that keeps an MLA verifier on vLLM's reference CPU MLA backend: on a CPU with
     AMX tiles vLLM otherwise picks its AMX MLA backend (vllm/platforms/cpu.py), whose weight packing
     takes bf16 and fp16 only (an fp32 engine fails at load: "expect weight to be bfloat16, float16,
     ..."), and whose numbers no test here has measured. Nothing for CUDA builds or other families."""
-    return {"attention_backend": "CPU_MLA"} if cpu_mla(model_dir) else {}
+    return {"attention_backend": "CPU_MLA"} if cpu_mla(verifier) else {}
 
 
-def cpu_mla(model_dir: str) -> bool:
+def cpu_mla(verifier: str | PretrainedConfig) -> bool:
     """An MLA verifier (DeepSeek-V2/V3, Mistral Large 3) on vLLM's CPU build."""
 
     if not on_cpu_build():
         return False
-    config, _ = load_verifier_config(model_dir)
-    return getattr(text_config_of(config), "kv_lora_rank", None) is not None
+    return getattr(text_config_of(config_of(verifier)), "kv_lora_rank", None) is not None
 
 
 @contextmanager
@@ -353,10 +360,9 @@ def shutdown_engine(llm: Any) -> None:
         engine.shutdown()
 
 
-def vllm_image_limits(model_dir: str) -> dict[str, Any]:
+def vllm_image_limits(verifier: str | PretrainedConfig) -> dict[str, Any]:
     """vLLM engine options for a vision-language verifier: images only (no video profiling)."""
 
-    config, _ = load_verifier_config(model_dir)
-    if not is_vision_language(config.model_type):
+    if not is_vision_language(config_of(verifier).model_type):
         return {}
     return {"limit_mm_per_prompt": {"image": MAX_IMAGES_PER_PROMPT, "video": 0}}
