@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -97,7 +97,7 @@ class WholeLineMessageReader(dg.PipesMessageReader):
         return "Attempted to read messages from a temporary file, one whole line at a time."
 
 
-def whole_lines(path: str, should_stop: Any, poll_seconds: float = 0.01) -> Iterator[str]:
+def whole_lines(path: str, should_stop: Callable[[], bool], poll_seconds: float = 0.01) -> Iterator[str]:
     """The lines appended to `path` until `should_stop()`, each yielded once its newline is written.
     The file is read once more after `should_stop()` turns true, so nothing written before is missed."""
     pending = b""
