@@ -233,6 +233,10 @@ class VllmServer:
         env = dict(os.environ)
         if self.build["device"] == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kv_cache_gib))
+            # Every core for the model, as for offline engines (vLLM's default keeps one for its API
+            # server and scheduler): on 2 cores one request at a time decodes 1.21x faster, and the
+            # speculator 1.31x (BENCHMARKS.md, "Serving on every core"). Explicit settings win.
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
         check_node_gpus(s.nodes, world_size_of(self.engine_args()))

@@ -210,6 +210,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     assert main(["verifier", str(peaked_verifier), "--cache-as", hub_id]) == 0
 
     prompts, baseline = served_baseline
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)  # (an offline engine in this process sets it)
     settings = ServerSettings(verifier=None, speculator=str(named), **SERVER, log_path=tmp_path / "one-command.log")
     with VllmServer(settings) as server:
         command = server.command()
@@ -220,6 +221,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
         served = acceptance_from_counters(before, server.metrics())
     assert outputs == baseline  # fp32: not one token changed
     assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]  # K from the checkpoint
+    assert "reserve_cpu_num=0" in (tmp_path / "one-command.log").read_text()  # the server's CPU default: every core
 
 
 def processes_mentioning(text: str) -> list[str]:
