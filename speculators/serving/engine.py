@@ -218,7 +218,7 @@ def configure_cpu_build(tensor_parallel_size: int = 1) -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cpu_core_lists(tensor_parallel_size)))
 
 
-def config_of(verifier: str | PretrainedConfig) -> PretrainedConfig:
+def config_of(verifier: str | Path | PretrainedConfig) -> PretrainedConfig:
     """A verifier's config: read from its directory, file or hub id, or the config itself."""
     return load_verifier_config(verifier)[0] if isinstance(verifier, str | Path) else verifier
 
