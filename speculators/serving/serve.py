@@ -30,7 +30,14 @@ from pydantic import ConfigDict, Field
 from speculators.errors import SpeculatorsError
 from speculators.models.weights import read_checkpoint
 from speculators.precision import vllm_build
-from speculators.serving.engine import check_node_gpus, cpu_mla_backend, engine_flags, node_flags, vllm_image_limits
+from speculators.serving.engine import (
+    check_node_gpus,
+    cpu_build_defaults,
+    cpu_mla_backend,
+    engine_flags,
+    node_flags,
+    vllm_image_limits,
+)
 from speculators.serving.multinode import engine_plan, headless_command, refuse_node_flags, world_size_of
 from speculators.settings import MultiNode, Server, node_layout_problem
 from speculators.verifier.loading import convert_gguf_to_hf, load_verifier_config, resolve_verifier_source
@@ -232,11 +239,7 @@ class VllmServer:
         check_port_free(s.host, self.port)
         env = dict(os.environ)
         if self.build["device"] == "cpu":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kv_cache_gib))
-            # Every core for the model, as for offline engines (vLLM's default keeps one for its API
-            # server and scheduler): on 2 cores one request at a time decodes 1.21x faster, and the
-            # speculator 1.31x (BENCHMARKS.md, "Serving on every core"). Explicit settings win.
-            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            cpu_build_defaults(env, s.kv_cache_gib)  # (as the offline engines': every core for the model)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
         check_node_gpus(s.nodes, world_size_of(self.engine_args()))
