@@ -19,10 +19,11 @@ own answer, so the baseline server first answers every turn 1 (temperature 0, na
 the answer cap), and the turn-2 prompts are built from those answers (MtBenchQuestion.second_turn);
 both servers are then measured on the same prompts, each question's turn 1 then its turn 2. Prompts
 with a category (MT-Bench's, or a `category` in a prompt file's rows) get a per-category pass after
-the profiles: each (category, turn) group sent by our own client with a few requests in flight, the
-spec-decode counters scraped before and after each group and the group timed on both servers, for
-acceptance and a tokens/s ratio per category and turn (`per_category`; a table laid out like the
-EAGLE and SpecForge papers' in report.md).
+the profiles: every prompt sent once more by our own client, a few requests in flight, each request
+timed on both servers and, on the speculator server, its own spec-decode statistics returned with its
+reply (vLLM's --per-request-spec-decode-metrics), summed per (category, turn) for acceptance and a
+tokens/s ratio per category and turn (`per_category`; a table laid out like the EAGLE and SpecForge
+papers' in report.md; `server_counters`, the counters over the whole pass, which they add up to).
 
 Report folder:
   prompts.jsonl  prompts-natural.jsonl  what GuideLLM read (fixed length, natural length; each prompt twice)
@@ -63,7 +64,14 @@ from speculators.eval.lossless import LosslessJudge, top_two
 from speculators.models.weights import read_checkpoint
 from speculators.serving.engine import gpu_count
 from speculators.serving.multinode import refuse_node_flags
-from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters, check_vision_serving
+from speculators.serving.serve import (
+    ServerSettings,
+    VllmServer,
+    acceptance_from_counters,
+    added_spec_decode,
+    check_vision_serving,
+    request_spec_decode,
+)
 from speculators.settings import BenchSettings, node_group_of
 from speculators.verifier.loading import load_verifier
 from speculators.verifier.quantization import path_noise, vllm_dtype, vllm_quantization_args
@@ -280,11 +288,13 @@ def chat_answers(
     server: VllmServer, conversations: list[list[dict[str, Any]]], max_tokens: int, streams: int
 ) -> list[dict[str, Any]]:
     """Each conversation's greedy answer (temperature 0, stopping at its end of turn, at most
-    `max_tokens`), `streams` requests in flight; the replies, in order."""
+    `max_tokens`), `streams` requests in flight; the replies, in order, each with the `seconds` it took."""
 
     def ask(messages: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"model": server.model_name, "messages": openai_messages(messages), "max_tokens": max_tokens}
-        return post_chat(server.url, {**body, "temperature": 0})
+        started = time.perf_counter()
+        reply = post_chat(server.url, {**body, "temperature": 0})
+        return {**reply, "seconds": time.perf_counter() - started}
 
     with ThreadPoolExecutor(streams) as pool:
         return list(pool.map(ask, conversations))
@@ -301,39 +311,47 @@ def prompt_groups(conversations: list[Conversation]) -> dict[tuple[str, int], li
     return groups
 
 
-def category_pass(
-    server: VllmServer, conversations: list[Conversation], settings: BenchSettings
-) -> list[dict[str, Any]]:
-    """Each (category, turn) group of prompts answered at natural length (answer_cap), timed, with the
-    spec-decode counters scraped before and after it (the server idle at both ends, so they count this
-    group's requests alone)."""
+def category_pass(server: VllmServer, conversations: list[Conversation], settings: BenchSettings) -> dict[str, Any]:
+    """Every prompt with a category answered at natural length (answer_cap), all through one pool of
+    CATEGORY_STREAMS requests in flight, each request timed. `groups`: by (category, turn), the prompts,
+    output tokens, request seconds and, on the speculator server, the spec-decode statistics each reply
+    carries of its own request (request_spec_decode: exact whatever else is in flight); `counters`: the
+    server's counters over the whole pass (idle at both ends), which the groups' statistics add up to."""
 
+    groups = prompt_groups(conversations)
+    members = [(key, conversation) for key, group in groups.items() for conversation in group]
+    wait_until_idle(server.url)
+    before = server.metrics()
+    replies = chat_answers(server, [c.messages for _, c in members], answer_cap(settings), CATEGORY_STREAMS)
+    wait_until_idle(server.url)
+    counted = acceptance_from_counters(before, server.metrics())
+    own = [request_spec_decode(reply) for reply in replies]
+    if server.speculative and any(stats is None for stats in own):
+        raise SpeculatorsError(
+            f"the speculator server at {server.url} sent replies without their spec-decode statistics "
+            "(vLLM's --per-request-spec-decode-metrics); the per-category pass needs a vLLM that reports them"
+        )
     measured = []
-    for (category, turn), group in prompt_groups(conversations).items():
-        wait_until_idle(server.url)
-        before = server.metrics()
-        started = time.perf_counter()
-        replies = chat_answers(server, [c.messages for c in group], answer_cap(settings), CATEGORY_STREAMS)
-        seconds = time.perf_counter() - started
-        wait_until_idle(server.url)
+    for (category, turn), group in groups.items():
+        chosen = [index for index, (key, _) in enumerate(members) if key == (category, turn)]
         measured.append(
             {
                 "category": category,
                 "turn": turn,
                 "prompts": len(group),
-                "output_tokens": sum(reply["usage"]["completion_tokens"] for reply in replies),
-                "seconds": seconds,
-                "spec_decode": acceptance_from_counters(before, server.metrics()),
+                "output_tokens": sum(replies[i]["usage"]["completion_tokens"] for i in chosen),
+                "seconds": sum(replies[i]["seconds"] for i in chosen),
+                "spec_decode": added_spec_decode([own[i] for i in chosen if own[i] is not None]),
             }
         )
-    return measured
+    return {"groups": measured, "counters": counted}
 
 
 def category_summary(baseline: list[dict[str, Any]], speculator: list[dict[str, Any]]) -> dict[str, Any]:
     """Both servers' per-category passes -> one column per category (in order), then `overall`: the
-    speculator's acceptance length and per-position rates from the summed counter differences (and per
-    turn when there are several), each server's output tokens/s (summed tokens over summed seconds)
-    and their ratio, the speed-up."""
+    speculator's acceptance length and per-position rates from its requests' summed statistics (and per
+    turn when there are several), each server's output tokens per second of request time (summed tokens
+    over summed request seconds) and their ratio, the speed-up."""
     keys = [(g["category"], g["turn"]) for g in baseline]
     if keys != [(g["category"], g["turn"]) for g in speculator]:
         raise SpeculatorsError("the two servers' per-category passes are for different groups; this is a bug")
@@ -341,7 +359,7 @@ def category_summary(baseline: list[dict[str, Any]], speculator: list[dict[str, 
     turns = list(dict.fromkeys(turn for _, turn in keys))
 
     def acceptance(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-        return summed_acceptance([spec["spec_decode"] for _, spec in chosen])
+        return added_spec_decode([spec["spec_decode"] for _, spec in chosen])
 
     def column(chosen: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
         speeds = {}
@@ -675,6 +693,7 @@ def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> 
         # The baseline reports the verifier's raw logits where asked (the lossless judge reads them);
         # requests that ask for none, GuideLLM's, run as without it.
         logprobs_mode="raw_logits" if role == "baseline" else None,
+        request_spec_metrics=True,  # the per-category pass reads each reply's own (the speculator's)
     )
 
 
@@ -814,7 +833,8 @@ def measure_prompts(
         started_groups = time.perf_counter()
         results["categories"] = category_pass(server, prompts.conversations, settings)
         print(
-            f"[{label}] per-category pass: {len(results['categories'])} groups (category, turn), "
+            f"[{label}] per-category pass: {sum(g['prompts'] for g in results['categories']['groups'])} prompts in "
+            f"{len(results['categories']['groups'])} groups (category, turn), "
             f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
             f"{answer_cap(settings)} tokens) ({time.perf_counter() - started_groups:.0f} s)",
             flush=True,
@@ -898,8 +918,12 @@ def prompt_set_report(baseline: dict[str, Any], speculator: dict[str, Any], sett
         report["per_category"] = {
             "answer_max_tokens": answer_cap(settings),
             "streams": CATEGORY_STREAMS,
-            "columns": category_summary(baseline["categories"], speculator["categories"]),
-            "groups": {"baseline": baseline["categories"], "speculator": speculator["categories"]},
+            "columns": category_summary(baseline["categories"]["groups"], speculator["categories"]["groups"]),
+            "groups": {"baseline": baseline["categories"]["groups"], "speculator": speculator["categories"]["groups"]},
+            "server_counters": {
+                "baseline": baseline["categories"]["counters"],
+                "speculator": speculator["categories"]["counters"],
+            },
         }
     return report
 
@@ -918,21 +942,7 @@ def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
 
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     """Counters summed over the given profiles of the speculator server."""
-    return summed_acceptance([p["spec_decode"] for p in profiles.values()])
-
-
-def summed_acceptance(counters: list[dict[str, Any]]) -> dict[str, Any]:
-    """Spec-decode counter differences (acceptance_from_counters) summed: drafts, accepted tokens, the
-    acceptance length and the per-position rates over all of them."""
-    drafts = sum(c["drafts"] for c in counters)
-    accepted = sum(c["accepted_tokens"] for c in counters)
-    per_position = [sum(column) for column in zip(*(c["accepted_per_position"] for c in counters), strict=True)]
-    return {
-        "drafts": drafts,
-        "accepted_tokens": accepted,
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
-    }
+    return added_spec_decode([p["spec_decode"] for p in profiles.values()])
 
 
 # ----- rendering -----------------------------------------------------------------------------------
@@ -1035,10 +1045,10 @@ def category_lines(per_category: dict[str, Any] | None, k: int) -> list[str]:
     return [
         "",
         f"**Per category** (our own client, {per_category['streams']} requests in flight, answers of natural "
-        f"length, at most {per_category['answer_max_tokens']} tokens; acceptance from the speculator server's "
-        f"counters around each category and turn; speed-up: output tokens/s, speculator over baseline):",
+        f"length, at most {per_category['answer_max_tokens']} tokens; acceptance from the statistics vLLM returns "
+        f"with each request; speed-up: output tokens per second of request time, speculator over baseline):",
         "",
-        category_table(per_category["columns"], k, "speed-up (output tokens/s)"),
+        category_table(per_category["columns"], k, "speed-up (output tokens/s of request time)"),
     ]
 
 

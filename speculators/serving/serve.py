@@ -91,6 +91,9 @@ class ServerSettings(Server):
     model_config = ConfigDict(extra="forbid")
 
     logprobs_mode: str | None = None  # vLLM's --logprobs-mode (raw_logits: the model's own logits)
+    # Each reply carries its own request's spec-decode statistics (vLLM's --per-request-spec-decode-metrics
+    # summary, read by request_spec_decode); only a server with a speculator has any.
+    request_spec_metrics: bool = False
     extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
     # One engine over several nodes: this server is node rank 0's, the other nodes follow its engine
     # arguments (speculators/serving/multinode.py); None or one node: a server on this node alone.
@@ -212,6 +215,8 @@ class VllmServer:
             command += engine_flags(named)
         if self.speculative:
             command += ["--speculative-config", json.dumps(self.speculative)]
+            if s.request_spec_metrics:
+                command += ["--per-request-spec-decode-metrics", "summary"]
         if self.verifier_name and "--limit-mm-per-prompt" not in s.extra_args:
             try:  # a vision-language verifier: profiled for images, not video
                 limits = vllm_image_limits(self.verifier_name).get("limit_mm_per_prompt")
@@ -389,17 +394,57 @@ def scrape_spec_decode_counters(url: str, timeout: float = 10.0) -> dict[str, An
 
 def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Acceptance length = 1 + accepted / drafts; per-position rate = accepted at position / drafts."""
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
     positions = max(len(after["accepted_per_position"]), len(before["accepted_per_position"]))
     padded = [
         (counts + [0.0] * positions)[:positions]
         for counts in (before["accepted_per_position"], after["accepted_per_position"])
     ]
-    per_position = [a - b for b, a in zip(*padded, strict=True)]
+    return spec_decode_record(
+        drafts=after["drafts"] - before["drafts"],
+        draft_tokens=after["draft_tokens"] - before["draft_tokens"],
+        accepted=after["accepted_tokens"] - before["accepted_tokens"],
+        per_position=[a - b for b, a in zip(*padded, strict=True)],
+    )
+
+
+def request_spec_decode(reply: dict[str, Any]) -> dict[str, Any] | None:
+    """One reply's own spec-decode statistics (a server with request_spec_metrics) in acceptance_from_counters'
+    shape, or None where the reply has none. vLLM counts them where it counts its Prometheus counters (one
+    draft per verify step, `acceptance_histogram[j]` the steps that accepted exactly j drafted tokens), so
+    position p was accepted in every step that accepted more than p tokens."""
+    stats = (reply.get("metrics") or {}).get("speculative_decoding")
+    if stats is None:
+        return None
+    histogram = stats["acceptance_histogram"]
+    return spec_decode_record(
+        drafts=sum(histogram),
+        draft_tokens=stats["num_draft_tokens"],
+        accepted=sum(j * steps for j, steps in enumerate(histogram)),
+        per_position=[sum(histogram[p + 1 :]) for p in range(len(histogram) - 1)],
+    )
+
+
+def added_spec_decode(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several spec-decode records (counter differences, or replies' own) added into one."""
+    positions = max((len(r["accepted_per_position"]) for r in records), default=0)
+    return spec_decode_record(
+        drafts=sum(r["drafts"] for r in records),
+        draft_tokens=sum(r["draft_tokens"] for r in records),
+        accepted=sum(r["accepted_tokens"] for r in records),
+        per_position=[
+            sum((r["accepted_per_position"] + [0] * positions)[p] for r in records) for p in range(positions)
+        ],
+    )
+
+
+def spec_decode_record(
+    drafts: float, draft_tokens: float, accepted: float, per_position: list[float]
+) -> dict[str, Any]:
+    """Drafts (verify steps), drafted and accepted tokens and the accepted count per position -> with the
+    acceptance length (1 + accepted / drafts) and the per-position rates (accepted at position / drafts)."""
     return {
         "drafts": int(drafts),
-        "draft_tokens": int(after["draft_tokens"] - before["draft_tokens"]),
+        "draft_tokens": int(draft_tokens),
         "accepted_tokens": int(accepted),
         "accepted_per_position": [int(c) for c in per_position],
         "acceptance_length": 1 + accepted / drafts if drafts else None,

@@ -297,7 +297,7 @@ def test_bench_category_summary_is_exact_on_hand_made_groups():
 class FakeServer:
     """What the MT-Bench and per-category code of bench reads from a VllmServer; answers by post_chat."""
 
-    url, model_name = "http://fake", "m"
+    url, model_name, speculative = "http://fake", "m", {"method": "eagle3", "num_speculative_tokens": 3}
 
     def __init__(self):
         self.drafts = 0
@@ -315,9 +315,15 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
 
     def post_chat(url, body):
         sent.append(body)
-        server.drafts += len(body["messages"])  # the counters move with every request
+        steps = len(body["messages"])  # one verify step per message, each accepting 2 of 3 drafted tokens
+        server.drafts += steps  # the counters move with every request
         first = body["messages"][0]["content"]
-        return {"choices": [{"message": {"content": f"Answer to: {first[:20]}"}}], "usage": {"completion_tokens": 7}}
+        own = {"acceptance_histogram": [0, 0, steps, 0], "num_draft_tokens": 3 * steps}  # (vLLM's, per request)
+        return {
+            "choices": [{"message": {"content": f"Answer to: {first[:20]}"}}],
+            "usage": {"completion_tokens": 7},
+            "metrics": {"speculative_decoding": own},
+        }
 
     monkeypatch.setattr(bench, "post_chat", post_chat)
     monkeypatch.setattr(bench, "wait_until_idle", lambda url: None)
@@ -348,14 +354,23 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
     assert list(groups) == [("writing", 1), ("writing", 2), ("roleplay", 1), ("roleplay", 2), ("reasoning", 1),
                             ("reasoning", 2)]  # fmt: skip
     sent.clear()
-    measured = bench.category_pass(server, plan.conversations, settings)
+    passed = bench.category_pass(server, plan.conversations, settings)
+    measured = passed["groups"]
     assert [(g["category"], g["turn"], g["prompts"], g["output_tokens"]) for g in measured][:2] == [
         ("writing", 1, 1, 7),
         ("writing", 2, 1, 7),
     ]
-    # Each group's counters count its own requests only: turn 1 sends one message, turn 2 three.
+    assert all(g["seconds"] > 0 for g in measured)
+    # Each group sums its own requests' statistics: turn 1 sends one message, turn 2 three; they add up to
+    # what the server's counters moved by over the whole pass.
     assert [g["spec_decode"]["drafts"] for g in measured] == [1, 3] * 3
-    assert all(b["max_tokens"] == 40 and "ignore_eos" not in b for b in sent)
+    assert [g["spec_decode"]["accepted_per_position"] for g in measured][:2] == [[1, 1, 0], [3, 3, 0]]
+    assert passed["counters"]["drafts"] == 12 and passed["counters"]["accepted_tokens"] == 24
+    assert len(sent) == 6 and all(b["max_tokens"] == 40 and "ignore_eos" not in b for b in sent)
+    # A speculator server whose replies lack their statistics (a vLLM without the flag): one clear error.
+    monkeypatch.setattr(bench, "post_chat", lambda url, body: {"choices": [], "usage": {"completion_tokens": 1}})
+    with pytest.raises(SpeculatorsError, match="without their spec-decode statistics"):
+        bench.category_pass(server, plan.conversations, settings)
     assert bench.prompt_groups([Conversation("x", [{"role": "user", "content": "hi"}])]) == {}
 
 
@@ -533,6 +548,13 @@ def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_
     drafts = sum(g["spec_decode"]["drafts"] for g in groups["speculator"])
     accepted = sum(g["spec_decode"]["accepted_tokens"] for g in groups["speculator"])
     assert per_category["columns"]["overall"]["acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    # The replies' own statistics (vLLM's per-request metrics, 4 requests in flight) add up exactly to what
+    # the server's counters moved by over the pass.
+    counted = per_category["server_counters"]["speculator"]
+    assert (drafts, accepted) == (counted["drafts"], counted["accepted_tokens"])
+    by_position = [g["spec_decode"]["accepted_per_position"] for g in groups["speculator"]]
+    assert [sum(column) for column in zip(*by_position, strict=True)] == counted["accepted_per_position"]
+    assert per_category["server_counters"]["baseline"]["drafts"] == 0
     assert per_category["columns"]["overall"]["speedup"] > 0
     assert report["outputs"]["compared"] == 4 and report["outputs"]["diverged"] == 0  # fp32, temperature 0
     markdown = (out / "report.md").read_text()

@@ -241,6 +241,8 @@ def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda
         assert (on_rank1.max_model_len, on_rank1.dtype) == (8192, "bfloat16")
         if role == "speculator":
             assert on_rank1.speculative_config == server.speculative and server.speculative["num_speculative_tokens"]
+            # (each reply carries its own request's statistics: the per-category pass reads them)
+            assert on_rank1.per_request_spec_decode_metrics == "summary"
         else:
             assert on_rank1.speculative_config is None and on_rank1.logprobs_mode == "raw_logits"
 

@@ -23,7 +23,9 @@ from speculators.serving.serve import (
     ServerSettings,
     VllmServer,
     acceptance_from_counters,
+    added_spec_decode,
     parse_spec_decode_counters,
+    request_spec_decode,
 )
 from tests.conftest import write_peaked_prompts
 
@@ -56,6 +58,26 @@ def test_spec_decode_counters_parse_and_difference():
     assert delta["acceptance_length"] == pytest.approx(1 + 20 / 10)
     assert delta["acceptance_per_position"] == pytest.approx([1.0, 0.7, 0.3])
     assert acceptance_from_counters(before, before)["acceptance_length"] is None
+
+
+def test_a_replys_own_spec_decode_statistics_read_as_counter_differences():
+    """vLLM's per-request statistics (--per-request-spec-decode-metrics summary): histogram[j] verify steps
+    accepted exactly j drafted tokens, so position p was accepted in the steps with j > p."""
+    stats = {"acceptance_histogram": [5, 3, 2, 1], "num_draft_tokens": 33, "num_spec_steps": 11,
+             "num_accepted_draft_tokens": 10, "mean_acceptance_length": 1 + 10 / 11}  # fmt: skip
+    own = request_spec_decode({"choices": [], "metrics": {"speculative_decoding": stats}})
+    assert own is not None
+    assert (own["drafts"], own["draft_tokens"], own["accepted_tokens"]) == (11, 33, 10)
+    assert own["accepted_per_position"] == [6, 3, 1]  # 3 + 2 + 1, 2 + 1, 1
+    assert own["acceptance_length"] == pytest.approx(stats["mean_acceptance_length"])
+    assert request_spec_decode({"choices": [], "usage": {}}) is None  # a baseline server's reply
+    # Added with a counter difference of the same shape, as the per-category pass adds a group's requests.
+    before = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": []}
+    after = {"drafts": 4.0, "draft_tokens": 12.0, "accepted_tokens": 3.0, "accepted_per_position": [2.0, 1.0, 0.0]}
+    total = added_spec_decode([own, acceptance_from_counters(before, after)])
+    assert (total["drafts"], total["accepted_tokens"], total["accepted_per_position"]) == (15, 13, [8, 4, 1])
+    assert total["acceptance_per_position"] == pytest.approx([8 / 15, 4 / 15, 1 / 15])
+    assert added_spec_decode([])["acceptance_length"] is None
 
 
 def test_serve_errors_are_one_clear_sentence(tiny_verifier_dir, monkeypatch):
