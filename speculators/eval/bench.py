@@ -341,7 +341,7 @@ def category_pass(server: VllmServer, conversations: list[Conversation], setting
                 "prompts": len(group),
                 "output_tokens": sum(replies[i]["usage"]["completion_tokens"] for i in chosen),
                 "seconds": sum(replies[i]["seconds"] for i in chosen),
-                "spec_decode": added_spec_decode([own[i] for i in chosen if own[i] is not None]),
+                "spec_decode": added_spec_decode([stats for i in chosen if (stats := own[i]) is not None]),
             }
         )
     return {"groups": measured, "counters": counted}
@@ -942,7 +942,8 @@ def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
 
 def overall_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
     """Counters summed over the given profiles of the speculator server."""
-    return added_spec_decode([p["spec_decode"] for p in profiles.values()])
+    summed = added_spec_decode([p["spec_decode"] for p in profiles.values()])
+    return {key: summed[key] for key in ("drafts", "accepted_tokens", "acceptance_length", "acceptance_per_position")}
 
 
 # ----- rendering -----------------------------------------------------------------------------------
