@@ -429,7 +429,7 @@ def added_spec_decode(records: list[dict[str, Any]]) -> dict[str, Any]:
     positions = max((len(r["accepted_per_position"]) for r in records), default=0)
     return spec_decode_record(
         drafts=sum(r["drafts"] for r in records),
-        draft_tokens=sum(r.get("draft_tokens", 0) for r in records),
+        draft_tokens=sum(r["draft_tokens"] for r in records),
         accepted=sum(r["accepted_tokens"] for r in records),
         per_position=[
             sum((r["accepted_per_position"] + [0] * positions)[p] for r in records) for p in range(positions)

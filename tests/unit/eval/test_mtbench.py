@@ -264,7 +264,8 @@ def test_category_table_layout():
 
 
 def group(category: str, turn: int, tokens: int, seconds: float, drafts: int = 0, accepted: tuple = (0, 0, 0)):
-    spec = {"drafts": drafts, "accepted_tokens": sum(accepted), "accepted_per_position": list(accepted)}
+    spec = {"drafts": drafts, "draft_tokens": len(accepted) * drafts, "accepted_tokens": sum(accepted),
+            "accepted_per_position": list(accepted)}  # fmt: skip
     return {"category": category, "turn": turn, "prompts": 3, "output_tokens": tokens, "seconds": seconds,
             "spec_decode": spec}  # fmt: skip
 
@@ -427,7 +428,7 @@ def test_no_fixed_length_runs_the_natural_profile_alone_and_changes_the_report_k
     alone = BenchSettings(**common, fixed_length=False).profiles()
     assert alone == [{"natural": True, "kind": "synchronous"}]
 
-    counters = {"drafts": 4, "accepted_tokens": 2, "accepted_per_position": [2, 0, 0]}
+    counters = {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 2, "accepted_per_position": [2, 0, 0]}
     headline = headline_acceptance({"synchronous-natural": {"spec_decode": counters}})
     assert headline == {
         "acceptance": {
