@@ -75,6 +75,7 @@ STEPS: tuple[StepSpec, ...] = (
         gpu_pool=True,
         checks=(
             Check("speedup_at_least_1", "synchronous per-token latency speed-up >= 1"),
+            Check("quiet_machine", "no other work took over a tenth of a core during any speed measurement"),
             Check("lossless_outputs", "greedy token ids equal the baseline's up to near-ties"),
             Check("report_complete", "every report file written"),
         ),

@@ -676,6 +676,15 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         severity="WARN",
         speedup=speedup,
     )
+    # A speed-up measured while other work shared the machine says little (bench's machine_load).
+    load = report.get("machine_load") or {}
+    step.check(
+        "quiet_machine",
+        load.get("quiet") is not False,
+        load_check_text(load),
+        severity="WARN",
+        other_cores_max=load.get("other_cores_max", 0.0),
+    )
     # Lossless as the evaluator defines it: identical, or parted at a numerical near-tie of the verifier.
     compared = (
         f"{outputs['identical']} of {outputs['compared']} greedy outputs identical, {outputs['near_tie']} "
@@ -708,6 +717,13 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if "mt_bench" in report:
         metadata.update(mt_bench_metadata(report["mt_bench"], report["settings"]["num_speculative_tokens"]))
     return metadata, key
+
+
+def load_check_text(load: dict[str, Any]) -> str:
+    if load.get("quiet") is None:
+        return "machine load not measured (a report without it, or no /proc)"
+    taken = f"other processes at most {load['other_cores_max']:.2f} cores, steal at most {load['steal_cores_max']:.2f}"
+    return taken if load["quiet"] else f"{taken}; busy during {', '.join(load['busy_runs'])}"
 
 
 def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:

