@@ -65,7 +65,7 @@ def test_every_asset_check_job_and_schedule_is_present():
     assert sorted(key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()) == sorted(ASSETS)
     checks = {(key.asset_key.to_user_string(), key.name) for key in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {(step.name, check.name) for step in STEPS for check in step.checks}
-    assert len(checks) == 9 and not BY_NAME["raw_prompts"].checks
+    assert len(checks) == 10 and not BY_NAME["raw_prompts"].checks
     for asset in defs.assets:
         step = BY_NAME[asset.key.to_user_string()]
         node = defs.resolve_asset_graph().get(asset.key)
