@@ -4,8 +4,9 @@
         [--prompts 4] [--max-tokens 128] [--dtype auto] [--eager] [--multiprocess]
 
 Each configuration (the verifier alone, then with the speculator at K) runs in a subprocess of its own:
-vLLM's offline engine, greedy, the same chat prompts one at a time, `ignore_eos` so both decode exactly
-`--max-tokens` tokens per prompt, after one warm-up request. The engine runs in the script's process
+vLLM's offline engine with the verifier's arguments as the library builds them (verifier_engine_kwargs)
+and the drafter's as its servers name it, greedy, the same chat prompts one at a time, `ignore_eos` so
+both decode exactly `--max-tokens` tokens per prompt, after one warm-up request. The engine runs in the script's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that timers wrapped around the model runner's methods see every
 call: the target's forward, the logits (the target's, and the drafter's while it proposes), the
 drafter's proposal, the engine step. Prints, per configuration, ms per output token, tokens per engine
@@ -95,19 +96,9 @@ def child(config: dict[str, Any]) -> None:
         install_timers(totals)
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {
-        "model": config["model"],
-        "dtype": config["dtype"],
-        "max_model_len": 2048,
-        "enforce_eager": config["eager"],
-        "seed": 0,
-    }
-    if config["speculator"]:
-        kwargs["speculative_config"] = {
-            "method": config["method"],
-            "model": config["speculator"],
-            "num_speculative_tokens": config["k"],
-        }
+    kwargs = dict(config["engine"])
+    if config["speculative_config"]:
+        kwargs["speculative_config"] = config["speculative_config"]
     started = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - started
@@ -163,30 +154,29 @@ def main() -> int:
         parser.error("--speculator is required")
     if not 1 <= args.prompts <= len(QUESTIONS):
         parser.error(f"--prompts {args.prompts} must be between 1 and {len(QUESTIONS)}")
-    from speculators.models.weights import read_checkpoint
-    from speculators.serving.serve import served_model_dir
-    from speculators.verifier.quantization import vllm_dtype
+    from speculators.serving.engine import verifier_engine_kwargs
+    from speculators.serving.serve import ServerSettings, served_model_dir
 
-    method = read_checkpoint(args.speculator).config.speculators_model_type  # fails early on a bad checkpoint
-
+    # The verifier's engine as the library's offline engines build it, the drafter as its servers name it
+    # (method and K from the checkpoint, which fails early here when it is not one).
+    engine = verifier_engine_kwargs(served_model_dir(args.verifier), args.dtype, None, 0, args.eager, 2048, 1)
+    speculative = ServerSettings(
+        args.verifier, speculator=args.speculator, num_speculative_tokens=args.k
+    ).speculative_config()
     base = {
-        "model": served_model_dir(args.verifier),
-        "dtype": vllm_dtype(args.dtype, None),
-        "eager": args.eager,
+        "engine": engine,
         "multiprocess": args.multiprocess,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
-        "k": args.k,
-        "speculator": None,
-        "method": method,
+        "speculative_config": None,
     }
     baseline = run_child(base, "baseline")
-    speculator = run_child({**base, "speculator": os.path.abspath(args.speculator)}, "speculator")
+    speculator = run_child({**base, "speculative_config": speculative}, "speculator")
 
     mode = "eager" if args.eager else "compiled"
-    engine = "engine in its own process" if args.multiprocess else "engine in-process"
+    where = "engine in its own process" if args.multiprocess else "engine in-process"
     print(
-        f"\nvLLM offline, {base['dtype']}, {mode}, {engine}; {args.prompts} prompts x {args.max_tokens} tokens "
+        f"\nvLLM offline, {engine['dtype']}, {mode}, {where}; {args.prompts} prompts x {args.max_tokens} tokens "
         f"(ignore_eos), greedy, K={args.k}\n"
     )
     rows = []
