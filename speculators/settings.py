@@ -274,8 +274,20 @@ class RegenerationSettings(VerifierCompute):
     """Tokenization and regeneration of the answers by the verifier (a variant's `datagen:` section)."""
 
     regenerate: bool = Field(False, description="regenerate the assistant turns with the verifier")
+    regenerate_validation: bool | None = Field(
+        None,
+        description="have the verifier answer the validation prompts (default: as --regenerate); with "
+        "--no-regenerate the training rows keep their own answers and only the validation rows get the "
+        "verifier's, which the replayed acceptance walks",
+    )
     max_length: int = Field(2048, gt=0, description="clip samples to this many tokens")
     max_new_tokens: int = Field(512, gt=0, description="regeneration: tokens per answer at most")
+    max_answer_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="the sources' own answers: each clipped to its first N tokens, which ends its conversation "
+        "(as a regenerated answer stops at --max-new-tokens) (default: not clipped)",
+    )
     temperature: float = Field(0.0, ge=0, description="regeneration: 0 is greedy")
     batch_size: int = Field(8, gt=0, description="regeneration: prompts per batch (vllm: requests in flight)")
 

@@ -190,7 +190,14 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
     # image_roots joined later too: a variant without them keeps its key.
     left_out = ({"source_weights"} if unchanged else set()) | (set() if v.prompts.image_roots else {"image_roots"})
     left_out |= set() if v.prompts.max_user_turns else {"max_user_turns"}  # (as is max_user_turns)
-    key = key_of(fingerprints, v.prompts.model_dump(exclude=left_out))
+    # Which rows must bring an answer follows the datagen section (the verifier answering them or not):
+    # a variant that keeps its rows' own answers has its own key; the regenerating ones keep theirs.
+    answers = (
+        []
+        if v.datagen.regenerate
+        else [{"own_answers": True, "regenerate_validation": v.datagen.regenerate_validation}]
+    )
+    key = key_of(fingerprints, v.prompts.model_dump(exclude=left_out), *answers)
     stamp = read_json(out / "stamp.json")
     reused = bool(stamp and stamp.get("key") == key and not step.force)
     if not reused:
@@ -251,6 +258,7 @@ def prompts_command(v: Variant, out: Path) -> list[str]:
         max_user_turns=p.max_user_turns,
         output=str(out),
         require_assistant=not v.datagen.regenerate,
+        regenerate_validation=v.datagen.regenerate_validation,  # (validation prompts then need no answer)
     )
     return ["prepare", *to_argv(settings)]
 
@@ -275,11 +283,13 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     # other nodes' `speculators follow` (PipelineRunner.node_pods); the library refuses a backend that
     # cannot span them, so the node group goes to every command that starts an engine.
     nodes = node_group(v, "verifier_hidden_states")
+    # The verifier answers every prompt (regenerate), or only the validation prompts (regenerate_validation).
+    answers = d.regenerate or bool(d.regenerate_validation and v.prompts.validation_sources)
     regeneration = {
         **d.model_dump(include=set(RegenerationSettings.model_fields), exclude_unset=True),
         "regenerate": d.regenerate,
-        **(parallel if vllm and d.regenerate else {}),
-        **(nodes if d.regenerate else {}),  # (tokenizing alone runs no model)
+        **(parallel if vllm and answers else {}),
+        **(nodes if answers else {}),  # (tokenizing alone runs no model)
     }
     quantized = {"quantization": v.verifier_quantization} if v.verifier_quantization else {}
     prepare = PrepareSettings(
@@ -289,7 +299,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         require_assistant=not d.regenerate,
         image_roots=image_roots,
         **regeneration,
-        **(quantized if d.regenerate else {}),  # (tokenizing alone runs no model)
+        **(quantized if answers else {}),  # (tokenizing alone runs no model)
     )
     # (transformers keeps its default batch: padded eager attention grows with it)
     capture = CaptureSettings(
@@ -326,7 +336,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         file_sha256(conversations),
         verifier_identity(v.verifier),
         *quantization_key(v),
-        v.datagen.model_dump(),
+        dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None}),
         v.drafter.aux_layer_ids,
         v.drafter.draft_vocab_size,
     )
@@ -378,6 +388,9 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "samples": stored,
         "tokens": stats["tokens"],
         "supervised_tokens": stats["supervised_tokens"],
+        "answers": prepared.get("answers")
+        or ("the verifier's (regenerated)" if v.datagen.regenerate else "the rows' own"),
+        "clipped_answers": prepared.get("clipped_answers", 0),
         "regenerated": 0 if reused else regeneration.get("regenerated", 0),
         "regeneration_reused": samples_written if reused else regeneration.get("resumed", 0),
         "computed": 0 if reused else capture.get("computed"),
@@ -677,11 +690,13 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         speedup=speedup,
     )
     # A speed-up measured while other work shared the machine says little (bench's machine_load).
+    from speculators.eval.bench import load_text
+
     load = report.get("machine_load") or {}
     step.check(
         "quiet_machine",
         load.get("quiet") is not False,
-        load_check_text(load),
+        load_text(load),
         severity="WARN",
         other_cores_max=load.get("other_cores_max", 0.0),
     )
@@ -717,13 +732,6 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if "mt_bench" in report:
         metadata.update(mt_bench_metadata(report["mt_bench"], report["settings"]["num_speculative_tokens"]))
     return metadata, key
-
-
-def load_check_text(load: dict[str, Any]) -> str:
-    if load.get("quiet") is None:
-        return "machine load not measured (a report without it, or no /proc)"
-    taken = f"other processes at most {load['other_cores_max']:.2f} cores, steal at most {load['steal_cores_max']:.2f}"
-    return taken if load["quiet"] else f"{taken}; busy during {', '.join(load['busy_runs'])}"
 
 
 def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:

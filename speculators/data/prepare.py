@@ -1,7 +1,8 @@
 """`speculators prepare`: prompt sources -> conversations.jsonl, and with a verifier samples.jsonl.
 
-Without `regenerate` the sources' own answers are tokenized with the verifier's chat template; with
-it the verifier writes the answers (transformers, vLLM's offline engine, data-parallel vLLM replicas
+Without `regenerate` the sources' own answers are tokenized with the verifier's chat template (and
+with `regenerate_validation` the verifier answers the validation prompts alone); with it the verifier
+writes the answers (transformers, vLLM's offline engine, data-parallel vLLM replicas
 behind one server, or a running server). Regeneration resumes: answers are appended to
 samples.partial.jsonl as they come, and a rerun with the same settings regenerates only the
 conversations that are new (`regeneration_key`).
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import exclusive_lock, write_jsonl_atomic, write_text_atomic
 from speculators.data.capture import Replica, raise_for_failed_replicas, replica_devices, start_replica
-from speculators.data.prompts import RowRejected, prepare_conversations, source_image_root
+from speculators.data.prompts import VALIDATION_PREFIX, RowRejected, prepare_conversations, source_image_root
 from speculators.data.regenerate import (
     VllmGenerate,
     regenerate,
@@ -31,7 +32,13 @@ from speculators.data.regenerate import (
     transformers_generate_fn,
     transformers_image_generate_fn,
 )
-from speculators.data.tokenization import read_samples, token_statistics, tokenize_conversation, turn_end_ids
+from speculators.data.tokenization import (
+    clip_answers,
+    read_samples,
+    token_statistics,
+    tokenize_conversation,
+    turn_end_ids,
+)
 from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
 from speculators.serving.engine import decoding_enforce_eager, vllm_log
@@ -60,6 +67,7 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
 
     s, output = settings, Path(settings.output)
     require_assistant = not s.regenerate if s.require_assistant is None else s.require_assistant
+    answer_validation = s.regenerate if s.regenerate_validation is None else s.regenerate_validation
     conversations, report = prepare_conversations(
         s.sources,
         require_assistant=require_assistant,
@@ -71,16 +79,23 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
         source_weights=s.source_weights,
         image_roots=s.image_roots,
         max_user_turns=s.max_user_turns,
+        validation_require_assistant=False if answer_validation else None,
     )
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     result: dict[str, Any] = {"prompts": report.to_dict()}
     print(report.summary())
     if s.verifier:
-        if s.regenerate:
+        validation = [c for c in conversations if c.id.startswith(VALIDATION_PREFIX)]
+        if s.regenerate or (answer_validation and validation):
+            # Without --regenerate only the validation prompts are the verifier's to answer.
+            answered = conversations if s.regenerate else validation
             with vllm_log(output / "regeneration-vllm.log", offline_vllm_engine(s)):
-                result["tokenization"] = regenerate_samples(s, conversations, output)
+                samples, details = regenerate_samples(s, answered, output)
+            if not s.regenerate:
+                samples, details = with_own_answers(s, conversations, samples, details)
         else:
-            result["tokenization"] = tokenize_samples(s, conversations, output)
+            samples, details = tokenize_samples(s, conversations)
+        result["tokenization"] = write_samples(output, samples, details)
     write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
     if not conversations:
         raise SpeculatorsError(f"no usable conversation in {', '.join(s.sources)}; see the rejection reasons above")
@@ -97,20 +112,47 @@ def offline_vllm_engine(settings: PrepareSettings) -> bool:
 # ----- tokenizing the sources' own answers ---------------------------------------------------------
 
 
-def tokenize_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
+def tokenize_samples(
+    settings: PrepareSettings, conversations: list[Conversation]
+) -> tuple[list[TokenizedSample], dict[str, Any]]:
 
     config, location = load_verifier_config(str(settings.verifier))
     tokenizer = load_tokenizer(location)
     images = verifier_image_inputs(config, location)
-    samples, rejected = [], Counter[str]()
+    samples, rejected, clipped = [], Counter[str](), 0
     for conversation in conversations:
         try:
-            samples.append(
-                tokenize_conversation(tokenizer, conversation.id, conversation.messages, settings.max_length, images)
+            sample = tokenize_conversation(
+                tokenizer, conversation.id, conversation.messages, settings.max_length, images
             )
         except RowRejected as reason:
             rejected[str(reason)] += 1
-    return write_samples(output, samples, {"rejected": dict(rejected)})
+            continue
+        shorter = clip_answers(sample, settings.max_answer_tokens) if settings.max_answer_tokens else None
+        clipped += shorter is not None
+        samples.append(shorter or sample)
+    details: dict[str, Any] = {"rejected": dict(rejected)}
+    if settings.max_answer_tokens:
+        details["clipped_answers"] = clipped
+        print(f"  {clipped} of {len(samples)} samples clipped at an answer over {settings.max_answer_tokens} tokens")
+    return samples, details
+
+
+def with_own_answers(
+    settings: PrepareSettings,
+    conversations: list[Conversation],
+    validation: list[TokenizedSample],
+    details: dict[str, Any],
+) -> tuple[list[TokenizedSample], dict[str, Any]]:
+    """The training conversations with their own answers beside the regenerated validation samples, in
+    conversation order; the report says which answers are whose."""
+    training = [c for c in conversations if not c.id.startswith(VALIDATION_PREFIX)]
+    own, tokenized = tokenize_samples(settings, training)
+    by_id = {sample.id: sample for sample in [*own, *validation]}
+    samples = [by_id[c.id] for c in conversations if c.id in by_id]
+    rejected = Counter(details["rejected"]) + Counter(tokenized["rejected"])
+    answers = "training rows: their own answers; validation rows: the verifier's (regenerated)"
+    return samples, {**tokenized, **details, "answers": answers, "rejected": dict(rejected)}
 
 
 def verifier_image_inputs(config: PreTrainedConfig, location: str) -> ImageInputs | None:
@@ -134,9 +176,13 @@ def write_samples(output: Path, samples: list[TokenizedSample], details: dict[st
 
 
 def regeneration_key(settings: PrepareSettings) -> str:
-    """What makes regenerated answers reusable: same verifier, budget and sampling."""
+    """What makes regenerated answers reusable: same verifier, budget and sampling, and which rows the
+    verifier answered (a run that regenerated only the validation rows holds other rows' own answers,
+    which a full regeneration must not take for the verifier's)."""
     s = settings
     key = [str(s.verifier), s.max_new_tokens, s.temperature, s.seed, s.max_length, s.dtype]
+    if not s.regenerate:
+        key.append("validation rows only")
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 
@@ -155,7 +201,9 @@ def reuse_earlier_samples(output: Path, key: str) -> None:
         write_text_atomic(partial, samples.read_text())
 
 
-def regenerate_samples(settings: PrepareSettings, conversations: list[Conversation], output: Path) -> dict[str, Any]:
+def regenerate_samples(
+    settings: PrepareSettings, conversations: list[Conversation], output: Path
+) -> tuple[list[TokenizedSample], dict[str, Any]]:
 
     config, location = load_verifier_config(str(settings.verifier))
     images = verifier_image_inputs(config, location)
@@ -175,8 +223,8 @@ def regenerate_samples(settings: PrepareSettings, conversations: list[Conversati
             batch_size=requests_in_flight(settings),
             image_inputs=images,
         )
-    details = {"regeneration": report.to_dict(), "rejected": report.to_dict()["rejected"], "regeneration_key": key}
-    return write_samples(output, samples, details)
+    regeneration = report.to_dict()
+    return samples, {"regeneration": regeneration, "rejected": regeneration["rejected"], "regeneration_key": key}
 
 
 def check_node_group(settings: PrepareSettings, images: bool) -> None:
@@ -202,7 +250,7 @@ Generate = Callable[[list[list[int]]], list[list[int]]]
 
 def regenerate_on_replicas(
     settings: PrepareSettings, conversations: list[Conversation], output: Path, key: str
-) -> dict[str, Any]:
+) -> tuple[list[TokenizedSample], dict[str, Any]]:
     """`data_parallel_size` replica processes, each a plain `speculators prepare` of every n-th
     conversation on its own GPUs (CUDA_VISIBLE_DEVICES; CPU cores for vLLM's CPU build) with its
     own offline engine or transformers model, then their samples merged in conversation order. Used
@@ -223,6 +271,7 @@ def regenerate_on_replicas(
         one = s.model_copy(
             update={
                 "sources": [str(folder / "conversations-in.jsonl")],
+                "regenerate": True,  # (the parent gives each replica only the rows the verifier answers)
                 "validation_sources": [],
                 "max_samples": None,
                 "source_weights": None,
@@ -253,7 +302,7 @@ def regenerate_on_replicas(
         "rejected": dict(rejected),
         "regeneration_key": key,
     }
-    return write_samples(output, samples, details)
+    return samples, details
 
 
 def requests_in_flight(settings: PrepareSettings) -> int:

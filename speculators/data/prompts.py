@@ -1008,6 +1008,7 @@ def prepare_conversations(
     source_weights: Sequence[float] | None = None,
     image_roots: Sequence[str | Path] = (),
     max_user_turns: int | None = None,
+    validation_require_assistant: bool | None = None,
 ) -> tuple[list[Conversation], PrepareReport]:
     """Conversations from the sources, de-duplicated by content, bad rows counted with their reasons.
 
@@ -1019,7 +1020,9 @@ def prepare_conversations(
     share leaves the rest to the sources that still have rows, by their weights. A local image must
     lie inside the folder of the file that names it (the working directory for hf: rows) or inside
     one of `image_roots`. `max_user_turns` keeps each conversation's first N user turns (the rest cut
-    before the de-duplication: two conversations that agree on them are one).
+    before the de-duplication: two conversations that agree on them are one). Validation rows need an
+    assistant turn where `validation_require_assistant` says (default: as `require_assistant`), so
+    training rows can keep their own answers while the verifier answers the validation prompts.
     """
 
     problem = source_weights_problem(len(sources), source_weights, max_samples)
@@ -1029,6 +1032,9 @@ def prepare_conversations(
         if not Path(root).expanduser().is_dir():
             raise SpeculatorsError(f"image root {root} is not a folder; pass an existing folder to --image-root")
     report = PrepareReport(sources=[*validation_sources, *sources])
+    validation_needs_answer = (
+        require_assistant if validation_require_assistant is None else validation_require_assistant
+    )
     seen: set[str] = set()
     conversations: list[Conversation] = []
 
@@ -1044,11 +1050,15 @@ def prepare_conversations(
                 return kept, True
             location, row, base_dir = item
             report.rows_read += 1
+            # A row written by an earlier prepare keeps its validation tag (the hidden-state step re-reads
+            # conversations.jsonl).
+            tagged = for_validation or (isinstance(row, dict) and str(row.get("id", "")).startswith(VALIDATION_PREFIX))
             try:
                 if isinstance(row, RowRejected):
                     raise row
+                needs_answer = validation_needs_answer if tagged else require_assistant
                 messages, change = checked_messages(
-                    row_messages(row, base_dir, image_roots), require_assistant, drop_leading_assistant
+                    row_messages(row, base_dir, image_roots), needs_answer, drop_leading_assistant
                 )
             except RowRejected as reason:
                 report.reject(str(reason), location)
@@ -1065,9 +1075,6 @@ def prepare_conversations(
                 report.modify(change, location)
             if cut:
                 report.modify(USER_TURNS_CUT, location)
-            # A row written by an earlier prepare keeps its validation tag (the hidden-state step re-reads
-            # conversations.jsonl).
-            tagged = for_validation or (isinstance(row, dict) and str(row.get("id", "")).startswith(VALIDATION_PREFIX))
             name = str(row["id"]) if named else key  # MT-Bench's ids name the question (mt-bench-81-turn1)
             category = row.get("category") if isinstance(row.get("category"), str) else None
             conversations.append(Conversation(VALIDATION_PREFIX + name if tagged else name, messages, category))

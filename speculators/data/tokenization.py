@@ -272,6 +272,18 @@ def expand_images(image_inputs: ImageInputs, sample: TokenizedSample, max_length
     return TokenizedSample(sample.id, ids[:length], mask[:length], sample.images[:kept])
 
 
+def clip_answers(sample: TokenizedSample, max_answer_tokens: int) -> TokenizedSample | None:
+    """The sample cut after the first `max_answer_tokens` tokens of its first longer answer (an answer is
+    a run of supervised tokens), as regeneration ends a conversation at an answer that reaches its budget;
+    None where no answer is longer."""
+    run = 0
+    for index, supervised in enumerate(sample.loss_mask):
+        run = run + 1 if supervised else 0
+        if run > max_answer_tokens:
+            return TokenizedSample(sample.id, sample.input_ids[:index], sample.loss_mask[:index], sample.images)
+    return None
+
+
 def read_samples(path: str | Path) -> list[TokenizedSample]:
     path = Path(path)
     if not path.is_file():

@@ -1070,20 +1070,26 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def load_line(load: dict[str, Any] | None) -> str:
-    """report.md's sentence on how quiet the machine was during the GuideLLM runs."""
+def load_text(load: dict[str, Any] | None) -> str:
+    """How quiet the machine was during the GuideLLM runs, in plain words (report.md's sentence and the
+    Dagster check `quiet_machine` both say this)."""
     if not load or load.get("quiet") is None:
-        return "**Machine load** during the speed measurements: not measured (no /proc on this system)."
+        return "not measured (a report made before bench recorded it, or no /proc on this system)"
     taken = (
         f"other processes at most {load['other_cores_max']:.2f} and the hypervisor at most "
         f"{load['steal_cores_max']:.2f} of the machine's cores during any of the {load['runs']} GuideLLM runs"
     )
     if load["quiet"]:
-        return f"**Machine load** during the speed measurements: quiet ({taken})."
-    return (
-        f"**Machine load** during the speed measurements: **not quiet** ({taken}; busy: "
-        f"{', '.join(load['busy_runs'])}): the speed-ups above are not comparable; rerun on an idle machine."
-    )
+        return f"quiet ({taken})"
+    return f"not quiet ({taken}; busy during {', '.join(load['busy_runs'])})"
+
+
+def load_line(load: dict[str, Any] | None) -> str:
+    """report.md's sentence on how quiet the machine was during the GuideLLM runs."""
+    text = load_text(load)
+    if load and load.get("quiet") is False:
+        text = f"**{text[:9]}**{text[9:]}: the speed-ups above are not comparable; rerun on an idle machine"
+    return f"**Machine load** during the speed measurements: {text}."
 
 
 def category_lines(per_category: dict[str, Any] | None, k: int) -> list[str]:

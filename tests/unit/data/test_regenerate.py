@@ -431,3 +431,78 @@ def test_a_data_parallel_regeneration_server_gets_a_batch_per_replica_and_cuda_g
     monkeypatch.setattr(precision, "installed_vllm", lambda: cuda)
     _, _, server = answer_generator(settings, tmp_path)
     assert not server.settings.enforce_eager
+
+
+def test_own_answers_for_training_and_the_verifiers_for_validation(tiny_verifier_dir, tmp_path):
+    """--no-regenerate --regenerate-validation: training rows keep their own answers (tokenized as a
+    plain prepare would), validation prompts get the verifier's greedy answers; a training row without
+    an answer is rejected, a validation prompt is not; a rerun resumes the validation answers, and a
+    full regeneration into the same folder takes none of this run's samples for the verifier's."""
+    import json
+
+    from speculators.cli import main
+    from speculators.data.tokenization import tokenize_conversation
+
+    verifier = str(tiny_verifier_dir("llama"))
+    rows = tmp_path / "rows.jsonl"
+    answered = [{"prompt": p, "response": f"Answer {i}: " + "word " * (i + 2)} for i, p in enumerate(PROMPTS[:3])]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [*answered, {"prompt": "No answer here."}]))
+    validation = tmp_path / "validation.jsonl"
+    validation.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[3:]))
+    out = tmp_path / "out"
+    command = ["prepare", "--source", str(rows), "--validation-source", str(validation), "--verifier", verifier]
+    command += ["--dtype", "float32", "--max-new-tokens", "12", "--max-length", "256", "--output", str(out)]
+
+    def run(*flags: str) -> tuple[dict, list[dict]]:
+        assert main([*command, *flags]) == 0
+        report = json.loads((out / "prepare_report.json").read_text())
+        return report, [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+    report, samples = run("--regenerate-validation")
+    assert report["prompts"]["rejected_total"] == 1 and report["prompts"]["validation"] == 2
+    tokenization = report["tokenization"]
+    assert tokenization["regeneration"]["regenerated"] == 2 and "own answers" in tokenization["answers"]
+    assert [s["id"].startswith("validation-") for s in samples] == [True, True, False, False, False]
+    llama = load_verifier(verifier, dtype="float32")
+    ends = turn_end_ids(llama.tokenizer)
+    for sample, prompt_text in zip(samples[:2], PROMPTS[3:], strict=True):
+        prompt = render_ids(llama.tokenizer, [{"role": "user", "content": prompt_text}], add_generation_prompt=True)
+        assert sample["input_ids"][: len(prompt)] == prompt
+        assert sample["input_ids"][len(prompt) :] == greedy_reference(llama.model, prompt, 12, ends)
+    for sample, row in zip(samples[2:], answered, strict=True):
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+        own = tokenize_conversation(llama.tokenizer, sample["id"], messages, 256)
+        assert (sample["input_ids"], sample["loss_mask"]) == (own.input_ids, own.loss_mask)
+
+    again, same = run("--regenerate-validation")
+    assert (
+        again["tokenization"]["regeneration"]["resumed"] == 2
+        and again["tokenization"]["regeneration"]["regenerated"] == 0
+    )
+    assert same == samples
+    # The verifier answering everything: nothing of the mixed run is reused (its training answers are not its).
+    full, regenerated = run("--regenerate")
+    assert (
+        full["tokenization"]["regeneration"]["regenerated"] == 6
+        and full["tokenization"]["regeneration"]["resumed"] == 0
+    )
+    assert regenerated[:2] == samples[:2] and regenerated[2]["input_ids"] != samples[2]["input_ids"]
+    # Own answers clipped as regeneration clips its own: the first 3 tokens of each, nothing after.
+    report, short = run("--regenerate-validation", "--max-answer-tokens", "3")
+    assert report["tokenization"]["clipped_answers"] == 3 and short[:2] == samples[:2]
+    for clipped, whole in zip(short[2:], samples[2:], strict=True):
+        end = whole["loss_mask"].index(1) + 3
+        assert (clipped["input_ids"], clipped["loss_mask"]) == (whole["input_ids"][:end], whole["loss_mask"][:end])
+    # Without the verifier answering validation, prompt-only validation rows are rejected as before.
+    plain, _ = run("--no-regenerate")
+    assert plain["prompts"]["rejected_total"] == 3 and plain["prompts"]["validation"] == 0
+
+
+def test_clip_answers_ends_the_conversation_at_the_first_answer_over_the_budget():
+    from speculators.data.tokenization import TokenizedSample, clip_answers
+
+    sample = TokenizedSample("a", list(range(12)), [0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1])
+    assert clip_answers(sample, 4) is None
+    clipped = clip_answers(sample, 3)
+    assert clipped is not None and (clipped.input_ids, clipped.loss_mask) == (list(range(9)), sample.loss_mask[:9])
+    assert clip_answers(sample, 1).loss_mask == [0, 0, 1]

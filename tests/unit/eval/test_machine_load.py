@@ -56,8 +56,7 @@ def test_a_busy_process_counts_as_other_load_unless_its_group_is_measured():
 
 
 def test_bench_reports_whether_every_speed_figure_was_measured_on_a_quiet_machine():
-    from speculators.eval.bench import load_line, machine_load_summary
-    from speculators_assets.workload import load_check_text
+    from speculators.eval.bench import load_line, load_text, machine_load_summary
 
     quiet = {"seconds": 60.0, "cores": 2, "other_cores": 0.02, "steal_cores": 0.0, "quiet": True}
     busy = {"seconds": 80.0, "cores": 2, "other_cores": 0.83, "steal_cores": 0.01, "quiet": False}
@@ -81,11 +80,11 @@ def test_bench_reports_whether_every_speed_figure_was_measured_on_a_quiet_machin
     }
     line = load_line(summary)
     assert "**not quiet**" in line and "synchronous-natural speculator" in line and "at most 0.83" in line
-    assert "busy during synchronous-natural speculator" in load_check_text(summary)
+    assert "busy during synchronous-natural speculator" in load_text(summary)
     report["profiles"]["synchronous-natural"]["speculator"]["machine_load"] = quiet
     assert machine_load_summary(report)["quiet"] is True
     assert load_line(machine_load_summary(report)).startswith("**Machine load** during the speed measurements: quiet")
     unmeasured = {"profiles": {"synchronous": {"baseline": {"machine_load": None}, "speculator": {}}}}
     assert machine_load_summary(unmeasured) == {"quiet": None, "runs": 2, "busy_runs": []}
     assert "not measured" in load_line(machine_load_summary(unmeasured))
-    assert "not measured" in load_check_text({})
+    assert "not measured" in load_text({})
