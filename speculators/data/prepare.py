@@ -68,6 +68,11 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
     s, output = settings, Path(settings.output)
     require_assistant = not s.regenerate if s.require_assistant is None else s.require_assistant
     answer_validation = s.regenerate if s.regenerate_validation is None else s.regenerate_validation
+    if s.regenerate and not answer_validation:
+        raise SpeculatorsError(
+            "--no-regenerate-validation with --regenerate: the verifier answers every row, validation included; "
+            "drop --no-regenerate-validation, or pass --no-regenerate to keep the rows' own answers"
+        )
     conversations, report = prepare_conversations(
         s.sources,
         require_assistant=require_assistant,

@@ -433,7 +433,7 @@ def test_a_data_parallel_regeneration_server_gets_a_batch_per_replica_and_cuda_g
     assert not server.settings.enforce_eager
 
 
-def test_own_answers_for_training_and_the_verifiers_for_validation(tiny_verifier_dir, tmp_path):
+def test_own_answers_for_training_and_the_verifiers_for_validation(tiny_verifier_dir, tmp_path, capsys):
     """--no-regenerate --regenerate-validation: training rows keep their own answers (tokenized as a
     plain prepare would), validation prompts get the verifier's greedy answers; a training row without
     an answer is rejected, a validation prompt is not; a rerun resumes the validation answers, and a
@@ -493,6 +493,8 @@ def test_own_answers_for_training_and_the_verifiers_for_validation(tiny_verifier
     for clipped, whole in zip(short[2:], samples[2:], strict=True):
         end = whole["loss_mask"].index(1) + 3
         assert (clipped["input_ids"], clipped["loss_mask"]) == (whole["input_ids"][:end], whole["loss_mask"][:end])
+    assert main([*command, "--regenerate", "--no-regenerate-validation"]) == 2
+    assert "--no-regenerate-validation with --regenerate" in capsys.readouterr().err
     # Without the verifier answering validation, prompt-only validation rows are rejected as before.
     plain, _ = run("--no-regenerate")
     assert plain["prompts"]["rejected_total"] == 3 and plain["prompts"]["validation"] == 0
