@@ -38,21 +38,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-RECIPE = [  # the smollm2_135m variant's training section
-    "--lr",
-    "0.001",
-    "--token-budget",
-    "2048",
-    "--ttt-steps",
-    "3",
-    "--speculative-tokens",
-    "3",
-    "--step-decay",
-    "0.8",
-    "--validation-share",
-    "0",
-]
-
 
 def say(message: str) -> None:
     print(f"[answer_source] {message}", flush=True)
@@ -164,10 +149,16 @@ def combined_store(regenerated: Path, original: Path, directory: Path) -> Path:
 
 
 def train(store: Path, verifier: str, run: Path, epochs: str) -> dict[str, Any]:
+    """`speculators train` as the smollm2_135m variant's trained_drafter step runs it, for `epochs`."""
+    from speculators_assets.variants import load_variants
+    from speculators_assets.workload import train_command
+
     if not (run / "summary.json").is_file():
         say(f"training on {store} -> {run} ({epochs} epochs)")
-        command = ["train", "--store", str(store), "--verifier", verifier, "--output", str(run), "--epochs", epochs]
-        command += [*RECIPE, "--no-progress", "--eval-every", "1000000"]
+        variant = load_variants()["smollm2_135m"]
+        training = variant.training.model_copy(update={"epochs": float(epochs)})
+        variant = variant.model_copy(update={"verifier": verifier, "training": training})
+        command = [*train_command(variant, store, run, None), "--eval-every", "1000000"]
         subprocess.run([sys.executable, "-m", "speculators.cli", *command], check=True, stdout=subprocess.DEVNULL)
     return json.loads((run / "summary.json").read_text())
 

@@ -1070,9 +1070,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def load_text(load: dict[str, Any] | None) -> str:
-    """How quiet the machine was during the GuideLLM runs, in plain words (report.md's sentence and the
-    Dagster check `quiet_machine` both say this)."""
+def load_text(load: dict[str, Any] | None, markdown: bool = False) -> str:
+    """How quiet the machine was during the GuideLLM runs, in words: the Dagster check `quiet_machine`
+    says this, and report.md's sentence (`markdown`: "not quiet" in bold) is built from it."""
     if not load or load.get("quiet") is None:
         return "not measured (a report made before bench recorded it, or no /proc on this system)"
     taken = (
@@ -1081,14 +1081,15 @@ def load_text(load: dict[str, Any] | None) -> str:
     )
     if load["quiet"]:
         return f"quiet ({taken})"
-    return f"not quiet ({taken}; busy during {', '.join(load['busy_runs'])})"
+    busy = "**not quiet**" if markdown else "not quiet"
+    return f"{busy} ({taken}; busy during {', '.join(load['busy_runs'])})"
 
 
 def load_line(load: dict[str, Any] | None) -> str:
     """report.md's sentence on how quiet the machine was during the GuideLLM runs."""
-    text = load_text(load)
+    text = load_text(load, markdown=True)
     if load and load.get("quiet") is False:
-        text = f"**{text[:9]}**{text[9:]}: the speed-ups above are not comparable; rerun on an idle machine"
+        text += ": the speed-ups above are not comparable; rerun on an idle machine"
     return f"**Machine load** during the speed measurements: {text}."
 
 
