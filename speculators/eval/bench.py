@@ -700,6 +700,7 @@ def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> 
         # requests that ask for none, GuideLLM's, run as without it.
         logprobs_mode="raw_logits" if role == "baseline" else None,
         request_spec_metrics=True,  # the per-category pass reads each reply's own (the speculator's)
+        dev_endpoints=True,  # each measurement starts from an empty prefix cache (measure_prompts)
     )
 
 
@@ -808,11 +809,20 @@ def measure_prompts(
         )
         for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
             wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
+            # The baseline has answered MT-Bench's first turns (complete_mt_bench) and every server its
+            # earlier runs' prompts: cached prefixes would cut one server's TTFT (and GuideLLM's TPOT,
+            # which counts it) for prompts the other prefills.
+            server.reset_prefix_cache()
             before, load_before = server.metrics(), load_snapshot(server.process_groups())
             run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
             load = other_load(load_before, load_snapshot(server.process_groups()))
             summary = read_guidellm_report(paths["json"])
-            summary["spec_decode"] = acceptance_from_counters(before, server.metrics())
+            after = server.metrics()
+            summary["spec_decode"] = acceptance_from_counters(before, after)
+            summary["prefix_cache"] = {
+                "query_tokens": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+                "hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+            }
             summary["machine_load"] = load
             recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
             if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
@@ -840,6 +850,7 @@ def measure_prompts(
         )
     if prompt_groups(prompts.conversations):
         started_groups = time.perf_counter()
+        server.reset_prefix_cache()
         results["categories"] = category_pass(server, prompts.conversations, settings)
         print(
             f"[{label}] per-category pass: {sum(g['prompts'] for g in results['categories']['groups'])} prompts in "

@@ -51,6 +51,11 @@ SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
 }
 PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# Prompt tokens looked up in the prefix cache and found there: what a measurement's prefill skipped.
+PREFIX_CACHE_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,6 +99,9 @@ class ServerSettings(Server):
     # Each reply carries its own request's spec-decode statistics (vLLM's --per-request-spec-decode-metrics
     # summary, read by request_spec_decode); only a server with a speculator has any.
     request_spec_metrics: bool = False
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE), for reset_prefix_cache: bench empties the
+    # prefix cache before each measurement, so neither server starts one with prompts it has already seen.
+    dev_endpoints: bool = False
     extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
     # One engine over several nodes: this server is node rank 0's, the other nodes follow its engine
     # arguments (speculators/serving/multinode.py); None or one node: a server on this node alone.
@@ -245,6 +253,8 @@ class VllmServer:
         env = dict(os.environ)
         if self.build["device"] == "cpu":
             cpu_build_defaults(env, s.kv_cache_gib)  # (as the offline engines': every core for the model)
+        if s.dev_endpoints:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
         check_node_gpus(s.nodes, world_size_of(self.engine_args()))
@@ -300,6 +310,29 @@ class VllmServer:
                 return response.status == 200
         except OSError:
             return False
+
+    def reset_prefix_cache(self, attempts: int = 10) -> None:
+        """Empty the engine's prefix cache (vLLM's POST /reset_prefix_cache, a development endpoint: the
+        server needs `dev_endpoints`). vLLM refuses while requests hold blocks; it is asked again."""
+
+        if not self.settings.dev_endpoints:
+            raise SpeculatorsError("this server was started without dev_endpoints; it cannot reset its prefix cache")
+        for attempt in range(attempts):
+            request = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    if json.loads(response.read() or b"{}").get("success", True):
+                        return
+            except urllib.error.HTTPError as error:
+                raise SpeculatorsError(
+                    f"vLLM at {self.url} answered {error.code} to POST /reset_prefix_cache; this vLLM build "
+                    f"may lack the endpoint (see {self.log_path})"
+                ) from error
+            time.sleep(0.5 * (attempt + 1))
+        raise SpeculatorsError(
+            f"vLLM at {self.url} did not empty its prefix cache after {attempts} attempts (requests still hold "
+            f"blocks); see {self.log_path}"
+        )
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after `timeout` seconds."""
@@ -371,16 +404,18 @@ METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^
 
 
 def parse_spec_decode_counters(text: str) -> dict[str, Any]:
-    """Spec-decode counters from a Prometheus exposition (summed over label sets but position)."""
-    counters: dict[str, Any] = {name: 0.0 for name in SPEC_DECODE_COUNTERS.values()}
+    """Spec-decode and prefix-cache counters from a Prometheus exposition (summed over label sets but
+    position)."""
+    names = SPEC_DECODE_COUNTERS | PREFIX_CACHE_COUNTERS
+    counters: dict[str, Any] = {name: 0.0 for name in names.values()}
     per_position: dict[int, float] = {}
     for line in text.splitlines():
         match = METRIC_LINE.match(line)
         if not match:
             continue
         name, value = match["name"], float(match["value"])
-        if name in SPEC_DECODE_COUNTERS:
-            counters[SPEC_DECODE_COUNTERS[name]] += value
+        if name in names:
+            counters[names[name]] += value
         elif name == PER_POSITION_COUNTER:
             position = re.search(r'position="(\d+)"', match["labels"] or "")
             if position:

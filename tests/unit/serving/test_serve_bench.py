@@ -41,6 +41,9 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 3.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0
 vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 900.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
 """
 
 
@@ -51,6 +54,8 @@ def test_spec_decode_counters_parse_and_difference():
         "draft_tokens": 60.0,
         "accepted_tokens": 25.0,
         "accepted_per_position": [14.0, 8.0, 3.0],
+        "prefix_cache_queries": 900.0,
+        "prefix_cache_hits": 256.0,
     }
     before = {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 5.0, "accepted_per_position": [4.0, 1.0]}
     delta = acceptance_from_counters(before, after)
@@ -95,13 +100,13 @@ def test_serve_errors_are_one_clear_sentence(tiny_verifier_dir, monkeypatch):
         VllmServer(ServerSettings(verifier=verifier))
 
 
-def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+def completions(url: str, model: str, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
     outputs = []
     for prompt in prompts:
         body = {
             "model": model,
             "prompt": prompt,
-            "max_tokens": NEW_TOKENS,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
@@ -128,11 +133,42 @@ def served_baseline(peaked_verifier, tmp_path_factory):
     verifier = load_verifier(peaked_verifier, dtype="float32")
     prompts = tokenize_prompts(verifier.tokenizer, load_prompts(str(write_peaked_prompts(directory / "p.jsonl"))))
     token_prompts = [ids for _, ids in prompts]
-    with VllmServer(ServerSettings(verifier=str(peaked_verifier), **SERVER, log_path=directory / "log")) as server:
+    settings = ServerSettings(verifier=str(peaked_verifier), **SERVER, dev_endpoints=True, log_path=directory / "log")
+    with VllmServer(settings) as server:
         baseline = completions(server.url, server.model_name, token_prompts)
         assert server.metrics()["drafts"] == 0
+        cache_hits = prefix_cache_hits_around_a_reset(server, token_prompts[0])
     assert all(len(ids) == NEW_TOKENS for ids in baseline)
-    return prompts, baseline
+    return prompts, baseline, cache_hits
+
+
+def prefix_cache_hits_around_a_reset(server: VllmServer, prompt: list[int]) -> dict[str, float]:
+    """Prefix-cache hits (tokens) of one 300-token prompt sent again as it is, then again after
+    reset_prefix_cache (vLLM's CPU blocks hold 128 tokens: a repeat can hit 256)."""
+
+    long_prompt = (prompt * (300 // len(prompt) + 1))[:300]
+    hits = []
+    for reset in (False, False, True):
+        if reset:
+            server.reset_prefix_cache()
+        before = server.metrics()["prefix_cache_hits"]
+        completions(server.url, server.model_name, [long_prompt], max_tokens=1)
+        hits.append(server.metrics()["prefix_cache_hits"] - before)
+    return {"first": hits[0], "repeated": hits[1], "after_reset": hits[2]}
+
+
+@pytest.mark.slow
+def test_reset_prefix_cache_leaves_a_repeated_prompt_nothing_to_hit(served_baseline):
+    """bench empties the prefix cache before each measurement: a prompt the server has seen is a hit
+    (two whole 128-token blocks of 300 tokens), and after the reset it is prefilled again."""
+    _, _, hits = served_baseline
+    assert hits == {"first": 0, "repeated": 256, "after_reset": 0}
+
+
+def test_a_server_without_dev_endpoints_refuses_to_reset_its_prefix_cache(tiny_verifier_dir):
+    server = VllmServer(ServerSettings(verifier=str(tiny_verifier_dir("llama")), port=0))
+    with pytest.raises(SpeculatorsError, match="started without dev_endpoints; it cannot reset its prefix cache"):
+        server.reset_prefix_cache()
 
 
 @pytest.mark.slow
@@ -144,7 +180,7 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    prompts, baseline = served_baseline
+    prompts, baseline, _ = served_baseline
     token_prompts = [ids for _, ids in prompts]
     common = dict(verifier=str(peaked_verifier), **SERVER)
     speculative_settings = ServerSettings(
@@ -231,7 +267,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["verifier", str(peaked_verifier), "--cache-as", hub_id]) == 0
 
-    prompts, baseline = served_baseline
+    prompts, baseline, _ = served_baseline
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)  # (an offline engine in this process sets it)
     settings = ServerSettings(verifier=None, speculator=str(named), **SERVER, log_path=tmp_path / "one-command.log")
     with VllmServer(settings) as server:
