@@ -527,26 +527,23 @@ def test_a_variant_that_keeps_its_rows_answers_has_the_verifier_answer_only_vali
     from speculators_assets.variants import PACKAGE_VARIANTS, load_variant
     from speculators_assets.workload import dump_for_key, hidden_state_commands, prompts_command
 
-    full = load_variant(PACKAGE_VARIANTS / "smollm2_135m_full.yaml")
-    assert full.datagen.regenerate and full.datagen.regenerate_validation is None
+    regenerating = load_variant(PACKAGE_VARIANTS / "qwen3_8b.yaml")
+    assert regenerating.datagen.regenerate and regenerating.datagen.regenerate_validation is None
     assert not {"regenerate_validation", "max_answer_tokens"} & set(
-        dump_for_key(full.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
+        dump_for_key(regenerating.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
     )
-    assert "--regenerate-validation" not in prompts_command(full, tmp_path)
-    own = full.model_copy(
-        update={
-            "datagen": full.datagen.model_copy(
-                update={"regenerate": False, "regenerate_validation": True, "max_answer_tokens": 256}
-            )
-        }
-    )
+    assert "--regenerate-validation" not in prompts_command(regenerating, tmp_path)
     parser = build_parser()
-    raw = parser.parse_args(prompts_command(own, tmp_path))
-    assert raw.require_assistant is True and raw.regenerate_validation is True
-    prepare = parser.parse_args(hidden_state_commands(own, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")[0])
-    assert prepare.regenerate is False and prepare.regenerate_validation is True and prepare.require_assistant is True
-    assert prepare.backend == "vllm" and prepare.batch_size == 256 and prepare.max_new_tokens == 256
-    assert prepare.max_answer_tokens == 256
+    for name in ("smollm2_135m", "smollm2_135m_full"):
+        own = load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
+        raw = parser.parse_args(prompts_command(own, tmp_path))
+        assert raw.require_assistant is True and raw.regenerate_validation is True
+        commands = hidden_state_commands(own, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
+        prepare = parser.parse_args(commands[0])
+        assert prepare.regenerate is False and prepare.regenerate_validation is True
+        assert prepare.require_assistant is True
+        assert prepare.backend == "vllm" and prepare.batch_size == 256 and prepare.max_new_tokens == 256
+        assert prepare.max_answer_tokens == 256
 
 
 def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, monkeypatch):
