@@ -490,12 +490,14 @@ class OutputJudge(LosslessJudge):
         tie_tolerance: float | None = None,
         tie_ulps: int = SERVED_TIE_ULPS,
         quantization: str | None = None,
+        max_chunk: int = 1,
     ):
 
         # The servers' dtype (an FP8 verifier's is bf16) and the same FP8 arithmetic (quantization.Fp8Linear).
         self.dtype: str = vllm_dtype(dtype, quantization)
         super().__init__(self.dtype, tie_tolerance, tie_ulps)
         self.source, self.quantization = verifier, quantization
+        self.max_chunk = max_chunk  # the speculator server verifies up to K+1 tokens a pass (path_noise)
         self.verifier: Verifier | None = None
 
     def __call__(
@@ -540,7 +542,7 @@ class OutputJudge(LosslessJudge):
         tolerance = self.tolerance_at(top_logit)
         noise = None
         if self.quantization and max(below_top) > tolerance:  # an FP8 verifier's own noise at this point
-            noise = path_noise(self.verifier.model, context)
+            noise = path_noise(self.verifier.model, context, max_chunk=self.max_chunk)
             tolerance = max(tolerance, noise)
         return self.verdict(position, served, below_top, tolerance, [top, second], "transformers re-score", noise)
 
@@ -893,7 +895,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         mt_bench = BenchPrompts(MT_BENCH_DIR, questions=mt_bench_questions(settings.mt_bench))
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
-    judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization)
+    k = settings.num_speculative_tokens or read_checkpoint(settings.speculator).config.speculative_tokens
+    judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization, max_chunk=k + 1)
     outputs = compare_served_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
         "settings": settings.model_dump(),

@@ -588,7 +588,7 @@ def evaluate(
                 flush=True,
             )
     if verifier.quantization:
-        within = settle_fp8_splits(report, noise, verifier, [p[1] for p in prompts])
+        within = settle_fp8_splits(report, noise, verifier, [p[1] for p in prompts], num_speculative_tokens + 1)
         report.settings["fp8_order_noise"] = noise
         if progress and within:
             print(
@@ -613,11 +613,14 @@ def order_noise(baseline: Generation, speculative: Generation) -> float:
     return worst
 
 
-def settle_fp8_splits(report: EvaluationReport, noise: float, verifier: Verifier, prompts: list[list[int]]) -> int:
+def settle_fp8_splits(
+    report: EvaluationReport, noise: float, verifier: Verifier, prompts: list[list[int]], max_chunk: int = 1
+) -> int:
     """Count as near-ties the splits whose margin lies within an FP8 verifier's own noise (both
     decoders run the same quantized model): the most the decoders' logits differed where they agreed
     over the run (`noise`), or, beyond that, what the two evaluation orders give at the split's own
-    context (quantization.path_noise, a window of one pass against one token at a time)."""
+    context (quantization.path_noise: one token at a time against one pass and chunks of up to
+    `max_chunk`, the speculative decoder's K+1, tokens)."""
 
     settled = 0
     for result, prompt_ids in zip(report.results, prompts, strict=True):
@@ -626,7 +629,8 @@ def settle_fp8_splits(report: EvaluationReport, noise: float, verifier: Verifier
             continue
         tolerance = noise
         if c.margin > tolerance:
-            tolerance = max(tolerance, path_noise(verifier.model, [*prompt_ids, *result.greedy_ids[: c.position]]))
+            context = [*prompt_ids, *result.greedy_ids[: c.position]]
+            tolerance = max(tolerance, path_noise(verifier.model, context, max_chunk=max_chunk))
         c.path_noise, c.tolerance = tolerance, max(c.tolerance or 0.0, tolerance)
         if LosslessJudge.status([0.0, c.margin], tolerance) == "near_tie":
             c.status = "near_tie"

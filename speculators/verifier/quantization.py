@@ -226,26 +226,43 @@ def vllm_quantization_args(quantization: str | None) -> list[str]:
 PATH_NOISE_WINDOW = 32
 
 
-def path_noise(model: PreTrainedModel, context: list[int], window: int = PATH_NOISE_WINDOW) -> float:
+def path_noise(
+    model: PreTrainedModel, context: list[int], window: int = PATH_NOISE_WINDOW, max_chunk: int = 1
+) -> float:
     """How far an FP8 verifier's logits move with the order of evaluation alone: the last `window`
-    positions of `context` in one forward pass against the same positions decoded one token at a time
-    on a KV cache; the largest difference of any logit. Unquantized, the two differ by rounding (8e-5
-    on SmolLM2 in fp32); with FP8 activations an input that moves by an ulp can flip an fp8 rounding,
-    which moves that activation by up to 1/16 and cascades through the later layers: on SmolLM2 the
-    two orders' logits differed by a median 7% of the top logit (up to 4.0), on the tiny test Llama by
-    up to 0.51. Speculative decoding verifies K+1 tokens at once where plain decoding takes one, so its
-    greedy tokens can part from plain decoding's wherever two candidates lie within this noise: the
-    lossless checks count such a split as a near-tie of the FP8 verifier."""
+    positions of `context` decoded one token at a time on a KV cache (plain decoding's order) against
+    the same positions in one forward pass and, up to `max_chunk` (a speculative decoder's K+1), in
+    chunks of 2..max_chunk tokens at every alignment (its verification passes); the largest difference
+    of any logit. Unquantized, the orders differ by rounding (8e-5 on SmolLM2 in fp32); with FP8
+    activations an input that moves by an ulp can flip an fp8 rounding, which moves that activation by
+    up to 1/16 and cascades through the later layers: on SmolLM2 the two orders' logits differed by a
+    median 7% of the top logit (up to 4.0), on the tiny test Llama by up to 0.51. Such a flip is rare
+    and depends on the exact order (on the tiny Llama one split's context moved by 4e-6 in one pass and
+    in chunks of 2 and 3, by 0.47 in chunks of 4 at one alignment), so every order a speculative decoder
+    may take is tried. Speculative decoding verifies K+1 tokens at once where plain decoding takes one,
+    so its greedy tokens can part from plain decoding's wherever two candidates lie within this noise:
+    the lossless checks count such a split as a near-tie of the FP8 verifier."""
     import torch
 
     ids = torch.tensor([context], device=model.device)
     start = max(1, len(context) - window)
-    with torch.inference_mode():
-        full = model(input_ids=ids).logits[0, start:].float()
-        out = model(input_ids=ids[:, :start], use_cache=True)
-        past, steps = out.past_key_values, []
-        for t in range(start, len(context)):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
+
+    def decoded(prefill: int, chunk: int) -> torch.Tensor:
+        """Logits of positions start.. with the context up to `prefill` in one pass, then `chunk` at a time."""
+        out = model(input_ids=ids[:, :prefill], use_cache=True)
+        past, logits = out.past_key_values, [out.logits[0, start:prefill].float()]
+        for t in range(prefill, len(context), chunk):
+            out = model(input_ids=ids[:, t : t + chunk], past_key_values=past, use_cache=True)
             past = out.past_key_values
-            steps.append(out.logits[0, -1].float())
-    return (full - torch.stack(steps)).abs().max().item()
+            logits.append(out.logits[0].float())
+        return torch.cat(logits)
+
+    with torch.inference_mode():
+        plain = decoded(start, 1)
+        others = [model(input_ids=ids).logits[0, start:].float()]
+        others += [
+            decoded(start + offset, chunk)
+            for chunk in range(2, max_chunk + 1)
+            for offset in range(min(chunk, len(context) - start))
+        ]
+    return max((other - plain).abs().max().item() for other in others)
