@@ -184,7 +184,7 @@ def main() -> int:
         results[f"K={k}"] = run_child({**base, "speculative_config": speculative}, f"speculator K={k}")
 
     mode = "eager" if args.eager else "compiled"
-    where = "engine in-process" if not args.multiprocess else "engine in its own process"
+    where = "engine in its own process" if args.multiprocess else "engine in-process"
     print(
         f"\nvLLM offline, {engine['dtype']}, {mode}, {where}; {args.prompts} prompts x {args.max_tokens} tokens "
         f"(ignore_eos), greedy, K={','.join(map(str, ks))}\n"

@@ -895,7 +895,6 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         mt_bench = BenchPrompts(MT_BENCH_DIR, questions=mt_bench_questions(settings.mt_bench))
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
-    k = settings.num_speculative_tokens or read_checkpoint(settings.speculator).config.speculative_tokens
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization, max_chunk=k + 1)
     outputs = compare_served_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
     report = {
