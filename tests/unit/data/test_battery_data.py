@@ -521,20 +521,24 @@ def test_the_hidden_state_prepare_gets_the_variant_roots_and_its_local_sources_f
 def test_a_variant_that_keeps_its_rows_answers_has_the_verifier_answer_only_validation(tmp_path):
     """datagen `regenerate: false` + `regenerate_validation: true`: raw_prompts keeps prompt-only
     validation rows, and the hidden-state prepare keeps the training rows' own answers with the vLLM
-    settings for answering the validation prompts; the regenerating variants' commands and keys are
-    what they were."""
+    settings for answering the validation prompts (the demo); the regenerating variants (a GPU one and
+    smollm2_135m_full) regenerate, and their commands and keys are what they were."""
     from speculators.cli import build_parser
     from speculators_assets.variants import PACKAGE_VARIANTS, load_variant
     from speculators_assets.workload import dump_for_key, hidden_state_commands, prompts_command
 
-    regenerating = load_variant(PACKAGE_VARIANTS / "qwen3_8b.yaml")
-    assert regenerating.datagen.regenerate and regenerating.datagen.regenerate_validation is None
-    assert not {"regenerate_validation", "max_answer_tokens"} & set(
-        dump_for_key(regenerating.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
-    )
-    assert "--regenerate-validation" not in prompts_command(regenerating, tmp_path)
     parser = build_parser()
-    for name in ("smollm2_135m", "smollm2_135m_full"):
+    for name in ("qwen3_8b", "smollm2_135m_full"):
+        regenerating = load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
+        assert regenerating.datagen.regenerate and regenerating.datagen.regenerate_validation is None
+        assert not {"regenerate_validation", "max_answer_tokens"} & set(
+            dump_for_key(regenerating.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
+        )
+        assert "--regenerate-validation" not in prompts_command(regenerating, tmp_path)
+        commands = hidden_state_commands(regenerating, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
+        prepare = parser.parse_args(commands[0])
+        assert prepare.regenerate is True and prepare.max_answer_tokens is None
+    for name in ("smollm2_135m",):
         own = load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
         raw = parser.parse_args(prompts_command(own, tmp_path))
         assert raw.require_assistant is True and raw.regenerate_validation is True
