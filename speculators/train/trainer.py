@@ -157,8 +157,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
     if config.optimizer == "muon":
         matrices = [p for n, p in trainable if p.dim() == 2]
         others = [p for n, p in trainable if p.dim() != 2]
+        # match_rms_adamw scales Muon's orthogonalised step to AdamW's update size, so one --lr serves both
+        # (PyTorch's default scaling gives the drafter's matrices 5-7x smaller steps at the same lr).
         return [
-            torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay),
+            torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(others, lr=config.lr, weight_decay=0.0),
         ]
     return [
