@@ -238,11 +238,11 @@ def report(
         f"\nvLLM offline, {engine['dtype']}, {mode}, {where}, {runtime} OpenMP; {args.prompts} prompts x "
         f"{args.max_tokens} tokens (ignore_eos), greedy, K={','.join(map(str, ks))}\n"
     )
-    baseline_ms = 1000 * results["baseline"]["wall_s"] / results["baseline"]["tokens"]
+    baseline_ms = ms_per_token(results["baseline"])
     print("| configuration | ms per token | tokens per step | engine step ms | speed-up (time per token) |")
     print("|---|---:|---:|---:|---:|")
     for label, result in results.items():
-        ms = 1000 * result["wall_s"] / result["tokens"]
+        ms = ms_per_token(result)
         tokens_per_step, step = per_token_step(result), per_step(result, "engine step")
         print(
             f"| {'speculator ' + label if label != 'baseline' else label} | {ms:.2f} "

@@ -538,16 +538,15 @@ def test_a_variant_that_keeps_its_rows_answers_has_the_verifier_answer_only_vali
         commands = hidden_state_commands(regenerating, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
         prepare = parser.parse_args(commands[0])
         assert prepare.regenerate is True and prepare.max_answer_tokens is None
-    for name in ("smollm2_135m",):
-        own = load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
-        raw = parser.parse_args(prompts_command(own, tmp_path))
-        assert raw.require_assistant is True and raw.regenerate_validation is True
-        commands = hidden_state_commands(own, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
-        prepare = parser.parse_args(commands[0])
-        assert prepare.regenerate is False and prepare.regenerate_validation is True
-        assert prepare.require_assistant is True
-        assert prepare.backend == "vllm" and prepare.batch_size == 256 and prepare.max_new_tokens == 256
-        assert prepare.max_answer_tokens == 256
+    own = load_variant(PACKAGE_VARIANTS / "smollm2_135m.yaml")
+    raw = parser.parse_args(prompts_command(own, tmp_path))
+    assert raw.require_assistant is True and raw.regenerate_validation is True
+    commands = hidden_state_commands(own, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
+    prepare = parser.parse_args(commands[0])
+    assert prepare.regenerate is False and prepare.regenerate_validation is True
+    assert prepare.require_assistant is True
+    assert prepare.backend == "vllm" and prepare.batch_size == 256 and prepare.max_new_tokens == 256
+    assert prepare.max_answer_tokens == 256
 
 
 def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, monkeypatch):
