@@ -150,6 +150,17 @@ def lr_at(step: int, total: int, config: TrainConfig) -> float:
     return config.lr * max(0.0, (total - step) / max(1, total - warmup))
 
 
+def check_optimizer_available(optimizer: str) -> None:
+    """Fail before any data is read where this torch lacks the optimizer (Muon arrived in torch 2.9)."""
+    import torch
+
+    if optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        raise SpeculatorsError(
+            f"--optimizer muon needs torch.optim.Muon (torch 2.9 or later) but this torch is {torch.__version__}; "
+            "upgrade torch or train with --optimizer adamw"
+        )
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
     import torch
 
@@ -803,6 +814,7 @@ def train(config: TrainConfig) -> TrainingSummary | None:
     """Train, holding the run folder's lock on rank 0: a second `train` into the same folder waits,
     then resumes from the first's last checkpoint (nothing is trained twice). The summary; None off rank 0."""
 
+    check_optimizer_available(config.optimizer)
     if int(os.environ.get("RANK", "0")) != 0:  # (the other ranks follow rank 0 through the collectives)
         return train_run(config)
     with exclusive_lock(config.output, "training run"):

@@ -320,6 +320,13 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
         train(config_for(store, peaked_verifier, tmp_path / "w", fsdp=True))
 
 
+def test_muon_on_a_torch_without_it_fails_before_reading_data(store, peaked_verifier, tmp_path, monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")  # torch < 2.9, which pyproject still allows
+    with pytest.raises(SpeculatorsError, match=r"--optimizer muon needs torch.optim.Muon \(torch 2.9 or later\)"):
+        train(config_for(store, peaked_verifier, tmp_path / "old", optimizer="muon"))
+    assert not (tmp_path / "old").exists()
+
+
 def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
     config = config_for(store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2)
     first = train(config)
