@@ -602,7 +602,7 @@ def train_ours(args: argparse.Namespace, store: Path, precision: str) -> dict[st
         "lr": args.lr,
         "warmup": args.warmup,
         "weight_decay": args.weight_decay,
-        "optimizer": args.ours_optimizer or args.optimizer,
+        "optimizer": args.ours_optimizer,
         "loss_positions": args.ours_loss_positions,
         "grad_clip": 1.0,
         "ttt_steps": args.ttt_steps,
@@ -855,6 +855,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10, help="optimizer steps per progress line")
     args = parser.parse_args()
     args.prompts = args.prompts or ["natural:eval"]
+    args.ours_optimizer = args.ours_optimizer or args.optimizer
     for name in ("epochs", "ttt_steps", "token_budget", "build_samples", "max_new_tokens", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
@@ -917,7 +918,7 @@ def main() -> None:
         f"evaluation in {args.eval_dtype}, {args.max_new_tokens} new tokens"
     )
     print(
-        f"optimizer: ours {args.ours_optimizer or args.optimizer}, reference {args.optimizer}; positions scored: "
+        f"optimizer: ours {args.ours_optimizer}, reference {args.optimizer}; positions scored: "
         f"ours {args.ours_loss_positions}, reference its loss mask (the answers)"
     )
     print(f"export check: {', '.join(check['samples'])} read by the reference equal ours tensor by tensor\n")
