@@ -166,19 +166,24 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
 
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if config.optimizer == "muon":
-        matrices = [p for n, p in trainable if p.dim() == 2]
-        others = [p for n, p in trainable if p.dim() != 2]
+        # Muon orthogonalises the hidden layers' matrices only; the output head (lm_head, trained under
+        # --train-lm-head) is not a hidden layer (Muon's own guidance) and goes with the norms to AdamW.
+        is_hidden_matrix = {n: p.dim() == 2 and not f".{n}".endswith(".lm_head.weight") for n, p in trainable}
+        matrices = [p for n, p in trainable if is_hidden_matrix[n]]
+        others = [p for n, p in trainable if not is_hidden_matrix[n]]
         # match_rms_adamw scales Muon's orthogonalised step to AdamW's update size, so one --lr serves both
         # (PyTorch's default scaling gives the drafter's matrices 5-7x smaller steps at the same lr).
         return [
             torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(others, lr=config.lr, weight_decay=0.0),
+            adamw(others, config),  # the head, norms and biases train as under --optimizer adamw
         ]
-    return [
-        torch.optim.AdamW(
-            [p for _, p in trainable], lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True
-        )
-    ]
+    return [adamw([p for _, p in trainable], config)]
+
+
+def adamw(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True)
 
 
 # ----- model construction and checks -------------------------------------------------------------

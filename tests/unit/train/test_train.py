@@ -328,14 +328,22 @@ def test_muon_on_a_torch_without_it_fails_before_reading_data(store, peaked_veri
 
 
 def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
-    config = config_for(store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2)
+    config = config_for(
+        store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2, train_lm_head=True
+    )
     first = train(config)
     assert first.steps == 4
     from safetensors.torch import load_file
 
     optimizer_tensors = load_file(str(tmp_path / "muon" / "checkpoints" / "last" / "optimizer.safetensors"))
-    assert any(name.startswith("0/") and name.endswith("/momentum_buffer") for name in optimizer_tensors)  # Muon
-    assert any(name.startswith("1/") and name.endswith("/exp_avg") for name in optimizer_tensors)  # AdamW (norms)
+    # Muon (optimizer 0) holds the hidden matrices; AdamW (1) the output head, norms and biases
+    assert "0/drafter.fc.weight/momentum_buffer" in optimizer_tensors
+    assert "0/drafter.layers.0.self_attn.q_proj.weight/momentum_buffer" in optimizer_tensors
+    assert (
+        "1/drafter.lm_head.weight/exp_avg" in optimizer_tensors
+        and "0/drafter.lm_head.weight/momentum_buffer" not in optimizer_tensors
+    )
+    assert "1/drafter.norm.weight/exp_avg" in optimizer_tensors
     resumed = train(config.model_copy(update={"max_steps": 6}))
     assert resumed.steps == 6
     assert validate_checkpoint(tmp_path / "muon" / "drafter", verifier=str(peaked_verifier)).ok
