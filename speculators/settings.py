@@ -345,10 +345,11 @@ class TrainRecipe(Settings):
     ttt_steps: int = Field(3, ge=1, description="draft steps simulated in training")
     step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
     aux_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux states in training, x their RMS")
-    loss_positions: Literal["answers", "all"] = Field(
+    loss_positions: Literal["answers", "all", "first-step"] = Field(
         "answers",
-        description="positions scored in training: the answers' (what decoding drafts) or all, prompts and chat "
-        "markup too (more supervision per sample; validation scores answers either way)",
+        description="positions scored in training: the answers' (what decoding drafts), all (prompts and chat "
+        "markup too, at every draft step: more supervision per sample) or first-step (all at the first draft "
+        "step, which runs on every position anyway, the answers' at the later ones); validation scores answers",
     )
     token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
     grad_accumulation: int = Field(1, ge=1, description="packs per optimizer step and rank")

@@ -141,16 +141,22 @@ def ttt_loss(
     decay: float = 1.0,
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     hits: list[torch.Tensor] | None = None,
+    first_step_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total loss (sum over steps of decay**s x masked-mean KL) and per-step count sums [steps].
 
     `step_outputs` are per-step logits [B, T, D], or normed hidden states [B, T, H] with `lm_head`.
-    `target_logits` are the verifier's, either [B, T, D] or only at the loss-mask positions
-    [mask.sum(), D] (in row-major order of the mask). A `hits` list receives, per step s, the bool
-    [B, T - s] of chain starts whose step-s draft is scored and agrees (for `replay_decoding`).
+    `target_logits` are the verifier's, either [B, T, D] or only at the positions some step scores
+    [needed.sum(), D] (in row-major order; `needed` is the loss mask, or its union with
+    `first_step_mask`). `first_step_mask` [B, T], when given, is what step 0 scores instead of the
+    loss mask (e.g. every position, while the later steps keep to the answers). A `hits` list
+    receives, per step s, the bool [B, T - s] of chain starts whose step-s draft is scored and
+    agrees (for `replay_decoding`).
     """
     length = loss_mask.shape[1]
     needed = loss_mask.bool()
+    if first_step_mask is not None:
+        needed = needed | first_step_mask.bool()
     if target_logits.dim() == 3:
         target_logits = target_logits[needed]
     target_p, neg_entropy, target_ids = target_distribution(target_logits)  # one row per needed position
@@ -162,7 +168,8 @@ def ttt_loss(
     sums: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "count", "correct", "cond_correct", "cond_count")}
     for step, output in enumerate(step_outputs):
         span = length - step
-        mask = scored_chain_starts(needed, document_ids, step)
+        scored_from = first_step_mask if step == 0 and first_step_mask is not None else loss_mask
+        mask = scored_chain_starts(scored_from, document_ids, step)
         rows = mask.nonzero(as_tuple=True)  # (batch, chain start t); target position t + step
         targets = row_of[:, step:][rows]
         scored = output[:, :span][rows]

@@ -677,9 +677,18 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
         no_sync = getattr(model, "no_sync", None)  # DDP's
         with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
             normed = forward_pack(model, pack, config.ttt_steps)
-            targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *run.head)
+            # first-step: step 0 (computed on every position anyway) scores them all; later steps the answers
+            first = torch.ones_like(pack.loss_mask) if config.loss_positions == "first-step" else None
+            needed = pack.loss_mask if first is None else first
+            targets = verifier_target_logits(pack.target_hidden_states[needed], *run.head)
             loss, sums = ttt_loss(
-                normed, targets, pack.loss_mask, pack.document_ids, config.step_decay, lm_head=run.drafter.lm_head
+                normed,
+                targets,
+                pack.loss_mask,
+                pack.document_ids,
+                config.step_decay,
+                lm_head=run.drafter.lm_head,
+                first_step_mask=first,
             )
             (loss / config.grad_accumulation).backward()
         window.add(sums, pack.num_tokens)

@@ -88,6 +88,39 @@ def test_ttt_loss_equals_a_plain_loop():
     torch.testing.assert_close(full_sums["kl"], sparse_sums["kl"], rtol=1e-6, atol=0)  # sums of fp32 values
 
 
+def test_first_step_mask_scores_every_position_at_step_zero_only():
+    """`first_step_mask` (loss_positions: first-step) makes step 0 score what `loss_positions: all`
+    scores there, and the later steps what the answers-only loss scores; a later step's conditional
+    counts follow the step-0 hits of every chain start, scored now where the prompt ends."""
+    torch.manual_seed(1)
+    B, T, D, steps, gamma = 2, 9, 11, 3, 0.8
+    step_logits = [torch.randn(B, T, D) for _ in range(steps)]
+    targets = torch.randn(B, T, D)
+    mask = torch.rand(B, T) > 0.4
+    documents = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])
+    every = torch.ones_like(mask)
+    loss, sums = ttt_loss(step_logits, targets, mask, documents, decay=gamma, first_step_mask=every)
+    _, all_sums = ttt_loss(step_logits, targets, every, documents, decay=gamma)
+    _, answer_sums = ttt_loss(step_logits, targets, mask, documents, decay=gamma)
+    for key in ("count", "correct"):
+        assert sums[key][0] == all_sums[key][0] and torch.equal(sums[key][1:], answer_sums[key][1:])
+    assert sums["count"][0] == B * T > answer_sums["count"][0]
+    torch.testing.assert_close(sums["kl"][0], all_sums["kl"][0])
+    torch.testing.assert_close(sums["kl"][1:], answer_sums["kl"][1:])
+    expected = sum(gamma**s * sums["kl"][s] / sums["count"][s] for s in range(steps))
+    assert loss.item() == pytest.approx(float(expected), rel=1e-6)
+    # Step 1's conditional counts: chains scored at step 1 whose step-0 draft (always scored) agreed.
+    hit0 = step_logits[0].argmax(-1) == targets.argmax(-1)
+    scored1 = mask[:, 1:] & (documents[:, :-1] == documents[:, 1:])
+    assert sums["cond_count"][1] == int((scored1 & hit0[:, :-1]).sum())
+    # Targets given only at the needed rows (every position here) give the same loss.
+    head = torch.nn.Linear(5, D, bias=False)
+    hidden = [torch.randn(B, T, 5) for _ in range(steps)]
+    dense, _ = ttt_loss([head(h) for h in hidden], targets, mask, documents, decay=gamma, first_step_mask=every)
+    sparse, _ = ttt_loss(hidden, targets[every], mask, documents, decay=gamma, lm_head=head, first_step_mask=every)
+    assert sparse.item() == pytest.approx(dense.item(), rel=1e-6)
+
+
 def test_expected_acceptance_length():
     assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert expected_acceptance_length([0.0, 1.0]) == 1.0
@@ -214,6 +247,12 @@ def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_ver
     full = train(config_for(store, peaked_verifier, tmp_path / "all", max_steps=4, loss_positions="all"))
     assert full.config["loss_positions"] == "all" and plain.config["loss_positions"] == "answers"
     assert full.final_train["loss"] != plain.final_train["loss"]
+    # first-step: every position at step 0 only, so its packs are the answers' and its loss a third one.
+    first_packs, _ = packed_stores(config_for(store, peaked_verifier, tmp_path, loss_positions="first-step"))
+    assert not first_packs.score_all
+    first = train(config_for(store, peaked_verifier, tmp_path / "first", max_steps=4, loss_positions="first-step"))
+    assert first.config["loss_positions"] == "first-step"
+    assert first.final_train["loss"] not in (plain.final_train["loss"], full.final_train["loss"])
 
 
 def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
