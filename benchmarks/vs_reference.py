@@ -798,6 +798,15 @@ def table(training: dict[str, dict[str, Any]], evaluation: dict[str, dict[str, A
 # ----- main -----------------------------------------------------------------------------------------
 
 
+def recipe_choices(field: str) -> tuple[str, ...]:
+    """The values our trainer accepts for a recipe field (its Literal), so our-side flags follow `train`'s."""
+    import typing
+
+    from speculators.settings import TrainRecipe
+
+    return typing.get_args(TrainRecipe.model_fields[field].annotation)
+
+
 def parse_args() -> argparse.Namespace:
     from speculators.verifier.loading import cache_root
 
@@ -820,10 +829,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     # Issue 28 asks to use what the head to head shows to beat the reference: our recipe levers, on our
     # side only, so that the reference keeps its own recipe and the data and epochs stay equal.
-    parser.add_argument("--ours-optimizer", choices=("adamw", "muon"), help="our trainer's only (default: --optimizer)")
+    parser.add_argument(
+        "--ours-optimizer", choices=recipe_choices("optimizer"), help="our trainer's only (default: --optimizer)"
+    )
     parser.add_argument(
         "--ours-loss-positions",
-        choices=("answers", "all", "first-step"),
+        choices=recipe_choices("loss_positions"),
         default="answers",
         help="positions our trainer scores (all: prompts too; first-step: prompts at the first draft step only; "
         "the reference scores its loss mask, the answers)",
