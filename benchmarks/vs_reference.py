@@ -934,14 +934,13 @@ def main() -> None:
     print()
     print(
         f"verifier {args.verifier}; store {store} ({info['train_rows']} training samples, "
-        f"{info['val_rows']} validation, {manifest.storage}); {args.epochs} epochs, lr {args.lr}, "
+        f"{info['val_rows']} validation, {manifest.storage}); {args.epochs} epochs, "
         f"K = TTT steps = {args.ttt_steps}, token budget {args.token_budget}, {precision} training; "
         f"evaluation in {args.eval_dtype}, {args.max_new_tokens} new tokens"
     )
     print(
         f"optimizer: ours {args.ours_optimizer} at lr {args.ours_lr}, reference {args.optimizer} at lr {args.lr}; "
-        f"positions scored: "
-        f"ours {args.ours_loss_positions}, reference its loss mask (the answers)"
+        f"positions scored: ours {args.ours_loss_positions}, reference its loss mask (the answers)"
     )
     print(f"export check: {', '.join(check['samples'])} read by the reference equal ours tensor by tensor\n")
     print("\n".join(lines))
