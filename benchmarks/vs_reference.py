@@ -605,6 +605,7 @@ def train_ours(args: argparse.Namespace, store: Path, precision: str) -> dict[st
         "weight_decay": args.weight_decay,
         "optimizer": args.ours_optimizer,
         "loss_positions": args.ours_loss_positions,
+        "fc_norm": args.ours_fc_norm,
         "grad_clip": 1.0,
         "ttt_steps": args.ttt_steps,
         "step_decay": args.step_decay,
@@ -843,6 +844,11 @@ def parse_args() -> argparse.Namespace:
     # Muon's best peak rate is not AdamW's (2e-3 against 1e-3 on the 701-sample ShareGPT store, BENCHMARKS.md):
     # with Muon on our side only, each trainer runs at its own optimizer's best rate.
     parser.add_argument("--ours-lr", type=float, help="our trainer's peak learning rate only (default: --lr)")
+    parser.add_argument(
+        "--ours-fc-norm",
+        action="store_true",
+        help="our drafter normalises each aux state on its own before fc (fc_norm.i; the reference: one norm over all)",
+    )
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="training autocast")
     parser.add_argument("--validation-share", type=float, default=0.05, help="our hash split (training_data)")
     parser.add_argument("--seed", type=int, default=0)
@@ -940,7 +946,8 @@ def main() -> None:
     )
     print(
         f"optimizer: ours {args.ours_optimizer} at lr {args.ours_lr}, reference {args.optimizer} at lr {args.lr}; "
-        f"positions scored: ours {args.ours_loss_positions}, reference its loss mask (the answers)"
+        f"positions scored: ours {args.ours_loss_positions}, reference its loss mask (the answers); "
+        f"aux norms before fc: ours {'one per state' if args.ours_fc_norm else 'one over all'}, reference one over all"
     )
     print(f"export check: {', '.join(check['samples'])} read by the reference equal ours tensor by tensor\n")
     print("\n".join(lines))

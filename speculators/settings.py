@@ -367,6 +367,11 @@ class TrainRecipe(Settings):
     eval_every: int = Field(100, ge=1, description="optimizer steps between validations")
     checkpoint_every: int = Field(100, ge=1, description="optimizer steps between resumable checkpoints")
     train_lm_head: bool = Field(False, description="train the draft lm_head (default: frozen verifier rows)")
+    fc_norm: bool = Field(
+        False,
+        description="a new drafter normalises each aux state on its own before fc (fc_norm.i) instead of the "
+        "three together (input_norm): the early layer's small states keep their share",
+    )
     fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
     device: DeviceName = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
 

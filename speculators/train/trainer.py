@@ -206,6 +206,11 @@ def build_drafter(
                 f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
                 f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
             )
+        if config.fc_norm and not drafter.config.fc_norm:
+            raise SpeculatorsError(
+                f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
+                "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
+            )
         drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
     else:
         draft_config = draft_config_for_verifier(
@@ -216,6 +221,8 @@ def build_drafter(
             draft_layer_type=config.draft_layer_type,
             num_draft_layers=config.num_draft_layers,
             speculative_tokens=config.speculative_tokens or config.ttt_steps,
+            norm_before_fc=not config.fc_norm,  # one of the two aux norms (the format allows either)
+            fc_norm=config.fc_norm,
         )
         drafter = Eagle3Drafter(draft_config)
         drafter.reset_parameters(seed=config.seed)

@@ -213,7 +213,8 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
 ):
     """`vllm serve <checkpoint>` (no --speculative-config): vLLM loads the verifier the checkpoint names
     (a hub id, found offline in the hub cache where `speculators verifier --cache-as` put the local copy)
-    and the drafter's own K; the drafter has 2 layers, and its fp32 greedy outputs equal the baseline's."""
+    and the drafter's own K; the drafter has 2 layers and one norm per aux state (`fc_norm`), its fp32 greedy
+    outputs equal the baseline's, and vLLM accepts what our evaluator accepts (it reads both the same way)."""
     from safetensors import safe_open
 
     from speculators.cli import main
@@ -231,6 +232,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
             token_budget=512,
             precision="fp32",
             num_draft_layers=2,
+            fc_norm=True,
             log_every=50,
             eval_every=1000,
             checkpoint_every=1000,
@@ -244,6 +246,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     # vLLM builds a hidden_norm in every layer but uses only layer 0's: the checkpoint holds just that one.
     assert "layers.0.hidden_norm.weight" in names and "layers.1.input_layernorm.weight" in names
     assert not any(name.startswith("layers.1.hidden_norm") for name in names)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= names and "input_norm.weight" not in names
 
     hub_id = "speculators-tests/peaked-llama"
     named = tmp_path / "named"
@@ -280,6 +283,15 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     assert outputs == baseline  # fp32: not one token changed
     assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]  # K from the checkpoint
     assert "reserve_cpu_num=0" in (tmp_path / "one-command.log").read_text()  # the server's CPU default: every core
+
+    from speculators.eval.evaluate import evaluate, load_proposer
+    from speculators.verifier.loading import load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    proposer = load_proposer("eagle3", verifier, str(named), "float32")
+    offline = evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
+    assert served["acceptance_length"] > 1.5
+    assert served["acceptance_length"] == pytest.approx(offline["acceptance_length"], abs=0.15)
 
 
 def processes_mentioning(text: str) -> list[str]:

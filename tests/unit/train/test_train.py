@@ -388,6 +388,31 @@ def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, t
     assert validate_checkpoint(tmp_path / "muon" / "drafter", verifier=str(peaked_verifier)).ok
 
 
+def test_fc_norm_trains_one_norm_per_aux_state_and_refuses_a_warm_start_without_them(store, peaked_verifier, tmp_path):
+    from safetensors import safe_open
+
+    train(config_for(store, peaked_verifier, tmp_path / "per-state", fc_norm=True, max_steps=4, lr=2e-2))
+    drafter_dir = tmp_path / "per-state" / "drafter"
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_before_fc"]) == (True, False)
+    with safe_open(str(drafter_dir / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        norms = [handle.get_tensor(f"fc_norm.{i}.weight") for i in range(3)]
+        target_hidden = handle.get_tensor("fc.weight").shape[1] // 3  # fc reads the 3 states concatenated
+    assert "input_norm.weight" not in names
+    assert all(norm.shape == (target_hidden,) for norm in norms)
+    assert all(not torch.equal(norm.float(), torch.ones(target_hidden)) for norm in norms)  # trained from ones
+    assert validate_checkpoint(drafter_dir, verifier=str(peaked_verifier)).ok
+
+    train(config_for(store, peaked_verifier, tmp_path / "joint", max_steps=2))
+    with pytest.raises(SpeculatorsError, match=r"--fc-norm asks for per-aux-state norms but warm start .*joint"):
+        train(
+            config_for(
+                store, peaked_verifier, tmp_path / "warm", fc_norm=True, warm_start=str(tmp_path / "joint" / "drafter")
+            )
+        )
+
+
 def test_fused_kl_matches_autograd_in_value_and_gradient():
     from speculators.models.ttt import ROW_CHUNK, KLFromLogits, target_distribution
 
