@@ -171,15 +171,23 @@ def test_a_server_without_dev_endpoints_refuses_to_reset_its_prefix_cache(tiny_v
         server.reset_prefix_cache()
 
 
+def offline_totals(verifier_dir: Path, prompts: list, checkpoint: Path) -> dict:
+    """Our evaluator's totals for the checkpoint on the served prompts (fp32, the servers' fixed length):
+    what vLLM's spec-decode counters must match when it reads our files as we do."""
+    from speculators.eval.evaluate import DrafterProposer, evaluate, load_proposer
+    from speculators.verifier.loading import load_verifier
+
+    verifier = load_verifier(verifier_dir, dtype="float32")
+    proposer = load_proposer("eagle3", verifier, str(checkpoint), "float32")
+    assert isinstance(proposer, DrafterProposer)
+    return evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
+
+
 @pytest.mark.slow
 def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptance(
     peaked_verifier, trained_drafter, served_baseline, tmp_path
 ):
     """fp32 greedy outputs equal the baseline server's token for token; acceptance matches our evaluator's."""
-    from speculators.eval.evaluate import DrafterProposer, evaluate, load_proposer
-    from speculators.verifier.loading import load_verifier
-
-    verifier = load_verifier(peaked_verifier, dtype="float32")
     prompts, baseline, _ = served_baseline
     token_prompts = [ids for _, ids in prompts]
     common = dict(verifier=str(peaked_verifier), **SERVER)
@@ -198,9 +206,7 @@ def test_vllm_serves_our_trained_checkpoint_losslessly_with_the_offline_acceptan
     assert speculative == baseline  # fp32: not one token changed
     assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]
 
-    proposer = load_proposer("eagle3", verifier, str(trained_drafter), "float32")
-    assert isinstance(proposer, DrafterProposer)
-    offline = evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
+    offline = offline_totals(peaked_verifier, prompts, trained_drafter)
     # The same drafter read by vLLM from our files accepts what our own decoder accepts.
     assert served["acceptance_length"] > 1.8
     assert served["acceptance_length"] == pytest.approx(offline["acceptance_length"], abs=0.15)
@@ -284,12 +290,7 @@ def test_vllm_serve_of_the_checkpoint_directory_alone_serves_a_two_layer_drafter
     assert served["drafts"] > 0 and served["draft_tokens"] == K * served["drafts"]  # K from the checkpoint
     assert "reserve_cpu_num=0" in (tmp_path / "one-command.log").read_text()  # the server's CPU default: every core
 
-    from speculators.eval.evaluate import evaluate, load_proposer
-    from speculators.verifier.loading import load_verifier
-
-    verifier = load_verifier(peaked_verifier, dtype="float32")
-    proposer = load_proposer("eagle3", verifier, str(named), "float32")
-    offline = evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
+    offline = offline_totals(peaked_verifier, prompts, named)
     assert served["acceptance_length"] > 1.5
     assert served["acceptance_length"] == pytest.approx(offline["acceptance_length"], abs=0.15)
 
