@@ -275,11 +275,12 @@ def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
     assert "--loss-positions" not in train_command(demo, Path("store"), Path("out"), None)
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, sharding):
-    """torchrun with 2 ranks (gloo): DDP, and FSDP2 sharding, match one process with the same global batch."""
+@pytest.mark.parametrize(("sharding", "optimizer"), [("ddp", "adamw"), ("fsdp", "adamw"), ("fsdp", "muon")])
+def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, sharding, optimizer):
+    """torchrun with 2 ranks (gloo): DDP, and FSDP2 sharding, match one process with the same global batch.
+    Under FSDP2 each rank holds half of a matrix's rows; Muon (iterating in fp32 here) must orthogonalise it whole."""
     verifier = peaked_verifier
-    train(config_for(store, verifier, tmp_path / "single", max_steps=6, grad_accumulation=2))
+    train(config_for(store, verifier, tmp_path / "single", max_steps=6, grad_accumulation=2, optimizer=optimizer))
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [
         str(torchrun),
@@ -312,6 +313,8 @@ def test_two_cpu_processes_equal_one_process(store, peaked_verifier, tmp_path, s
         "--validation-share",
         "0.15",
         "--no-progress",
+        "--optimizer",
+        optimizer,
         *(["--fsdp"] if sharding == "fsdp" else []),
     ]
     result = subprocess.run(
@@ -359,11 +362,42 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
         train(config_for(store, peaked_verifier, tmp_path / "w", fsdp=True))
 
 
-def test_muon_on_a_torch_without_it_fails_before_reading_data(store, peaked_verifier, tmp_path, monkeypatch):
-    monkeypatch.delattr(torch.optim, "Muon")  # torch < 2.9, which pyproject still allows
-    with pytest.raises(SpeculatorsError, match=r"--optimizer muon needs torch.optim.Muon \(torch 2.9 or later\)"):
-        train(config_for(store, peaked_verifier, tmp_path / "old", optimizer="muon"))
-    assert not (tmp_path / "old").exists()
+def test_muon_steps_as_torch_muon_does_and_iterates_in_the_dtype_training_computes_in(store, peaked_verifier):
+    from speculators.train.muon import Muon, orthogonalize
+    from speculators.train.trainer import build_optimizer
+
+    torch.manual_seed(0)
+    shapes = [(48, 80), (80, 48), (32, 32)]  # wide, tall (iterated transposed), square
+    ours = [torch.nn.Parameter(torch.randn(shape) * 0.05) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    mine = Muon(ours, lr=0.02, weight_decay=0.01, ns_dtype=torch.bfloat16)
+    reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        mine.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)  # the same update, rounding for rounding
+
+    # fp32: the same singular vectors, singular values pushed into the iteration's band around 1
+    matrix = torch.randn(40, 72)
+    u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    fp32 = orthogonalize(matrix, torch.float32)
+    assert fp32.dtype == torch.float32 and fp32.shape == matrix.shape
+    singular = torch.linalg.svdvals(fp32)
+    assert singular.min() > 0.6 and singular.max() < 1.25
+    polar = u @ vh
+    assert F.cosine_similarity(fp32.flatten(), polar.flatten(), dim=0) > 0.97
+    torch.testing.assert_close(fp32, orthogonalize(matrix, torch.bfloat16).float(), atol=3e-2, rtol=0)
+
+    # the trainer iterates in bf16 only where training computes in bf16 (AVX2 CPUs: fp32, ~100x faster there)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))  # a matrix for Muon, the rest AdamW's
+    for precision, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
+        config = config_for(store, peaked_verifier, "unused", optimizer="muon", precision=precision)
+        optimizers = build_optimizer(model, config, torch.device("cpu"))
+        assert isinstance(optimizers[0], Muon) and optimizers[0].ns_dtype == dtype
 
 
 def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
