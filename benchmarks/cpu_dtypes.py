@@ -33,6 +33,12 @@ def best_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def matmul_gflops(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """A [size, size] matrix product's GFLOP/s in `dtype` (median of `repeats` after a warm-up)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats) / 1e9
+
+
 def vllm_tokens_per_second(verifier: str, dtype: str, prompts: int, max_tokens: int) -> float:
     import gc
 
@@ -74,8 +80,7 @@ def main() -> None:
 
     rows = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(args.size, args.size, dtype=dtype), torch.randn(args.size, args.size, dtype=dtype)
-        gemm = 2 * args.size**3 / best_seconds(lambda a=a, b=b: a @ b, args.repeats) / 1e9
+        gemm = matmul_gflops(dtype, args.size, args.repeats)
         verifier = load_verifier(args.verifier, dtype=str(dtype).removeprefix("torch."))
         base = verifier.adapter.base_model(verifier.model)
         ids = torch.randint(0, verifier.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))

@@ -12,30 +12,14 @@ cost on another machine can be read off its fp32 GFLOP/s.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from cpu_dtypes import best_seconds, matmul_gflops  # (this script's folder is on sys.path when it runs)
 
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.precision import cpu_has_bf16
 from speculators.train.muon import NS_STEPS, Muon
 from speculators.verifier.loading import draft_config_for_verifier, load_verifier_config
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def matmul_gflops(dtype: torch.dtype, size: int, repeats: int) -> float:
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    return 2 * size**3 / median_seconds(lambda: a @ b, repeats) / 1e9
 
 
 def iteration_gflop(shape: torch.Size) -> float:
@@ -61,15 +45,12 @@ def main() -> None:
     for _, parameter in trainable:
         parameter.grad = torch.randn_like(parameter) * 1e-3
 
-    def step_of(optimizer: torch.optim.Optimizer):
-        return lambda: optimizer.step()
-
     adamw = torch.optim.AdamW([p for _, p in trainable], lr=1e-3, betas=(0.9, 0.95), fused=True)
-    rows = [("AdamW (fused), every trainable tensor", median_seconds(step_of(adamw), args.repeats))]
+    rows = [("AdamW (fused), every trainable tensor", best_seconds(adamw.step, args.repeats))]
     for dtype in (torch.bfloat16, torch.float32):
         muon = Muon(matrices, lr=1e-3, ns_dtype=dtype)
         label = f"Muon, iteration in {str(dtype).removeprefix('torch.')}"
-        rows.append((label, median_seconds(step_of(muon), args.repeats)))
+        rows.append((label, best_seconds(muon.step, args.repeats)))
 
     gflop = sum(iteration_gflop(p.shape) for p in matrices)
     bf16, fp32 = matmul_gflops(torch.bfloat16, args.size, 2), matmul_gflops(torch.float32, args.size, 2)

@@ -164,7 +164,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device)
         others = [p for n, p in trainable if not is_hidden_matrix[n]]
         # Muon scales its orthogonalised step to AdamW's update size, so one --lr serves both (PyTorch's default
         # scaling gives the drafter's matrices 5-7x smaller steps at the same lr); its iteration runs in the
-        # dtype training computes in (bf16 on CPUs without it is ~100x slower than fp32).
+        # dtype training computes in (bf16 on CPUs without it is ~130x slower than fp32).
         ns_dtype = torch.bfloat16 if uses_bf16(config, device) else torch.float32
         return [
             Muon(matrices, lr=config.lr, weight_decay=config.weight_decay, ns_dtype=ns_dtype),
