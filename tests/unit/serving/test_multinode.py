@@ -141,6 +141,20 @@ def test_each_pod_runs_its_node_rank_of_one_group(variant, step):
         "29501",
     ]
     assert from_args(MultiNode, parsed(follower[3:])) == group(variant, step, 1)
+    # every node of the group has the plan secret, from the Secret, never on a command line
+    for pod in pods:
+        (secret,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == plan_trust.PLAN_SECRET_ENV]
+        assert secret == {
+            "name": "SPECULATORS_PLAN_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": "speculators-plan-secret", "key": "secret"}},
+        }
+    assert not any("secret" in arg for arg in follower)
+    other = PipelineRunner(mode="k8s", plan_secret="group-key").node_pods(variant, step, ROOT)
+    assert all(
+        {"name": "group-key", "key": "secret"}
+        in [e.get("valueFrom", {}).get("secretKeyRef") for e in p["spec"]["containers"][0]["env"]]
+        for p in other
+    )
     rendered_service = runner.node_service(variant, step)
     service = k8s_model_from_dict(
         kubernetes.client.V1Service, k8s_snake_case_dict(kubernetes.client.V1Service, rendered_service)
