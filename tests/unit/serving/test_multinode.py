@@ -577,6 +577,20 @@ def test_a_plan_signed_with_another_secret_is_ignored(capsys):
     assert "(the last answer on its port was ignored: its answer's signature is not this node group's" in err
 
 
+def test_a_follower_with_another_secret_is_refused_by_rank_0_and_says_so(monkeypatch, capsys):
+    """Node rank 0's real plan server and a follower whose secret differs: 403, one warning, no engine."""
+    rank0 = follower_group(free_port(), rank=0)
+    with multinode.engine_plan(rank0, "verifier", ["--max-model-len", "4096"]):
+        monkeypatch.setenv(plan_trust.PLAN_SECRET_ENV, "another-groups-secret-0123456789")
+        code, started, error = follow_once(rank0.plan_port)
+    assert (code, started, error) == (1, [], None)
+    assert re.search(
+        r"warning: ignored an answer on 127\.0\.0\.1:\d+: it refused this node's request \(HTTP 403\): its plan "
+        r"secret is not this node's; still waiting for node rank 0",
+        capsys.readouterr().out,
+    )
+
+
 def test_a_signed_reply_replayed_for_another_request_is_ignored(plan_secret, capsys):
     """A reply node rank 0 really signed, but for an earlier request's nonce, served again to every request."""
     rank0 = follower_group(1, rank=0)
