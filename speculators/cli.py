@@ -269,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_follow(args: argparse.Namespace) -> int:
     s: FollowSettings = from_args(FollowSettings, args)
-    return follow(node_group_of(s), idle_timeout=s.idle_timeout)
+    return follow(node_group_of(s), idle_timeout=s.idle_timeout, trust_remote_code=s.trust_remote_code)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

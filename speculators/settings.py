@@ -165,6 +165,13 @@ class MultiNode(Settings):
         le=65535,
         description="port on which node rank 0 serves each engine's arguments to the other nodes",
     )
+    # The secret itself is never a flag (`ps` and the step's log show command lines): a file, or the
+    # environment variable SPECULATORS_PLAN_SECRET (speculators/serving/plan_trust.py).
+    plan_secret_file: PathText | None = Field(
+        None,
+        description="over several nodes: a file holding the node group's shared plan secret (at least 16 bytes, "
+        "the same on every node; default: the SPECULATORS_PLAN_SECRET environment variable)",
+    )
 
     @model_validator(mode="after")
     def rank_among_nodes(self) -> MultiNode:
@@ -461,6 +468,11 @@ class FollowSettings(MultiNode):
         ge=1,
         description="give up after this many seconds in which node rank 0 served no engine",
         json_schema_extra=PARSE_CHECK,
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="accept --trust-remote-code in node rank 0's engine arguments (vLLM then runs the model's own "
+        "code on this node); refused otherwise",
     )
 
 

@@ -163,6 +163,7 @@ def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | 
                 namespace=settings.k8s_namespace,
                 workload_image=settings.workload_image,
                 storage_claim=settings.storage_claim,
+                plan_secret=settings.plan_secret,
             ),
         },
     )

@@ -56,6 +56,12 @@ class Settings:
         "speculators-storage",
         "k8s: the ReadWriteMany claim mounted at the storage root in every step pod",
     )
+    plan_secret: str = variable(
+        "SPECULATORS_PLAN_SECRET_NAME",
+        "speculators-plan-secret",
+        "k8s: the Secret (key `secret`) every pod of a multi-node step gets as SPECULATORS_PLAN_SECRET, the node "
+        "group's shared key for node rank 0's engine plan (create it with a random value: deploy/README.md)",
+    )
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:

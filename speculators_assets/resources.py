@@ -131,6 +131,7 @@ class PipelineRunner(dg.ConfigurableResource):
     workload_image: str = Settings.workload_image
     image_pull_policy: str = "IfNotPresent"
     storage_claim: str = Settings.storage_claim  # ReadWriteMany claim mounted at the storage root
+    plan_secret: str = Settings.plan_secret  # the Secret (key `secret`) of multi-node steps' plan secret
     service_account: str = "speculators-pipes"
     load_incluster_config: bool = True
 
@@ -239,8 +240,11 @@ class PipelineRunner(dg.ConfigurableResource):
         commands start each vLLM engine with the node group `ComputeProfile.node_group(0, ...)`; ranks 1..
         run `speculators follow` with their own rank of the same group: it starts vLLM's headless workers
         of every engine rank 0 starts, with the engine arguments rank 0 serves (speculators/serving/multinode.py),
-        and ends when rank 0's step ends."""
+        and ends when rank 0's step ends. Every pod gets the node group's plan secret from the Secret
+        `plan_secret` (key `secret`) as SPECULATORS_PLAN_SECRET: rank 0 signs its plan with it and the
+        followers take only a plan so signed (speculators/serving/plan_trust.py)."""
         from speculators.flags import to_argv
+        from speculators.serving.plan_trust import PLAN_SECRET_ENV
         from speculators.settings import MultiNode
 
         profile = variant.profile(step)
@@ -253,6 +257,7 @@ class PipelineRunner(dg.ConfigurableResource):
             container["env"] += [
                 {"name": "SPECULATORS_NODE_RANK", "value": str(rank)},
                 {"name": "SPECULATORS_MASTER_ADDR", "value": master},
+                {"name": PLAN_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": self.plan_secret, "key": "secret"}}},
             ]
             if rank:
                 nodes = MultiNode(**profile.node_group(rank, master))

@@ -876,7 +876,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
 
-    refuse_node_flags(settings.vllm_args)  # (the node group: bench's own flags, which the other nodes follow)
+    # (the node group: bench's own flags, which the other nodes follow; over several nodes, only what they accept)
+    refuse_node_flags(settings.vllm_args, node_group_of(settings))
     if any(arg.split("=")[0] == "--quantization" for arg in settings.vllm_args):
         raise SpeculatorsError(
             "pass the verifier's quantization as bench's own --quantization (not after --), so the lossless "

@@ -169,11 +169,11 @@ class VllmServer:
         self.speculative = settings.speculative_config()
         self.log_path = Path(settings.log_path)
 
-        refuse_node_flags(settings.extra_args)
         nodes = settings.nodes
         problem = node_layout_problem(nodes.nnodes, nodes.node_rank, settings.tensor_parallel_size) if nodes else None
         if problem:
             raise SpeculatorsError(problem)
+        refuse_node_flags(settings.extra_args, nodes)
 
     @property
     def url(self) -> str:

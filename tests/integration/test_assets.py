@@ -181,6 +181,10 @@ def test_a_multi_node_step_renders_a_pod_per_node_with_vllms_multi_node_flags(tm
     for rank, (_, pod) in enumerate(built):
         env = {e.name: e.value for e in pod.spec.containers[0].env}
         assert env["SPECULATORS_NODE_RANK"] == str(rank) and env["SPECULATORS_MASTER_ADDR"] == master
+        (secret,) = [
+            e.value_from.secret_key_ref for e in pod.spec.containers[0].env if e.name == "SPECULATORS_PLAN_SECRET"
+        ]
+        assert (secret.name, secret.key) == (runner.plan_secret, "secret")  # (the node group's plan secret)
     worker = pods[1]["spec"]["containers"][0][
         "command"
     ]  # (every node's engine arguments: tests/unit/serving/test_multinode.py)

@@ -337,6 +337,12 @@ def test_step_pod_specs_for_gpu_variants_match_the_manifests():
         assert ("PersistentVolumeClaim", spec["volumes"][0]["persistentVolumeClaim"]["claimName"]) in objects
         secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in spec["containers"][0]["env"] if "valueFrom" in e}
         assert secrets <= {name for kind, name in objects if kind == "Secret"}
+    # a multi-node step's pods: also the node group's plan secret (secrets.example.yaml)
+    for pod in runner.node_pods(load_variants()["mistral_large_3"], "benchmark_report", K8S_STORAGE_ROOT):
+        secrets = {
+            e["valueFrom"]["secretKeyRef"]["name"] for e in pod["spec"]["containers"][0]["env"] if "valueFrom" in e
+        }
+        assert runner.plan_secret in secrets and secrets <= {name for kind, name in objects if kind == "Secret"}
 
 
 def test_the_images_constraints_are_the_versions_the_tests_run_with():

@@ -9,11 +9,17 @@ hand-over of the engine arguments runs over localhost with vLLM's engine replace
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
-import subprocess
+import http.server
+import json
+import re
+import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,7 +29,7 @@ from speculators.cli import build_parser, main
 from speculators.errors import SpeculatorsError
 from speculators.flags import from_args
 from speculators.serving import engine as vllm_engine
-from speculators.serving import multinode
+from speculators.serving import multinode, plan_trust
 from speculators.settings import BenchSettings, CaptureSettings, MultiNode, PrepareSettings, node_group_of
 from speculators_assets.resources import PipelineRunner
 from speculators_assets.variants import ComputeProfile, load_variants, master_address
@@ -37,6 +43,16 @@ NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--he
 # Fields whose `vllm serve` default differs from EngineArgs' own and that vLLM reads only as true or false,
 # so both defaults mean off (vllm/engine/arg_utils.py: `if self.enable_lora`, `if self.reasoning_parser_plugin`).
 SAME_WHEN_FALSY = {"enable_lora", "reasoning_parser_plugin"}
+
+
+SECRET = "a-shared-secret-of-32-characters"
+
+
+@pytest.fixture(autouse=True)
+def plan_secret(monkeypatch):
+    """Every node of these groups has the group's plan secret (plan_trust), as the pods get it from a Secret."""
+    monkeypatch.setenv(plan_trust.PLAN_SECRET_ENV, SECRET)
+    return SECRET.encode()
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +141,20 @@ def test_each_pod_runs_its_node_rank_of_one_group(variant, step):
         "29501",
     ]
     assert from_args(MultiNode, parsed(follower[3:])) == group(variant, step, 1)
+    # every node of the group has the plan secret, from the Secret, never on a command line
+    for pod in pods:
+        (secret,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == plan_trust.PLAN_SECRET_ENV]
+        assert secret == {
+            "name": "SPECULATORS_PLAN_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": "speculators-plan-secret", "key": "secret"}},
+        }
+    assert not any("secret" in arg for arg in follower)
+    other = PipelineRunner(mode="k8s", plan_secret="group-key").node_pods(variant, step, ROOT)
+    assert all(
+        {"name": "group-key", "key": "secret"}
+        in [e.get("valueFrom", {}).get("secretKeyRef") for e in p["spec"]["containers"][0]["env"]]
+        for p in other
+    )
     rendered_service = runner.node_service(variant, step)
     service = k8s_model_from_dict(
         kubernetes.client.V1Service, k8s_snake_case_dict(kubernetes.client.V1Service, rendered_service)
@@ -333,11 +363,12 @@ def test_a_follower_starts_each_engine_in_turn_until_rank_0_is_done(cuda_build, 
     rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
     rank1 = rank0.model_copy(update={"node_rank": 1})
     ran: list[list[str]] = []
-    monkeypatch.setattr(
-        multinode.subprocess, "run", lambda command, env: ran.append(command) or subprocess.CompletedProcess(command, 0)
-    )
     result: list[int] = []
-    follower = threading.Thread(target=lambda: result.append(multinode.follow(rank1, idle_timeout=60, poll=0.05)))
+    follower = threading.Thread(
+        target=lambda: result.append(
+            multinode.follow(rank1, idle_timeout=60, poll=0.05, start=lambda command, env: ran.append(command) or 0)
+        )
+    )
     follower.start()
     engines = (["--max-model-len", "5120"], ["--max-model-len", "4097", "--enforce-eager"])
     for count, args in enumerate(engines, 1):
@@ -441,3 +472,349 @@ def test_single_node_commands_and_engines_are_unchanged(tiny_verifier_dir, cuda_
         "enable_prefix_caching": False, "compilation_config": {"mode": 0}, "max_model_len": 4097,
         "max_num_batched_tokens": 16384, "max_num_seqs": 256, "tensor_parallel_size": 8,
     }  # fmt: skip
+
+
+# ----- a plan a follower can trust (speculators/serving/plan_trust.py) -----------------------------------
+
+
+def follower_group(port: int, rank: int = 1) -> MultiNode:
+    return MultiNode(nnodes=2, node_rank=rank, master_addr="127.0.0.1", plan_port=port)
+
+
+def engine_document(rank0: MultiNode, model: str = "verifier", args=None, env=None) -> dict:
+    return {
+        "engine": "0" * 32,
+        "model": model,
+        "args": ["--max-model-len", "4096"] if args is None else args,
+        "group": multinode.group_of(rank0),
+        "env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if env is None else env,
+    }
+
+
+@contextlib.contextmanager
+def hostile_plan_server(answer):
+    """A real HTTP server on loopback that answers every GET with `answer(request_headers)`: (status,
+    body, extra headers). It stands where node rank 0's plan server would."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body, headers = answer(self.headers)
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def signed_for_request(secret: bytes, document: dict):
+    """A plan signed with `secret` for each request's own nonce (what node rank 0 does)."""
+    body = json.dumps(document).encode()
+
+    def answer(headers):
+        nonce = headers[plan_trust.NONCE_HEADER]
+        return 200, body, {plan_trust.SIGNATURE_HEADER: plan_trust.reply_signature(secret, nonce, body)}
+
+    return answer
+
+
+def follow_once(port: int, idle_timeout: float = 0.6, **kwargs) -> tuple[int | None, list, str | None]:
+    """`follow` against the server on `port` with a recording `start`: its exit code (None when it raised),
+    the commands it started and its one-sentence error, if any."""
+    started: list = []
+    try:
+        code = multinode.follow(
+            follower_group(port),
+            idle_timeout=idle_timeout,
+            poll=0.05,
+            start=lambda command, env: started.append((command, env)) or 0,
+            **kwargs,
+        )
+    except SpeculatorsError as error:
+        return None, started, str(error)
+    return code, started, None
+
+
+HOSTILE = ["--trust-remote-code", "--max-model-len", "4096"]
+
+
+def test_an_unsigned_plan_is_ignored_with_a_warning_and_the_follower_ends_at_its_idle_timeout(tmp_path, capsys):
+    rank0 = follower_group(1, rank=0)
+    body = json.dumps(engine_document(rank0, args=HOSTILE, env={"PYTHONPATH": str(tmp_path)})).encode()
+    with hostile_plan_server(lambda headers: (200, body, {})) as port:
+        code, started, error = follow_once(port)
+    out, err = capsys.readouterr()
+    assert (code, started, error) == (1, [], None)
+    assert out.count("warning: ignored an answer on 127.0.0.1:") == 1  # (once, not once per poll)
+    assert re.search(r"warning: ignored an answer on 127\.0\.0\.1:\d+: its answer is not signed; still waiting", out)
+    assert re.search(
+        r"error: node rank 0 at 127\.0\.0\.1:\d+ served no engine for 1 s \(the last answer on its port was ignored: "
+        r"its answer is not signed\); is its step running with this node group's plan secret\?",
+        err,
+    )
+
+
+def test_a_plan_signed_with_another_secret_is_ignored(capsys):
+    rank0 = follower_group(1, rank=0)
+    answer = signed_for_request(b"not-this-groups-secret-0123456789", engine_document(rank0, args=HOSTILE))
+    with hostile_plan_server(answer) as port:
+        code, started, error = follow_once(port)
+    out, err = capsys.readouterr()
+    assert (code, started, error) == (1, [], None)
+    assert "its answer's signature is not this node group's for this request (forged or replayed)" in out
+    assert "(the last answer on its port was ignored: its answer's signature is not this node group's" in err
+
+
+def test_a_follower_with_another_secret_is_refused_by_rank_0_and_says_so(monkeypatch, capsys):
+    """Node rank 0's real plan server and a follower whose secret differs: 403, one warning, no engine."""
+    rank0 = follower_group(free_port(), rank=0)
+    with multinode.engine_plan(rank0, "verifier", ["--max-model-len", "4096"]):
+        monkeypatch.setenv(plan_trust.PLAN_SECRET_ENV, "another-groups-secret-0123456789")
+        code, started, error = follow_once(rank0.plan_port)
+    assert (code, started, error) == (1, [], None)
+    assert re.search(
+        r"warning: ignored an answer on 127\.0\.0\.1:\d+: it refused this node's request \(HTTP 403\): its plan "
+        r"secret is not this node's; still waiting for node rank 0",
+        capsys.readouterr().out,
+    )
+
+
+def test_a_signed_reply_replayed_for_another_request_is_ignored(plan_secret, capsys):
+    """A reply node rank 0 really signed, but for an earlier request's nonce, served again to every request."""
+    rank0 = follower_group(1, rank=0)
+    body = json.dumps(engine_document(rank0, args=HOSTILE)).encode()
+    recorded = {plan_trust.SIGNATURE_HEADER: plan_trust.reply_signature(plan_secret, "ab" * 16, body)}
+    with hostile_plan_server(lambda headers: (200, body, recorded)) as port:
+        code, started, error = follow_once(port)
+    assert (code, started, error) == (1, [], None)
+    assert "(forged or replayed); still waiting for node rank 0" in capsys.readouterr().out
+
+
+def test_a_signed_plan_with_trust_remote_code_needs_the_followers_own_opt_in(plan_secret, capsys):
+    rank0 = follower_group(1, rank=0)
+    with hostile_plan_server(signed_for_request(plan_secret, engine_document(rank0, args=HOSTILE))) as port:
+        code, started, error = follow_once(port)
+        assert (code, started) == (None, [])
+        assert re.fullmatch(
+            r"node rank 0 at 127\.0\.0\.1:\d+ serves a plan with --trust-remote-code, which runs the model's own "
+            r"code; nothing started on node rank 1: start 'speculators follow' with --trust-remote-code on this node "
+            r"to accept it",
+            error,
+        )
+        # through the command line: one line, exit 2
+        group = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--plan-port", str(port)]
+        assert main(["follow", *group, "--idle-timeout", "5"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: node rank 0 at 127.0.0.1:") and "--trust-remote-code" in line
+        # the follower's own opt-in: then it starts the engine with it
+        code, started, error = follow_once(port, idle_timeout=0.3, trust_remote_code=True)
+    assert error is None and code == 1  # (the same engine is not followed twice; then idle)
+    ((command, _),) = started
+    assert command == multinode.headless_command("verifier", HOSTILE, follower_group(port))
+
+
+@pytest.mark.parametrize(
+    ("env", "refused"),
+    [
+        ({"PYTHONPATH": "{folder}"}, "the environment variable 'PYTHONPATH', which is not one this library sets"),
+        ({"LD_PRELOAD": "{folder}/x.so"}, "the environment variable 'LD_PRELOAD', which is not one this library sets"),
+        ({"VLLM_WORKER_MULTIPROC_METHOD": "forkserver"}, "VLLM_WORKER_MULTIPROC_METHOD='forkserver', which is not"),
+    ],
+)
+def test_a_signed_plan_cannot_change_a_followers_environment(plan_secret, tmp_path, env, refused):
+    """The follower's real start (a subprocess): a sitecustomize.py in the plan's PYTHONPATH folder would
+    write its marker the moment any Python started with it."""
+    marker = tmp_path / "ran"
+    (tmp_path / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    rank0 = follower_group(1, rank=0)
+    env = {name: value.format(folder=tmp_path) for name, value in env.items()}
+    with (
+        hostile_plan_server(signed_for_request(plan_secret, engine_document(rank0, env=env))) as port,
+        pytest.raises(SpeculatorsError, match="nothing started on node rank 1") as raised,
+    ):
+        multinode.follow(follower_group(port), idle_timeout=5, poll=0.05)
+    assert refused in str(raised.value) and "check which processes hold the plan secret" in str(raised.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "refused"),
+    [
+        ("--trust-remote-code", [], "the model '--trust-remote-code', which is not a model path or hub id"),
+        ("verifier", ["--worker-extension-cls", "evil.Worker"], "'--worker-extension-cls', which is not among"),
+        ("verifier", ["--logits-processors", "evil.Processor"], "'--logits-processors', which is not among"),
+        ("verifier", ["--tokenizer-mode", "custom"], "--tokenizer-mode 'custom', which is not one of auto, hf"),
+        ("verifier", ["--load-format", "pt"], "--load-format 'pt', which is not one of auto, safetensors, mistral"),
+        ("verifier", ["--trust_remote_code"], "'--trust_remote_code', which is not among"),  # (vLLM takes _ too)
+        ("verifier", ["--trust-remote"], "'--trust-remote', which is not among"),  # (and abbreviations)
+        ("verifier", ["--max-model-len", "--trust-remote-code"], "--max-model-len without its value, not '--trust"),
+        ("verifier", ["--enforce-eager=--trust-remote-code"], "--enforce-eager given the value '--trust-remote-code'"),
+        ("verifier", ["--seed", "0", "extra"], "the argument 'extra', which is no flag's value"),
+        ("verifier", ["--compilation-config", '{"backend": "evil.compile"}'], "has the key 'backend', not one of"),
+        ("verifier", ["--speculative-config", '{"model": "evil.Proposer", "num_speculative_tokens": 3}'],
+         "has the method None, not one of eagle, eagle3, dflash"),
+        ("verifier", ["--node-rank", "0"], "'--node-rank', which is not among"),
+    ],
+)  # fmt: skip
+def test_a_signed_plan_outside_the_allow_list_starts_nothing(plan_secret, model, args, refused):
+    rank0 = follower_group(1, rank=0)
+    with hostile_plan_server(signed_for_request(plan_secret, engine_document(rank0, model, args))) as port:
+        code, started, error = follow_once(port, idle_timeout=5)
+    assert (code, started) == (None, [])
+    assert re.fullmatch(
+        r"node rank 0 at 127\.0\.0\.1:\d+ serves a plan with .*; nothing started on node rank 1: .*", error
+    )
+    assert refused in error
+
+
+def test_the_allow_list_takes_what_this_library_emits():
+    """Every engine argument the library's offline engines and servers pass (engine.engine_flags,
+    VllmServer.engine_args), on both builds; the CUDA-build ones also run through the round trips above."""
+    kwargs = {
+        "dtype": "bfloat16", "quantization": "fp8_per_channel", "seed": 0, "enforce_eager": True,
+        "max_model_len": 4097, "tensor_parallel_size": 16, "enable_prefix_caching": False,
+        "compilation_config": {"mode": 0, "custom_ops": ["-rotary_embedding"]}, "max_num_batched_tokens": 16384,
+        "max_num_seqs": 256, "mm_device_do_normalize": True, "attention_backend": "CPU_MLA",
+        "limit_mm_per_prompt": {"image": 8, "video": 0}, "tokenizer_mode": "mistral", "config_format": "mistral",
+        "load_format": "mistral",
+    }  # fmt: skip
+    assert plan_trust.engine_args_problem(vllm_engine.shared_engine_flags(kwargs)) is None
+    server = [
+        "--served-model-name", "m", "--logprobs-mode", "raw_logits", "--per-request-spec-decode-metrics", "summary",
+        "--speculative-config", '{"method": "eagle3", "model": "/data/x/speculator", "num_speculative_tokens": 3}',
+        "--speculative-config", '{"num_speculative_tokens": 2}', "--data-parallel-size", "2",
+        "--gpu-memory-utilization", "0.85", "--max-num-seqs=64", "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    assert plan_trust.engine_args_problem(server) is None
+
+
+# ----- node rank 0: its secret, its address, what it serves -------------------------------------------------
+
+
+def test_the_plan_server_answers_only_requests_with_the_groups_secret(plan_secret):
+    rank0 = follower_group(free_port(), rank=0)
+    server = multinode.PlanServer(rank0, {"done": True, "group": multinode.group_of(rank0)}, plan_secret)
+    url = f"http://127.0.0.1:{rank0.plan_port}/plan"
+    try:
+        nonce = plan_trust.new_nonce()
+        for headers in (
+            {},  # no authentication
+            plan_trust.request_headers(b"another-groups-secret-0123456789", nonce, 1),
+            {**plan_trust.request_headers(plan_secret, nonce, 1), plan_trust.RANK_HEADER: "2"},  # (the MAC binds it)
+        ):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+            assert refused.value.code == 403 and refused.value.read() == b""
+        assert server.fetched == set()
+        good = plan_trust.request_headers(plan_secret, nonce, 1)
+        with urllib.request.urlopen(urllib.request.Request(url, headers=good), timeout=5) as response:
+            body, signature = response.read(), response.headers[plan_trust.SIGNATURE_HEADER]
+        assert plan_trust.authentic_reply(plan_secret, nonce, body, signature) and json.loads(body)["done"]
+        assert server.fetched == {1}
+        with pytest.raises(urllib.error.HTTPError, match="403"):  # the same request again: answered once
+            urllib.request.urlopen(urllib.request.Request(url, headers=good), timeout=5)
+    finally:
+        server.close()
+
+
+def test_the_plan_server_binds_only_the_master_address(plan_secret):
+    rank0 = follower_group(free_port(), rank=0)
+    with multinode.engine_plan(rank0, "verifier", ["--max-model-len", "4096"]) as server:
+        assert server.address == ("127.0.0.1", rank0.plan_port)
+        with pytest.raises(ConnectionRefusedError):  # another address of this host: nothing listens there
+            socket.create_connection(("127.0.0.2", rank0.plan_port), timeout=5).close()
+        assert multinode.fetch_plan(follower_group(rank0.plan_port))["args"] == ["--max-model-len", "4096"]
+    elsewhere = rank0.model_copy(update={"master_addr": "192.0.2.7"})  # (TEST-NET: no host here has it)
+    with pytest.raises(
+        SpeculatorsError,
+        match=r"^--master-addr 192\.0\.2\.7 resolves to 192\.0\.2\.7, which is not an address of this host; run node "
+        r"rank 0 on the host --master-addr names",
+    ):
+        multinode.engine_plan(elsewhere, "verifier", []).__enter__()
+
+
+def test_no_plan_without_a_long_enough_secret(monkeypatch, tmp_path, capsys):
+    rank0, rank1 = follower_group(free_port(), rank=0), follower_group(free_port())
+    monkeypatch.delenv(plan_trust.PLAN_SECRET_ENV)
+    unset = r"needs the node group's shared plan secret, and none is set; set SPECULATORS_PLAN_SECRET to the same"
+    with pytest.raises(SpeculatorsError, match=unset):
+        multinode.engine_plan(rank0, "verifier", []).__enter__()
+    with pytest.raises(SpeculatorsError, match=unset):
+        multinode.follow(rank1)
+    assert main(["follow", "--nnodes", "2", "--node-rank", "1", "--plan-port", str(rank1.plan_port)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: an engine over several nodes needs") and "--plan-secret-file" in line
+    monkeypatch.setenv(plan_trust.PLAN_SECRET_ENV, "short")
+    with pytest.raises(SpeculatorsError, match=r"SPECULATORS_PLAN_SECRET holds 5 bytes, fewer than the 16"):
+        multinode.follow(rank1)
+    # a file (as a mounted Secret): its trailing newline is not part of the secret
+    secret_file = tmp_path / "plan-secret"
+    secret_file.write_text(SECRET + "\n")
+    from_file = rank1.model_copy(update={"plan_secret_file": str(secret_file)})
+    assert plan_trust.plan_secret(from_file) == SECRET.encode()
+    with pytest.raises(SpeculatorsError, match=r"cannot read the plan secret file .*missing \(No such file"):
+        plan_trust.plan_secret(rank1.model_copy(update={"plan_secret_file": str(tmp_path / "missing")}))
+
+
+def test_a_legitimate_round_trip_follows_rank_0s_signed_plan(cuda_build, monkeypatch):
+    """Node rank 0's engine_plan and a real follower, both with the group's secret: the follower starts
+    exactly rank 0's arguments with the environment this library set, then ends with rank 0's step."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    rank0 = follower_group(free_port(), rank=0)
+    rank1 = follower_group(rank0.plan_port)
+    started: list = []
+    result: list[int] = []
+    follower = threading.Thread(
+        target=lambda: result.append(
+            multinode.follow(rank1, idle_timeout=60, poll=0.05, start=lambda c, e: started.append((c, e)) or 0)
+        )
+    )
+    follower.start()
+    args = ["--dtype", "bfloat16", "--max-model-len", "4096", "--tensor-parallel-size", "2"]
+    with multinode.engine_plan(rank0, "verifier", args) as server:
+        deadline = time.monotonic() + 30
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.fetched == {1}
+    assert multinode.release_followers(rank0, timeout=30) == []
+    follower.join(timeout=30)
+    assert result == [0]
+    ((command, env),) = started
+    assert command == multinode.headless_command("verifier", args, rank1)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_rank_0_refuses_passthrough_flags_its_followers_would_refuse(
+    local_variant, cuda_build, tmp_path, capsys, monkeypatch
+):
+    log = tmp_path / "vllm.log"
+    base = ["serve", "--verifier", local_variant.verifier, "--tensor-parallel-size", "2", "--log-file", str(log)]
+    assert main([*base, "--nnodes", "2", "--", "--some-unlisted-flag"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "error: the other nodes of an engine over --nnodes 2 refuse to start it with '--some-unlisted-flag', which is "
+        "not among the vLLM arguments a multi-node plan may carry; leave it out (after -- or in the environment), or "
+        "run the engine on one node"
+    )
+    assert not log.exists()  # (refused before the server starts)
+    rank0 = follower_group(free_port(), rank=0)
+    with pytest.raises(SpeculatorsError, match=r"with --kv-cache-dtype 'fp8;x', which is not a plain name"):
+        multinode.refuse_node_flags(["--kv-cache-dtype", "fp8;x"], rank0)
+    multinode.refuse_node_flags(["--some-unlisted-flag"])  # one node: vLLM's own flags, as always
+    multinode.refuse_node_flags(["--trust-remote-code", "--max-num-seqs", "64"], rank0)  # (rank 0's user's choice)
+    # and what rank 0 itself would serve: checked before the engine starts
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
+    with pytest.raises(SpeculatorsError, match=r"refuse to start it with the environment variable VLLM_WORKER_MUL"):
+        multinode.engine_plan(rank0, "verifier", []).__enter__()
