@@ -100,6 +100,13 @@ def write_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVoca
     from safetensors.torch import save_file
 
     counts, manifest = count_supervised_tokens(store_dir)
+    if not int(counts.sum()):  # a vocabulary of the smallest ids, chosen from nothing, is no result
+        validation = sum(entry.id.startswith(VALIDATION_PREFIX) for entry in manifest.samples)
+        raise SpeculatorsError(
+            f"the store {store_dir} has no supervised tokens to count ({len(manifest.samples)} samples, {validation} "
+            f"of them validation-only, {manifest.totals.supervised_tokens} supervised tokens in all); run datagen on "
+            f"prompts with answers outside the validation sources"
+        )
     vocab = select_draft_vocab(counts, draft_vocab_size)
     root = Path(store_dir)
     tensors = {"selected_ids": vocab.selected, "d2t": vocab.d2t, "t2d": vocab.t2d, "counts": counts}

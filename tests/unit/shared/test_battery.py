@@ -349,6 +349,29 @@ def test_vocab_checks_each_shards_checksum_before_counting_it(store, tmp_path, c
     assert (flipped / "draft_vocab.safetensors").read_bytes() == vocab  # the earlier vocabulary kept
 
 
+def test_vocab_on_a_store_without_supervised_tokens_is_one_line_and_writes_nothing(store, tmp_path, capsys):
+    from speculators.data.prompts import VALIDATION_PREFIX
+
+    held = copy_store(store, tmp_path / "store")
+    for name in ("draft_vocab.safetensors", "draft_vocab.json"):
+        (held / name).unlink()
+    manifest = json.loads((held / "manifest.json").read_text())
+    for entry in manifest["samples"]:  # every sample of a validation source: none to learn the vocabulary from
+        entry["id"] = VALIDATION_PREFIX + entry["id"]
+    (held / "manifest.json").write_text(json.dumps(manifest))
+    one_error(
+        capsys,
+        rf"the store {held} has no supervised tokens to count \(8 samples, 8 of them validation-only, \d+ supervised "
+        r"tokens in all\); run datagen on prompts with answers outside the validation sources",
+        "vocab",
+        "--store",
+        held,
+        "--draft-vocab-size",
+        "64",
+    )
+    assert not (held / "draft_vocab.safetensors").exists() and not (held / "draft_vocab.json").exists()
+
+
 def test_datagen_refuses_a_store_of_another_verifier_and_keeps_it(store, peaked_verifier, verifier, tmp_path, capsys):
     """The peaked store holds the peaked verifier's states; the plain tiny verifier is another one."""
     from speculators.data.tokenization import read_samples
