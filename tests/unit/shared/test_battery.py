@@ -372,6 +372,32 @@ def test_vocab_on_a_store_without_supervised_tokens_is_one_line_and_writes_nothi
     assert not (held / "draft_vocab.safetensors").exists() and not (held / "draft_vocab.json").exists()
 
 
+def test_datagen_on_no_samples_and_train_on_no_training_samples_are_one_line_and_write_nothing(
+    store, peaked_verifier, tmp_path, capsys
+):
+    from speculators.data.prompts import VALIDATION_PREFIX
+
+    empty = tmp_path / "samples.jsonl"
+    empty.write_text("")
+    one_error(
+        capsys,
+        r"no samples to capture; the prepared data is empty",
+        *["datagen", "--data", empty, "--verifier", peaked_verifier, "--output", tmp_path / "new"],
+    )
+    assert not (tmp_path / "new").exists()
+    held = copy_store(store, tmp_path / "store")
+    manifest = json.loads((held / "manifest.json").read_text())
+    for entry in manifest["samples"]:  # every sample held out for validation: none left to train on
+        entry["id"] = VALIDATION_PREFIX + entry["id"]
+    (held / "manifest.json").write_text(json.dumps(manifest))
+    one_error(
+        capsys,
+        rf"the store {held} has no training samples with supervised tokens; run datagen on more data",
+        *train_args(held, peaked_verifier, tmp_path / "run"),
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_datagen_refuses_a_store_of_another_verifier_and_keeps_it(store, peaked_verifier, verifier, tmp_path, capsys):
     """The peaked store holds the peaked verifier's states; the plain tiny verifier is another one."""
     from speculators.data.tokenization import read_samples
