@@ -441,12 +441,15 @@ def test_images_outside_the_data_folder_are_rejected_unless_their_folder_is_allo
     inside = png(data / "pics" / "in.png", colour=(1, 1, 1))
     outside = png(elsewhere / "out.png", colour=(2, 2, 2))
     (data / "link.png").symlink_to(outside)  # a symlink inside that resolves outside
+    (data / "linked").symlink_to(elsewhere)  # a folder inside that is a link out of it
     encoded = base64.b64encode(outside.read_bytes()).decode()
     rows = [
         image_row("../elsewhere/out.png"),
         image_row(str(outside)),
         image_row(outside.as_uri()),
         image_row("link.png"),
+        image_row("linked/out.png"),
+        image_row("pics/../../elsewhere/out.png"),
         image_row("pics/../pics/in.png"),
         image_row(str(inside)),
         image_row("data:image/png;base64," + encoded),  # data URLs are not files: unaffected
@@ -455,12 +458,12 @@ def test_images_outside_the_data_folder_are_rejected_unless_their_folder_is_allo
     monkeypatch.chdir(tmp_path)  # (the working directory holds both folders: it is no root for a file's rows)
     _, report = prepare_conversations([source], require_assistant=False)
     assert report.kept == 2 and report.duplicates == 1
-    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
-    assert report.examples[vision.OUTSIDE_ROOTS] == [f"rows.jsonl:{i}" for i in (1, 2, 3, 4)]
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 6}
+    assert report.examples[vision.OUTSIDE_ROOTS] == [f"rows.jsonl:{i}" for i in range(1, 6)]  # (5 examples kept)
     _, report = prepare_conversations([source], require_assistant=False, image_roots=[elsewhere])
-    assert report.kept == 2 and report.duplicates == 5 and not report.rejected  # the same two images
+    assert report.kept == 2 and report.duplicates == 7 and not report.rejected  # the same two images
     _, report = prepare_conversations([str(data)], require_assistant=False)  # a folder source: the folder
-    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 6}
     with pytest.raises(SpeculatorsError, match=r"image root .*missing is not a folder; pass an existing folder"):
         prepare_conversations([source], image_roots=[tmp_path / "missing"])
 
