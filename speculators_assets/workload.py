@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -79,14 +80,55 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def read_manifest(store: Path) -> StoreManifest | None:
-    """The store's manifest; None if there is none (or it is not a store's)."""
-    from speculators.data.store import HiddenStateStore
+    """The store's manifest; None if there is none (or it is not a store's). One that names shards
+    outside their place in the store fails the step with the library's line."""
+    from speculators.data.store import HiddenStateStore, StoreManifestPathError
     from speculators.errors import SpeculatorsError
 
     try:
         return HiddenStateStore(store).manifest()
+    except StoreManifestPathError as error:
+        raise StepFailed(str(error)) from None
     except SpeculatorsError:
         return None
+
+
+# key_of's 12 hex digits: the name of every keyed artifact folder. A key read back from a file of the
+# storage root (a shared volume others can write) must be one before it is joined to a path.
+ARTIFACT_KEY = re.compile(r"[0-9a-f]{12}")
+
+
+def recorded_drafter(step: Step) -> tuple[str, Path]:
+    """The key and folder of the drafter trained_drafter recorded in current.json. The folder is derived
+    from the key, under this storage root: a record cannot point the copy at a folder elsewhere."""
+    from speculators.errors import shorten
+
+    path = step.dir("trained_drafter") / "current.json"
+    current = read_json(path)
+    if current is None:
+        raise StepFailed(f"no trained drafter recorded for {step.variant.name}; materialize trained_drafter first")
+    key = current.get("key")
+    if not isinstance(key, str) or not ARTIFACT_KEY.fullmatch(key):
+        raise StepFailed(
+            f"{path} records the drafter key {shorten(repr(key), 80)}, not an artifact key (12 hex digits); "
+            f"materialize trained_drafter again to record its drafter"
+        )
+    return key, step.dir("trained_drafter") / key / "drafter"
+
+
+def published_checkpoint(step: Step) -> Path | None:
+    """The checkpoint folder speculator_checkpoint's `latest` link points at; None before one is published.
+    The link is followed only to a keyed folder beside it: a link to anywhere else fails the step."""
+    latest = step.dir("speculator_checkpoint") / "latest"
+    if not latest.exists() and not latest.is_symlink():
+        return None
+    target, folder = latest.resolve(), latest.parent.resolve()
+    if target.parent != folder or not ARTIFACT_KEY.fullmatch(target.name):
+        raise StepFailed(
+            f"{latest} points at {target}, not a checkpoint folder beside it; remove the link {latest} and "
+            f"materialize speculator_checkpoint again to publish"
+        )
+    return target
 
 
 def read_summary(path: Path) -> TrainingSummary | None:
@@ -419,7 +461,8 @@ def store_version(store: Path, manifest: StoreManifest) -> str:
 
 
 def previous_accepted(step: Step) -> dict[str, Any] | None:
-    return read_json(step.dir("speculator_checkpoint") / "latest" / "accepted.json")
+    published = published_checkpoint(step)
+    return read_json(published / "accepted.json") if published is not None else None
 
 
 def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: dict[str, Any] | None) -> list[dict]:
@@ -492,15 +535,15 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     if manifest is None or not (store / "draft_vocab.safetensors").is_file():
         raise StepFailed(f"no hidden-state store with a draft vocab at {store}; materialize verifier_hidden_states")
     previous = previous_accepted(step)
-    warm = step.dir("speculator_checkpoint") / "latest"
-    warm_start = v.training.warm_start and previous is not None
+    warm = published_checkpoint(step)
+    warm_start = v.training.warm_start and previous is not None and warm is not None
     # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
     key = trained_drafter_key(v, store_version(store, manifest))
     out = step.dir("trained_drafter") / key
     summary = read_summary(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
     if not reused:
-        arguments = train_command(v, store, out, warm.resolve() if warm_start else None)
+        arguments = train_command(v, store, out, warm if warm_start else None)
         speculators(*arguments, gpus=v.profile("trained_drafter").gpus)
         summary = read_summary(out / "summary.json")
     if summary is None:
@@ -517,7 +560,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     metadata = {
         "reused": reused,
         "key": key,
-        "warm_start": str(warm.resolve()) if warm_start else "none",
+        "warm_start": str(warm) if warm_start else "none",
         "steps": summary.steps,
         "epochs": summary.epochs,
         "tokens_per_second": summary.tokens_per_second,
@@ -539,15 +582,15 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     from speculators.atomic_io import atomic_directory
 
     v = step.variant
-    current = read_json(step.dir("trained_drafter") / "current.json")
-    if current is None:
-        raise StepFailed(f"no trained drafter recorded for {v.name}; materialize trained_drafter first")
+    key, drafter = recorded_drafter(step)
     out_root = step.dir("speculator_checkpoint")
-    target = out_root / current["key"]
+    target = out_root / key
     if not (target / "model.safetensors").is_file():
+        if not (drafter / "model.safetensors").is_file():
+            raise StepFailed(f"no trained drafter at {drafter}; materialize trained_drafter again")
         with atomic_directory(target, overwrite=True) as tmp:  # (the storage root's own folder)
             for name in ("config.json", "model.safetensors"):
-                shutil.copy2(Path(current["drafter"]) / name, tmp / name)
+                shutil.copy2(drafter / name, tmp / name)
     report_path = target / "validation.json"
     code = speculators("validate", str(target), "--verifier", v.verifier, "--json", capture=True)
     try:
@@ -568,7 +611,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         "valid against the verifier" if passed else "; ".join(problems),
         problems={"raw_value": problems, "type": "json"},
     )
-    drafter_summary = read_summary(Path(current["drafter"]).parent / "summary.json")
+    drafter_summary = read_summary(drafter.parent / "summary.json")
     latest = out_root / "latest"
     # The drafter's gates again: materializing this asset alone must not publish a rejected drafter.
     failed_gates = [
@@ -581,7 +624,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         write_json(
             target / "accepted.json",
             {
-                "key": current["key"],
+                "key": key,
                 "acceptance_length": acceptance,
                 "verifier": v.verifier,
                 "accepted_at": time.time(),
@@ -593,7 +636,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         os.replace(temporary, latest)
     notes = "\n".join(f"- {line}" for line in validation["problems"] + validation["notes"])
     metadata = {
-        "key": current["key"],
+        "key": key,
         "published": passed and not failed_gates,
         "gates": md("\n".join(f"- failed: {g}" for g in failed_gates) or "drafter gates passed"),
         "path": path_value(target),
@@ -606,7 +649,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         "validation": md(notes or "valid, no notes"),
         "serve_with": md(f"```\nspeculators serve --verifier {v.verifier} --speculator {latest}\n```"),
     }
-    return metadata, current["key"]
+    return metadata, key
 
 
 def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
@@ -662,8 +705,9 @@ def benchmark_key(v: Variant, drafter_key: str) -> str:
 def benchmark_report(step: Step) -> tuple[Metadata, str]:
     v = step.variant
     latest = step.dir("speculator_checkpoint") / "latest"
-    accepted = read_json(latest / "accepted.json")
-    if accepted is None:
+    published = published_checkpoint(step)
+    accepted = read_json(published / "accepted.json") if published is not None else None
+    if published is None or accepted is None:
         raise StepFailed(f"no published checkpoint at {latest}; materialize speculator_checkpoint (gates must pass)")
     key = benchmark_key(v, accepted["key"])
     out = step.dir("benchmark_report") / key
@@ -671,7 +715,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     if not reused:
         if out.exists():
             shutil.rmtree(out)
-        arguments = bench_command(v, latest.resolve(), out)
+        arguments = bench_command(v, published, out)
         speculators(*arguments)
     report = read_json(out / "report.json")
     # the fixed-length synchronous profile, or the natural-length one where that runs alone (fixed_length off)

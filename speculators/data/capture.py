@@ -28,9 +28,12 @@ from speculators.data.store import (
     SampleEntry,
     StoredVerifier,
     StoreManifest,
+    StoreManifestPathError,
     StoreTotals,
     file_sha256,
     sample_key,
+    shard_name,
+    shard_tokens,
 )
 from speculators.data.tokenization import TokenizedSample, read_samples
 from speculators.errors import SpeculatorsError
@@ -163,7 +166,12 @@ def check_store_holds(
     folder whose manifest.json is not a store's is refused in any case."""
     if not store.manifest_path.exists():
         return
-    manifest = store.manifest()  # (one error if it is not a store manifest)
+    try:
+        manifest = store.manifest()  # (one error if it is not a store manifest)
+    except StoreManifestPathError:
+        if overwrite:  # a store manifest naming paths outside the store: replaced, none of them read
+            return
+        raise
     held = manifest.verifier
     then = (held.fingerprint, held.quantization, manifest.aux_layer_ids, manifest.storage)
     now = (verifier.fingerprint, verifier.quantization, aux_ids, storage)
@@ -283,7 +291,7 @@ def capture_samples(
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
         if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
-            stored_ids, _ = store.read_tokens(str(path.relative_to(store.root)))
+            stored_ids, _ = shard_tokens(store.shard_file(shard_name(key), sample.id))  # (a symlink out refused)
             if stored_ids.tolist() != sample.input_ids:
                 raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
         if key in written:
@@ -296,7 +304,7 @@ def capture_samples(
             SampleEntry(
                 id=sample.id,
                 key=key,
-                shard=str(path.relative_to(store.root)),
+                shard=shard_name(key),
                 num_tokens=len(sample.input_ids),
                 supervised_tokens=sample.supervised_tokens,
                 checksum=checksum,

@@ -33,13 +33,16 @@ from speculators.data.regenerate import (
     transformers_image_generate_fn,
 )
 from speculators.data.tokenization import (
+    LongestPrompt,
+    OverLength,
     clip_answers,
+    over_length,
     read_samples,
     token_statistics,
     tokenize_conversation,
     turn_end_ids,
 )
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, shorten
 from speculators.flags import to_argv
 from speculators.serving.engine import decoding_enforce_eager, vllm_log
 from speculators.serving.serve import ServerSettings, VllmServer
@@ -50,7 +53,7 @@ from speculators.verifier.vision import ImageInputs, is_vision_language
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-    from speculators.data.prompts import Conversation
+    from speculators.data.prompts import Conversation, PrepareReport
     from speculators.data.regenerate import ImageGenerateFn
     from speculators.data.tokenization import TokenizedSample
 
@@ -86,9 +89,12 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
         max_user_turns=s.max_user_turns,
         validation_require_assistant=False if answer_validation else None,
     )
-    write_jsonl_atomic(output / "conversations.jsonl", conversations)
-    result: dict[str, Any] = {"prompts": report.to_dict()}
     print(report.summary())
+    if not conversations and not is_replica():  # (before anything is written: the output stays as it was)
+        raise SpeculatorsError(no_conversation(s.sources, report))
+    result: dict[str, Any] = {"prompts": report.to_dict()}
+    partial = output / "samples.partial.jsonl"
+    resumable = partial.exists()  # (an earlier run's answers: kept whatever this one finds)
     if s.verifier:
         validation = [c for c in conversations if c.id.startswith(VALIDATION_PREFIX)]
         if s.regenerate or (answer_validation and validation):
@@ -100,12 +106,67 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
                 samples, details = with_own_answers(s, conversations, samples, details)
         else:
             samples, details = tokenize_samples(s, conversations)
+        if not samples and not is_replica():
+            if not resumable and partial.is_file() and not partial.stat().st_size:
+                partial.unlink()  # (the resume file this run opened, holding no answer)
+            raise SpeculatorsError(no_sample(len(conversations), details, s.max_length))
+    write_jsonl_atomic(output / "conversations.jsonl", conversations)
+    if s.verifier:
         result["tokenization"] = write_samples(output, samples, details)
     write_text_atomic(output / "prepare_report.json", json.dumps(result, indent=2) + "\n")
-    if not conversations:
-        raise SpeculatorsError(f"no usable conversation in {', '.join(s.sources)}; see the rejection reasons above")
     print(f"wrote {output / 'conversations.jsonl'}" + (f" and {output / 'samples.jsonl'}" if s.verifier else ""))
     return result
+
+
+# A regeneration replica (regenerate_on_replicas) prepares a share of the rows into its own folder: a share
+# with nothing left in it is no error there; the parent judges the merged result.
+REPLICA_ENVIRONMENT = "SPECULATORS_PREPARE_REPLICA"
+
+
+def is_replica() -> bool:
+    return os.environ.get(REPLICA_ENVIRONMENT) == "1"
+
+
+def reasons_text(rejected: dict[str, int], limit: int = 3) -> str:
+    """'5 no assistant turn, 2 row is not an object and 1 more reason': the most common reasons first."""
+    ranked = sorted(rejected.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{count} {reason}" for reason, count in ranked[:limit])
+    more = len(ranked) - limit
+    return shown + (f" and {more} more reason{'s' if more > 1 else ''}" if more > 0 else "")
+
+
+def no_conversation(sources: list[str], report: PrepareReport) -> str:
+    """The one line for sources of which no row was kept: how many were read and why they were rejected."""
+    where = shorten(", ".join(sources), 200)
+    if not report.rows_read:
+        return f"no rows in {where}; name a source that holds conversations (nothing was written)"
+    why = reasons_text(dict(report.rejected)) or "none rejected"
+    fix = "fix the source"
+    if report.rejected.get("no assistant turn"):
+        fix += ", or let the verifier answer prompt-only rows (--verifier V --regenerate)"
+    return (
+        f"no usable conversation in {where}: {report.rows_read} rows read, {sum(report.rejected.values())} rejected "
+        f"({why}), {report.duplicates} duplicates; {fix} (nothing was written)"
+    )
+
+
+def no_sample(conversations: int, details: dict[str, Any], max_length: int) -> str:
+    """The one line for conversations of which none could become a sample: every one over --max-length
+    (naming the longest and the limit it needs), or rejected for the reasons counted."""
+    rejected: dict[str, int] = details.get("rejected", {})
+    longest = LongestPrompt()
+    longest.merge(details.get("longest_over_length"))
+    over = rejected.get(over_length(max_length), 0)
+    if over == conversations and longest.unit:
+        return (
+            f"every one of the {conversations} conversations is over --max-length {max_length} (its prompt alone "
+            f"fills it): {longest.advice(max_length)}, or shorten the source's prompts (nothing was written)"
+        )
+    advice = f"; {longest.advice(max_length)}" if longest.unit else ""
+    return (
+        f"none of the {conversations} conversations became a sample ({reasons_text(rejected) or 'none rejected'})"
+        f"{advice}; fix the source (nothing was written)"
+    )
 
 
 def offline_vllm_engine(settings: PrepareSettings) -> bool:
@@ -124,7 +185,7 @@ def tokenize_samples(
     config, location = load_verifier_config(str(settings.verifier))
     tokenizer = load_tokenizer(location)
     images = verifier_image_inputs(config, location)
-    samples, rejected, clipped = [], Counter[str](), 0
+    samples, rejected, clipped, longest = [], Counter[str](), 0, LongestPrompt()
     for conversation in conversations:
         try:
             sample = tokenize_conversation(
@@ -132,11 +193,13 @@ def tokenize_samples(
             )
         except RowRejected as reason:
             rejected[str(reason)] += 1
+            if isinstance(reason, OverLength):
+                longest.note(conversation.id, reason.size, reason.unit)
             continue
         shorter = clip_answers(sample, settings.max_answer_tokens) if settings.max_answer_tokens else None
         clipped += shorter is not None
         samples.append(shorter or sample)
-    details: dict[str, Any] = {"rejected": dict(rejected)}
+    details: dict[str, Any] = {"rejected": dict(rejected), "longest_over_length": longest.to_dict()}
     if settings.max_answer_tokens:
         details["clipped_answers"] = clipped
         print(f"  {clipped} of {len(samples)} samples clipped at an answer over {settings.max_answer_tokens} tokens")
@@ -156,8 +219,17 @@ def with_own_answers(
     by_id = {sample.id: sample for sample in [*own, *validation]}
     samples = [by_id[c.id] for c in conversations if c.id in by_id]
     rejected = Counter(details["rejected"]) + Counter(tokenized["rejected"])
+    longest = LongestPrompt()
+    for part in (details, tokenized):
+        longest.merge(part.get("longest_over_length"))
     answers = "training rows: their own answers; validation rows: the verifier's (regenerated)"
-    return samples, {**tokenized, **details, "answers": answers, "rejected": dict(rejected)}
+    return samples, {
+        **tokenized,
+        **details,
+        "answers": answers,
+        "rejected": dict(rejected),
+        "longest_over_length": longest.to_dict(),
+    }
 
 
 def verifier_image_inputs(config: PreTrainedConfig, location: str) -> ImageInputs | None:
@@ -229,7 +301,12 @@ def regenerate_samples(
             image_inputs=images,
         )
     regeneration = report.to_dict()
-    return samples, {"regeneration": regeneration, "rejected": regeneration["rejected"], "regeneration_key": key}
+    return samples, {
+        "regeneration": regeneration,
+        "rejected": regeneration["rejected"],
+        "longest_over_length": regeneration.pop("longest_over_length"),
+        "regeneration_key": key,
+    }
 
 
 def check_node_group(settings: PrepareSettings, images: bool) -> None:
@@ -287,6 +364,7 @@ def regenerate_on_replicas(
             }
         )
         command = [sys.executable, "-m", "speculators.cli", "prepare", *to_argv(one)]
+        env = {**env, REPLICA_ENVIRONMENT: "1"}
         processes.append(start_replica("regeneration replica", index, command, env, folder / "prepare.log"))
     for _, _, process in processes:
         process.wait()
@@ -296,15 +374,18 @@ def regenerate_on_replicas(
     write_jsonl_atomic(output / "samples.partial.jsonl", samples)  # what a single-process rerun resumes from
     rejected: Counter[str] = Counter()
     regeneration: Counter[str] = Counter()
+    longest = LongestPrompt()
     for folder in folders:
         tokenization = json.loads((folder / "prepare_report.json").read_text())["tokenization"]
         rejected.update(tokenization["rejected"])
+        longest.merge(tokenization.get("longest_over_length"))
         regeneration.update(
             {k: v for k, v in tokenization["regeneration"].items() if isinstance(v, int) and not isinstance(v, bool)}
         )
     details = {
         "regeneration": {**regeneration, "replicas": replicas},
         "rejected": dict(rejected),
+        "longest_over_length": longest.to_dict(),
         "regeneration_key": key,
     }
     return samples, details

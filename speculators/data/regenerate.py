@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from speculators.data.prompts import Conversation, RowRejected
 from speculators.data.tokenization import (
+    LongestPrompt,
+    OverLength,
     TokenizedSample,
     clip_messages,
     expand_images,
@@ -79,6 +81,7 @@ class RegenerationReport:
     rejected: Counter = field(default_factory=Counter)
     generated_tokens: int = 0
     seconds: float = 0.0
+    longest_over_length: LongestPrompt = field(default_factory=LongestPrompt)  # of the rows rejected as over-length
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +92,7 @@ class RegenerationReport:
             "rejected": dict(self.rejected),
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": round(self.generated_tokens / self.seconds, 1) if self.seconds else None,
+            "longest_over_length": self.longest_over_length.to_dict(),
         }
 
 
@@ -101,6 +105,7 @@ class ConversationState:
     next_message: int  # index of the next assistant turn to generate in conversation.messages
     done: bool = False
     rejected: str | None = None
+    prompt_size: tuple[int, str] | None = None  # an over-length prompt's size: (count, "tokens" or "characters")
 
 
 def transformers_generate_fn(
@@ -390,8 +395,10 @@ def start_state(
     next_assistant = next((i for i in range(first + 1, len(messages)) if messages[i]["role"] == "assistant"), None)
     upto = next_assistant if next_assistant is not None else len(messages)
     limit = text_limit(tokenizer, max_length)
-    if upto > max_length or sum(text_length(m["content"]) for m in messages[:upto]) > limit:
-        return ConversationState(conversation, [], [], [], upto, done=True, rejected=over_length(max_length))
+    characters = sum(text_length(m["content"]) for m in messages[:upto])
+    if upto > max_length or characters > limit:
+        rejected = over_length(max_length)
+        return ConversationState(conversation, [], [], [], upto, True, rejected, (characters, "characters"))
     clipped = clip_messages(messages, limit, max_length, uncounted=("assistant",))
     if clipped is not messages:
         conversation = Conversation(conversation.id, clipped, conversation.category)
@@ -495,6 +502,7 @@ def regenerate(
                 state.done, state.rejected = True, "images in a conversation for a text-only verifier"
             elif state.rejected is None and len(state.ids) >= max_length:
                 state.done, state.rejected = True, over_length(max_length)
+                state.prompt_size = (len(state.ids), "tokens")
             if state.done:
                 finish(state)
                 return None
@@ -515,10 +523,14 @@ def regenerate(
                     sample = expand_images(image_inputs, full, max_length)
                 except RowRejected as reason:
                     state.rejected = str(reason)
+                    if isinstance(reason, OverLength):
+                        state.prompt_size = (reason.size, reason.unit)
             if state.rejected is None and not any(sample.loss_mask):
                 state.rejected = "no assistant token after tokenization"
             if state.rejected is not None:
                 report.rejected[state.rejected] += 1
+                if state.prompt_size is not None:
+                    report.longest_over_length.note(state.conversation.id, *state.prompt_size)
             else:
                 partial.write(sample.to_json() + "\n")
                 partial.flush()

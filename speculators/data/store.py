@@ -8,6 +8,10 @@ fingerprint, the layer ids, the storage format, the token ids and the images' di
 computes what is new. Every shard is written under a temporary name and renamed, and the manifest
 records its sha256, so a reader never sees a partial shard and a corrupted one is named.
 
+A manifest names nothing outside its store: each entry's shard must be exactly the place of its key
+(`shards/<key[:2]>/<key>.safetensors`, the key 32 hex digits), checked when the manifest is read, and
+a shard is opened only where it resolves inside the store (a symlink out of it is refused).
+
     <store>/manifest.json
     <store>/shards/<key[:2]>/<key>.safetensors
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING, Self
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speculators.atomic_io import write_text_atomic, write_with
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, shorten
 from speculators.settings import StorageFormat
 from speculators.verifier.quantization import FP8_MAX
 
@@ -34,6 +39,18 @@ if TYPE_CHECKING:
 STORE_FORMAT = "speculators-hidden-states"
 STORE_VERSION = 1
 STORAGE_FORMATS: tuple[str, ...] = typing.get_args(StorageFormat)
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")  # sample_key's: the first 32 hex digits of a sha256
+FRESH_STORE = "re-run 'speculators datagen' into a new --output (or into this one with --overwrite)"
+
+
+def shard_name(key: str) -> str:
+    """Where the store keeps the shard of `key`, relative to the store (the only path a manifest may name)."""
+    return f"shards/{key[:2]}/{key}.safetensors"
+
+
+class StoreManifestPathError(SpeculatorsError):
+    """A store manifest names a shard outside the store's own layout: it was altered, or is not datagen's.
+    datagen --overwrite may replace such a manifest; every reader refuses it."""
 
 
 class StoreRecord(BaseModel):
@@ -109,15 +126,36 @@ class StoreManifest(StoreRecord):
             data = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError):
             data = None
+        manifest = None
         try:
             if isinstance(data, dict) and data.get("format") == STORE_FORMAT and data.get("version") == STORE_VERSION:
-                return cls.model_validate(data)
+                manifest = cls.model_validate(data)
         except ValidationError:
             pass
-        raise SpeculatorsError(
-            f"{path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
-            f"folder (or a new one for datagen)"
-        )
+        if manifest is None:
+            raise SpeculatorsError(
+                f"{path} is not a version-{STORE_VERSION} hidden-state store manifest; name a store "
+                f"folder (or a new one for datagen)"
+            )
+        manifest.check_shard_paths(path)
+        return manifest
+
+    def check_shard_paths(self, path: Path) -> None:
+        """Every entry's shard is the store's own place for its key: a manifest that names `../..`, an
+        absolute path or another sample's shard gets no file opened, hashed or named for deletion."""
+        for entry in self.samples:
+            if KEY_PATTERN.fullmatch(entry.key) and entry.shard == shard_name(entry.key):
+                continue
+            place = (
+                shard_name(entry.key)
+                if KEY_PATTERN.fullmatch(entry.key)
+                else f"none: its key '{shorten(entry.key, 80)}' is not 32 hex digits"
+            )
+            raise StoreManifestPathError(
+                f"{path} names shard '{shorten(entry.shard, 120)}' for sample {shorten(entry.id, 80)}, not the "
+                f"store's own place for its key ({place}): the manifest was altered and none of its shards is "
+                f"opened; {FRESH_STORE}"
+            )
 
     def write(self, path: Path) -> Path:
         """Atomically, as one-space-indented JSON."""
@@ -141,6 +179,17 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def shard_tokens(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and loss_mask of the shard file at `path`, without reading its hidden states."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+    except Exception as error:
+        raise SpeculatorsError(f"shard {path} cannot be read ({error}); delete it and re-run datagen") from None
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +225,7 @@ class HiddenStateStore:
         return self.root / "manifest.json"
 
     def shard_path(self, key: str) -> Path:
-        return self.root / "shards" / key[:2] / f"{key}.safetensors"
+        return self.root / shard_name(key)
 
     def has(self, key: str) -> bool:
         return self.shard_path(key).is_file()
@@ -235,19 +284,37 @@ class HiddenStateStore:
         except SpeculatorsError:
             return {}
 
+    def shard_file(self, shard: str, sample_id: str) -> Path:
+        """The shard at `shard` (relative to the store), refused unless it is a file that resolves inside
+        the store: a symlinked shard (or `shards` folder) is followed only within the store."""
+        path = self.root / shard
+        resolved = path.resolve()
+        if not resolved.is_relative_to(self.root.resolve()):
+            raise SpeculatorsError(
+                f"shard {path} of sample {sample_id} resolves to {resolved}, outside the store {self.root} (a "
+                f"symlink out of it); nothing outside a store is read: {FRESH_STORE}, or link the whole store "
+                f"folder rather than its shards"
+            )
+        if not resolved.is_file():
+            raise SpeculatorsError(f"shard {path} of sample {sample_id} is missing; re-run 'speculators datagen'")
+        return path
+
+    def checked_shard_file(self, entry: SampleEntry) -> Path:
+        """The entry's shard (shard_file), its sha256 checked against the manifest's."""
+        path = self.shard_file(entry.shard, entry.id)
+        if file_sha256(path) != entry.checksum:
+            raise SpeculatorsError(
+                f"shard {path} of sample {entry.id} is corrupted (checksum mismatch); delete it and re-run "
+                f"'speculators datagen' to recompute it"
+            )
+        return path
+
     def read_sample(self, entry: SampleEntry, verify: bool = True, dtype: torch.dtype | None = None) -> StoredSample:
         """One sample's tensors (fp8 de-quantized); with `verify`, the checksum must match the manifest."""
         import torch
         from safetensors.torch import load_file
 
-        path = self.root / entry.shard
-        if not path.is_file():
-            raise SpeculatorsError(f"shard {path} of sample {entry.id} is missing; re-run 'speculators datagen'")
-        if verify and file_sha256(path) != entry.checksum:
-            raise SpeculatorsError(
-                f"shard {path} of sample {entry.id} is corrupted (checksum mismatch); delete it and re-run "
-                f"'speculators datagen' to recompute it"
-            )
+        path = self.checked_shard_file(entry) if verify else self.shard_file(entry.shard, entry.id)
         try:
             tensors = load_file(str(path))
         except Exception as error:
@@ -260,12 +327,11 @@ class HiddenStateStore:
         positions = tensors.get("position_ids")
         return StoredSample(tensors["input_ids"], tensors["loss_mask"].to(torch.bool), aux, target, positions)
 
-    def read_tokens(self, shard: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids and loss_mask of the shard at `shard` (a SampleEntry's), without reading the hidden states."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.root / shard), "pt") as handle:
-            return handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+    def read_tokens(self, entry: SampleEntry, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and loss_mask of the entry's shard, without reading the hidden states; with `verify`,
+        the shard's checksum must match the manifest (hashing reads the whole shard once)."""
+        path = self.checked_shard_file(entry) if verify else self.shard_file(entry.shard, entry.id)
+        return shard_tokens(path)
 
     def verify(self) -> list[str]:
         """Problems found by re-reading every shard: checksum, shapes, finiteness, token ids."""

@@ -212,6 +212,56 @@ def over_length(max_length: int) -> str:
     return f"over-length (the prompt alone exceeds max length {max_length})"
 
 
+class OverLength(RowRejected):
+    """A row rejected as over-length, with its prompt's size: `tokens`, or `characters` where its text was
+    clipped before tokenizing (it never reached the tokenizer). Counted under `over_length`'s reason."""
+
+    def __init__(self, max_length: int, size: int, unit: str):
+        super().__init__(over_length(max_length))
+        self.size, self.unit = size, unit
+
+
+def prompt_characters(messages: list[dict[str, Any]]) -> int:
+    """Characters of text before the first assistant turn: the size of a prompt too long to tokenize."""
+    first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return sum(text_length(m["content"]) for m in messages[:first_answer])
+
+
+@dataclass
+class LongestPrompt:
+    """The longest prompt of the rows rejected as over-length: what a run that kept none of its rows names.
+    A prompt measured in characters (clipped before tokenizing) outranks one measured in tokens."""
+
+    sample_id: str = ""
+    size: int = 0
+    unit: str = ""  # "tokens" or "characters"; "" while no row was over-length
+
+    def note(self, sample_id: str, size: int, unit: str) -> None:
+        if not self.unit or (unit == "characters", size) > (self.unit == "characters", self.size):
+            self.sample_id, self.size, self.unit = sample_id, size, unit
+
+    def to_dict(self) -> dict[str, Any] | None:
+        """As prepare_report.json records it (None while no row was over-length)."""
+        return {"id": self.sample_id, "size": self.size, "unit": self.unit} if self.unit else None
+
+    def merge(self, recorded: dict[str, Any] | None) -> None:
+        """Take in another run's to_dict() (a regeneration replica's)."""
+        if recorded:
+            self.note(str(recorded["id"]), int(recorded["size"]), str(recorded["unit"]))
+
+    def advice(self, max_length: int) -> str:
+        """What to tell a user whose rows were all over-length: the longest and the --max-length it needs."""
+        if self.unit == "tokens":
+            return (
+                f"the longest, row {self.sample_id}, has a {self.size}-token prompt; raise --max-length to at least "
+                f"{self.size + 1}"
+            )
+        return (
+            f"the longest, row {self.sample_id}, has {self.size} characters of prompt (clipped before tokenizing); "
+            f"raise --max-length well past {max_length}"
+        )
+
+
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase,
     sample_id: str,
@@ -228,7 +278,7 @@ def tokenize_conversation(
         raise RowRejected("images in a conversation for a text-only verifier")
     clipped = clip_messages(messages, text_limit(tokenizer, max_length), max_length)
     if not any(m["role"] == "assistant" for m in clipped) and any(m["role"] == "assistant" for m in messages):
-        raise RowRejected(over_length(max_length))
+        raise OverLength(max_length, prompt_characters(messages), "characters")
     messages = clipped
     images = image_parts(messages)
     full = render_ids(tokenizer, messages, add_generation_prompt=False)
@@ -244,7 +294,7 @@ def tokenize_conversation(
         return expand_images(image_inputs, TokenizedSample(sample_id, full, mask, images), max_length)
     first_supervised = mask.index(1)
     if first_supervised >= max_length:
-        raise RowRejected(over_length(max_length))
+        raise OverLength(max_length, first_supervised, "tokens")
     return TokenizedSample(sample_id, full[:max_length], mask[:max_length])
 
 
@@ -268,7 +318,7 @@ def expand_images(image_inputs: ImageInputs, sample: TokenizedSample, max_length
             break
         kept, position = kept + 1, end
     if 1 not in mask[:length]:
-        raise RowRejected(over_length(max_length))
+        raise OverLength(max_length, mask.index(1) if 1 in mask else len(ids), "tokens")
     return TokenizedSample(sample.id, ids[:length], mask[:length], sample.images[:kept])
 
 

@@ -71,7 +71,8 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVoca
 
 def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, StoreManifest]:
     """Token counts over the supervised tokens of the samples training may learn from: samples of a
-    validation source are left out (their answers must not shape the vocabulary they are scored with)."""
+    validation source are left out (their answers must not shape the vocabulary they are scored with).
+    Each shard's checksum is checked first, as train checks it: a corrupted shard is named, never counted."""
     import torch
 
     store = HiddenStateStore(store_dir)
@@ -81,7 +82,7 @@ def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, StoreM
     for entry in manifest.samples:
         if entry.id.startswith(VALIDATION_PREFIX):
             continue
-        ids, mask = store.read_tokens(entry.shard)
+        ids, mask = store.read_tokens(entry)
         counts += torch.bincount(ids[mask.bool()], minlength=vocab)
     return counts, manifest
 
@@ -99,6 +100,13 @@ def write_store_vocab(store_dir: str | Path, draft_vocab_size: int) -> DraftVoca
     from safetensors.torch import save_file
 
     counts, manifest = count_supervised_tokens(store_dir)
+    if not int(counts.sum()):  # a vocabulary of the smallest ids, chosen from nothing, is no result
+        validation = sum(entry.id.startswith(VALIDATION_PREFIX) for entry in manifest.samples)
+        raise SpeculatorsError(
+            f"the store {store_dir} has no supervised tokens to count ({len(manifest.samples)} samples, {validation} "
+            f"of them validation-only, {manifest.totals.supervised_tokens} supervised tokens in all); run datagen on "
+            f"prompts with answers outside the validation sources"
+        )
     vocab = select_draft_vocab(counts, draft_vocab_size)
     root = Path(store_dir)
     tensors = {"selected_ids": vocab.selected, "d2t": vocab.d2t, "t2d": vocab.t2d, "counts": counts}

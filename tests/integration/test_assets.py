@@ -279,6 +279,50 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     assert not drafter_gates(variant, low, None)[0]["passed"]
 
 
+def test_keys_and_links_read_back_from_the_storage_root_name_nothing_outside_it(tmp_path):
+    """current.json and the `latest` link lie on a volume others may write: a key must be an artifact key, a
+    link must point at a checkpoint folder beside it, or the step fails before it copies or reads anything."""
+    from speculators_assets.workload import (
+        Step,
+        StepFailed,
+        benchmark_report,
+        previous_accepted,
+        speculator_checkpoint,
+        write_json,
+    )
+
+    step = Step(load_variants()["smollm2_135m"], tmp_path / "root")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    (outside / "model.safetensors").write_bytes(b"not the storage root's")
+    current = step.dir("trained_drafter") / "current.json"
+    for key in ("../../../../outside", str(outside), 12, "0123456789ab/../x"):
+        write_json(current, {"key": key, "drafter": str(outside)})
+        with pytest.raises(StepFailed, match=r"current.json records the drafter key .*, not an artifact key \(12 hex"):
+            speculator_checkpoint(step)
+    # A key of the right form: its drafter is the key's own folder in the root, whatever the record says.
+    write_json(current, {"key": "0123456789ab", "drafter": str(outside)})
+    drafter = step.dir("trained_drafter") / "0123456789ab" / "drafter"
+    with pytest.raises(StepFailed, match=rf"no trained drafter at {drafter}; materialize trained_drafter again"):
+        speculator_checkpoint(step)
+    assert not step.dir("speculator_checkpoint").exists()  # nothing copied from outside
+    # `latest` pointing out of its folder is refused by every step that follows it.
+    write_json(outside / "accepted.json", {"key": "0123456789ab", "acceptance_length": 9.0})
+    latest = step.dir("speculator_checkpoint") / "latest"
+    latest.parent.mkdir(parents=True)
+    latest.symlink_to(outside)
+    for read in (previous_accepted, benchmark_report):
+        with pytest.raises(StepFailed, match=rf"{latest} points at {outside}, not a checkpoint folder beside it"):
+            read(step)
+    latest.unlink()
+    published = latest.parent / "0123456789ab"
+    published.mkdir()
+    write_json(published / "accepted.json", {"key": "0123456789ab", "acceptance_length": 1.5})
+    latest.symlink_to(published.name)
+    assert previous_accepted(step)["acceptance_length"] == 1.5
+
+
 @pytest.mark.parametrize("set_root", [None, "/mnt/speculators"])
 def test_with_the_k8s_runner_the_workload_root_is_where_the_claim_is_mounted(monkeypatch, set_root):
     """SPECULATORS_STORAGE_ROOT means one thing: the root the workload is given, which the k8s runner mounts

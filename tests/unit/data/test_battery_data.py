@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from speculators.data import prompts, tokenization
 from speculators.data.prompts import Conversation, prepare_conversations
 from speculators.errors import SpeculatorsError
 from speculators.verifier import vision
+from tests.unit.shared.test_battery import one_error, run
 
 ANSWER = {"role": "assistant", "content": "fine"}
 
@@ -439,12 +441,15 @@ def test_images_outside_the_data_folder_are_rejected_unless_their_folder_is_allo
     inside = png(data / "pics" / "in.png", colour=(1, 1, 1))
     outside = png(elsewhere / "out.png", colour=(2, 2, 2))
     (data / "link.png").symlink_to(outside)  # a symlink inside that resolves outside
+    (data / "linked").symlink_to(elsewhere)  # a folder inside that is a link out of it
     encoded = base64.b64encode(outside.read_bytes()).decode()
     rows = [
         image_row("../elsewhere/out.png"),
         image_row(str(outside)),
         image_row(outside.as_uri()),
         image_row("link.png"),
+        image_row("linked/out.png"),
+        image_row("pics/../../elsewhere/out.png"),
         image_row("pics/../pics/in.png"),
         image_row(str(inside)),
         image_row("data:image/png;base64," + encoded),  # data URLs are not files: unaffected
@@ -453,12 +458,12 @@ def test_images_outside_the_data_folder_are_rejected_unless_their_folder_is_allo
     monkeypatch.chdir(tmp_path)  # (the working directory holds both folders: it is no root for a file's rows)
     _, report = prepare_conversations([source], require_assistant=False)
     assert report.kept == 2 and report.duplicates == 1
-    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
-    assert report.examples[vision.OUTSIDE_ROOTS] == [f"rows.jsonl:{i}" for i in (1, 2, 3, 4)]
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 6}
+    assert report.examples[vision.OUTSIDE_ROOTS] == [f"rows.jsonl:{i}" for i in range(1, 6)]  # (5 examples kept)
     _, report = prepare_conversations([source], require_assistant=False, image_roots=[elsewhere])
-    assert report.kept == 2 and report.duplicates == 5 and not report.rejected  # the same two images
+    assert report.kept == 2 and report.duplicates == 7 and not report.rejected  # the same two images
     _, report = prepare_conversations([str(data)], require_assistant=False)  # a folder source: the folder
-    assert report.rejected == {vision.OUTSIDE_ROOTS: 4}
+    assert report.rejected == {vision.OUTSIDE_ROOTS: 6}
     with pytest.raises(SpeculatorsError, match=r"image root .*missing is not a folder; pass an existing folder"):
         prepare_conversations([source], image_roots=[tmp_path / "missing"])
 
@@ -561,6 +566,7 @@ def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, 
 
     def start_replica(label, index, command, env, log):
         started.append(command)
+        assert env == {prepare_module.REPLICA_ENVIRONMENT: "1"}  # (a share left empty is the parent's to judge)
         raise Started
 
     monkeypatch.setattr(prepare_module, "start_replica", start_replica)
@@ -581,3 +587,109 @@ def test_evaluation_prompts_with_images_load_with_the_default_roots(tmp_path):
     source = write_jsonl(tmp_path / "eval.jsonl", [image_row("a.png"), image_row("../x.png")])
     loaded = prompts.load_prompts(source)
     assert len(loaded) == 1 and loaded[0].messages[0]["content"][0]["image"] == str(tmp_path / "a.png")
+
+
+# ----- empty results: an error naming why, and nothing written ------------------------------------------------
+
+
+def prompt_tokens(samples_file: Path) -> dict[str, int]:
+    """Each prepared sample's prompt length in tokens (the tokens before its first supervised one)."""
+    rows = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    return {row["id"]: row["loss_mask"].index(1) for row in rows}
+
+
+def folder_contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"}
+
+
+def test_prepare_with_every_row_over_max_length_names_the_longest_and_writes_nothing(
+    tiny_verifier_dir, tmp_path, capsys
+):
+    verifier = tiny_verifier_dir("llama")
+    source = write_jsonl(tmp_path / "rows.jsonl", [single("word " * n, "fine") for n in (50, 100, 30)])
+    reference = tmp_path / "reference"
+    prepare = ["prepare", "--source", source, "--verifier", verifier]
+    assert run(capsys, *prepare, "--output", reference, "--max-length", "512")[0] == 0
+    lengths = prompt_tokens(reference / "samples.jsonl")
+    longest = max(lengths, key=lengths.__getitem__)
+    refusal = (
+        rf"every one of the 3 conversations is over --max-length 16 \(its prompt alone fills it\): the longest, row "
+        rf"{longest}, has a {lengths[longest]}-token prompt; raise --max-length to at least {lengths[longest] + 1}, "
+        r"or shorten the source's prompts \(nothing was written\)$"
+    )
+    output = tmp_path / "out"
+    one_error(capsys, refusal, *prepare, "--output", output, "--max-length", "16")
+    assert not output.exists()  # no empty samples.jsonl, conversations.jsonl or report: no folder at all
+    # Into a folder holding an earlier result: that result stays as it was.
+    shutil.copytree(reference, output)
+    one_error(capsys, refusal, *prepare, "--output", output, "--max-length", "16")
+    assert folder_contents(output) == folder_contents(reference)
+    # What the message asks for is enough: every row kept.
+    assert run(capsys, *prepare, "--output", output, "--max-length", str(lengths[longest] + 1))[0] == 0
+    assert sorted(prompt_tokens(output / "samples.jsonl")) == sorted(lengths)
+
+
+def test_a_prompt_clipped_before_tokenizing_is_named_by_its_characters(
+    tiny_verifier_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(tokenization, "longest_token_chars", lambda tokenizer: 1)  # text limit: 16 + 1024 characters
+    many = " ".join(["many"] * 600)  # 2,999 characters
+    rows = [single("word " * 100, "fine"), single(many, "fine"), single("more " * 300, "fine")]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    conversations, _ = prepare_conversations([source])
+    clipped = conversations[1].id  # past the limit, never tokenized (the third, 1,499 characters, is too)
+    one_error(
+        capsys,
+        rf"every one of the 3 conversations is over --max-length 16 \(its prompt alone fills it\): the longest, row "
+        rf"{clipped}, has {len(many)} characters of prompt \(clipped before tokenizing\); raise --max-length well "
+        r"past 16, or shorten the source's prompts \(nothing was written\)$",
+        *["prepare", "--source", source, "--verifier", tiny_verifier_dir("llama"), "--max-length", "16"],
+        *["--output", tmp_path / "out"],
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_regeneration_with_every_prompt_over_max_length_leaves_no_resume_file(tiny_verifier_dir, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "word " * n} for n in (40, 20)])
+    output = tmp_path / "out"
+    one_error(
+        capsys,
+        r"every one of the 2 conversations is over --max-length 16 \(its prompt alone fills it\): the longest, row "
+        r"\w+, has a \d+-token prompt; raise --max-length to at least \d+, or shorten the source's prompts",
+        *["prepare", "--source", source, "--verifier", tiny_verifier_dir("llama"), "--regenerate"],
+        *["--max-length", "16", "--max-new-tokens", "4", "--output", output],
+    )
+    assert not output.exists()  # samples.partial.jsonl, opened for answers that never came, removed too
+
+
+def test_rows_all_rejected_for_any_reason_are_one_line_naming_the_counts_and_reasons(
+    tiny_verifier_dir, tmp_path, capsys
+):
+    verifier = tiny_verifier_dir("llama")
+    output = tmp_path / "out"
+    prompt_only = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hi"}, {"prompt": "ho"}, "[1]", "{broken"])
+    one_error(
+        capsys,
+        rf"no usable conversation in {prompt_only}: 4 rows read, 4 rejected \(2 no assistant turn, 1 [^,]+, 1 [^)]+\), "
+        r"0 duplicates; fix the source, or let the verifier answer prompt-only rows \(--verifier V --regenerate\) "
+        r"\(nothing was written\)$",
+        *["prepare", "--source", prompt_only, "--output", output],
+    )
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    one_error(
+        capsys,
+        rf"no rows in {empty}; name a source that holds conversations \(nothing was written\)$",
+        *["prepare", "--source", empty, "--verifier", verifier, "--output", output],
+    )
+    # Kept by the prompt stage, then none tokenized: an image for a text-only verifier, a prompt over the limit.
+    png(tmp_path / "a.png")
+    rows = [image_row("a.png"), single("word " * 40, "fine")]
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    one_error(
+        capsys,
+        r"none of the 2 conversations became a sample \(1 images in a conversation for a text-only verifier, 1 "
+        r"over-length \(the prompt alone exceeds max length 16\)\); the longest, row \w+, has a \d+-token prompt; "
+        r"raise --max-length to at least \d+; fix the source \(nothing was written\)$",
+        *["prepare", "--source", mixed, "--verifier", verifier, "--max-length", "16", "--output", output],
+    )
+    assert not output.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from speculators.cli import main
-from speculators.data.store import HiddenStateStore, file_sha256
+from speculators.data.store import HiddenStateStore, SampleEntry, file_sha256
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -217,6 +218,186 @@ def test_a_bit_flipped_shard_is_named_before_it_is_trained_on(store, peaked_veri
     assert not (output / "drafter").exists()
 
 
+# ----- a store's manifest names nothing outside the store -------------------------------------------
+
+
+def edited_manifest(store: Path, index: int, **changes: str) -> dict:
+    """The store's manifest with sample `index`'s entry changed (and written back); returns that entry."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    entry = manifest["samples"][index]
+    entry.update(changes)
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    return entry
+
+
+def outside_copy(store: Path, entry: dict, target: Path) -> Path:
+    """A copy of the entry's shard outside the store: whole and matching the checksum, so a reader that
+    followed a path to it would hash it, find it good and go on; only a path refusal stops it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(store / entry["shard"], target)
+    return target
+
+
+@pytest.mark.parametrize("escape", ["relative", "absolute", "another key's", "key"])
+def test_a_manifest_naming_a_shard_outside_its_place_is_refused_by_every_reader(
+    escape, store, peaked_verifier, tmp_path, capsys
+):
+    held = copy_store(store, tmp_path / "store")
+    entry = json.loads((held / "manifest.json").read_text())["samples"][2]
+    outside = outside_copy(held, entry, tmp_path / "elsewhere" / "states.safetensors")
+    other = json.loads((held / "manifest.json").read_text())["samples"][5]
+    shard, key = {
+        "relative": ("../elsewhere/states.safetensors", entry["key"]),
+        "absolute": (str(outside), entry["key"]),
+        "another key's": (other["shard"], entry["key"]),  # inside the store, but not this key's place
+        "key": ("shards/../../elsewhere/states.safetensors", "../../elsewhere/states"),
+    }[escape]
+    edited_manifest(held, 2, shard=shard, key=key)
+    manifest = (held / "manifest.json").read_text()
+    place = (
+        "none: its key '.*' is not 32 hex digits"
+        if escape == "key"
+        else r"shards/[0-9a-f]{2}/[0-9a-f]{32}\.safetensors"
+    )
+    refusal = (
+        rf"{held / 'manifest.json'} names shard '{re.escape(shard)}' for sample {entry['id']}, not the store's own "
+        rf"place for its key \({place}\): the manifest was altered and none of its shards is opened; re-run "
+        r"'speculators datagen' into a new --output \(or into this one with --overwrite\)"
+    )
+    for argv in (
+        ["vocab", "--store", held, "--draft-vocab-size", "64"],
+        ["verify-store", held],
+        train_args(held, peaked_verifier, tmp_path / "run"),
+    ):
+        line = one_error(capsys, refusal, *argv)
+        assert "delete" not in line and "checksum" not in line
+    assert not (tmp_path / "run").exists() and (held / "manifest.json").read_text() == manifest
+    assert (held / "draft_vocab.json").read_bytes() == (store / "draft_vocab.json").read_bytes()
+    # datagen refuses it too, and replaces it with --overwrite (the shards are its own, keyed by content)
+    samples = tmp_path / "samples.jsonl"
+    entries = json.loads((store / "manifest.json").read_text())["samples"]
+    samples.write_text("".join(HiddenSample(store, e).to_json() + "\n" for e in entries))
+    argv = ["datagen", "--data", samples, "--verifier", peaked_verifier, "--output", held, "--storage", "float32"]
+    one_error(capsys, refusal, *argv, "--aux-layer-ids", "1,4,6")
+    assert (held / "manifest.json").read_text() == manifest
+    assert run(capsys, *argv, "--aux-layer-ids", "1,4,6", "--overwrite")[0] == 0
+    assert run(capsys, "verify-store", held)[0] == 0
+
+
+def test_a_shard_symlinked_out_of_the_store_is_refused_and_one_inside_it_followed(
+    store, peaked_verifier, tmp_path, capsys
+):
+    held = copy_store(store, tmp_path / "store")
+    entry = json.loads((held / "manifest.json").read_text())["samples"][4]
+    shard = held / entry["shard"]
+    outside = outside_copy(held, entry, tmp_path / "elsewhere" / "states.safetensors")
+    shard.unlink()
+    shard.symlink_to(outside)  # whole, matching its checksum: only the path stops a reader
+    refusal = (
+        rf"shard {re.escape(str(shard))} of sample {entry['id']} resolves to {re.escape(str(outside))}, outside the "
+        rf"store {held} \(a symlink out of it\); nothing outside a store is read: re-run 'speculators datagen' "
+        r"into a new --output \(or into this one with --overwrite\), or link the whole store folder rather than its "
+        r"shards"
+    )
+    one_error(capsys, refusal, "vocab", "--store", held, "--draft-vocab-size", "64")
+    one_error(capsys, refusal, *train_args(held, peaked_verifier, tmp_path / "run"))
+    code, out, _ = run(capsys, "verify-store", held)
+    assert code == 1 and "resolves to" in out and "delete" not in out
+    # A `shards` folder linked elsewhere is the same escape, for every shard.
+    moved = copy_store(store, tmp_path / "moved")
+    shutil.move(moved / "shards", tmp_path / "shards-elsewhere")
+    (moved / "shards").symlink_to(tmp_path / "shards-elsewhere")
+    one_error(
+        capsys,
+        r"resolves to .*shards-elsewhere.*outside the store",
+        "vocab",
+        "--store",
+        moved,
+        "--draft-vocab-size",
+        "8",
+    )
+    # Inside the store a link is followed (the shard's checksum still checked); so is a store reached by a link.
+    inside = held / "kept" / "states.safetensors"
+    inside.parent.mkdir()
+    shutil.move(outside, inside)
+    shard.unlink()
+    shard.symlink_to(inside)
+    assert run(capsys, "vocab", "--store", held, "--draft-vocab-size", "128")[0] == 0
+    assert (held / "draft_vocab.safetensors").read_bytes() == (store / "draft_vocab.safetensors").read_bytes()
+    (tmp_path / "link").symlink_to(held)
+    assert run(capsys, "verify-store", tmp_path / "link")[0] == 0
+
+
+def test_vocab_checks_each_shards_checksum_before_counting_it(store, tmp_path, capsys):
+    flipped = copy_store(store, tmp_path / "store")
+    entry = json.loads((flipped / "manifest.json").read_text())["samples"][1]
+    shard = flipped / entry["shard"]
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0x08  # a bit of the states: the tokens vocab reads are intact, the shard is not
+    shard.write_bytes(bytes(data))
+    vocab = (flipped / "draft_vocab.safetensors").read_bytes()
+    one_error(
+        capsys,
+        rf"shard {shard} of sample {entry['id']} is corrupted \(checksum mismatch\); delete it and re-run "
+        r"'speculators datagen' to recompute it",
+        "vocab",
+        "--store",
+        flipped,
+        "--draft-vocab-size",
+        "64",
+    )
+    assert (flipped / "draft_vocab.safetensors").read_bytes() == vocab  # the earlier vocabulary kept
+
+
+def test_vocab_on_a_store_without_supervised_tokens_is_one_line_and_writes_nothing(store, tmp_path, capsys):
+    from speculators.data.prompts import VALIDATION_PREFIX
+
+    held = copy_store(store, tmp_path / "store")
+    for name in ("draft_vocab.safetensors", "draft_vocab.json"):
+        (held / name).unlink()
+    manifest = json.loads((held / "manifest.json").read_text())
+    for entry in manifest["samples"]:  # every sample of a validation source: none to learn the vocabulary from
+        entry["id"] = VALIDATION_PREFIX + entry["id"]
+    (held / "manifest.json").write_text(json.dumps(manifest))
+    one_error(
+        capsys,
+        rf"the store {held} has no supervised tokens to count \(8 samples, 8 of them validation-only, \d+ supervised "
+        r"tokens in all\); run datagen on prompts with answers outside the validation sources",
+        "vocab",
+        "--store",
+        held,
+        "--draft-vocab-size",
+        "64",
+    )
+    assert not (held / "draft_vocab.safetensors").exists() and not (held / "draft_vocab.json").exists()
+
+
+def test_datagen_on_no_samples_and_train_on_no_training_samples_are_one_line_and_write_nothing(
+    store, peaked_verifier, tmp_path, capsys
+):
+    from speculators.data.prompts import VALIDATION_PREFIX
+
+    empty = tmp_path / "samples.jsonl"
+    empty.write_text("")
+    one_error(
+        capsys,
+        r"no samples to capture; the prepared data is empty",
+        *["datagen", "--data", empty, "--verifier", peaked_verifier, "--output", tmp_path / "new"],
+    )
+    assert not (tmp_path / "new").exists()
+    held = copy_store(store, tmp_path / "store")
+    manifest = json.loads((held / "manifest.json").read_text())
+    for entry in manifest["samples"]:  # every sample held out for validation: none left to train on
+        entry["id"] = VALIDATION_PREFIX + entry["id"]
+    (held / "manifest.json").write_text(json.dumps(manifest))
+    one_error(
+        capsys,
+        rf"the store {held} has no training samples with supervised tokens; run datagen on more data",
+        *train_args(held, peaked_verifier, tmp_path / "run"),
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_datagen_refuses_a_store_of_another_verifier_and_keeps_it(store, peaked_verifier, verifier, tmp_path, capsys):
     """The peaked store holds the peaked verifier's states; the plain tiny verifier is another one."""
     from speculators.data.tokenization import read_samples
@@ -273,7 +454,7 @@ class HiddenSample:
     """A stored sample's tokens as a samples.jsonl row (the data datagen would capture again)."""
 
     def __init__(self, root: Path, entry: dict):
-        ids, mask = HiddenStateStore(root).read_tokens(entry["shard"])
+        ids, mask = HiddenStateStore(root).read_tokens(SampleEntry.model_validate(entry))
         self.row = {"id": entry["id"], "input_ids": ids.tolist(), "loss_mask": mask.int().tolist()}
 
     def to_json(self) -> str:
