@@ -72,11 +72,22 @@ def number(kind: type[int] | type[float], low: float | None = None, high: float 
         if value != value or value in (float("inf"), float("-inf")):  # (NaN is unequal to itself)
             raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
         if (low is not None and value < low) or (high is not None and value > high):
-            bounds = f"at least {low:g}" if high is None else f"in {low:g}..{high:g}"
-            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+            raise argparse.ArgumentTypeError(f"{text} must be {range_text(low, high)}")
         return value
 
     return parse
+
+
+def range_text(low: float | None, high: float | None) -> str:
+    """'in 1..4194304', 'at least 1' or 'at most 8': the bounds as a person reads them (4194304, not
+    4.1943e+06)."""
+
+    def text(bound: float) -> str:
+        return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+    if low is not None and high is not None:
+        return f"in {text(low)}..{text(high)}"
+    return f"at least {text(low)}" if low is not None else f"at most {text(high)}" if high is not None else "a number"
 
 
 def is_positional(info: FieldInfo) -> bool:

