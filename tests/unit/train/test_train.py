@@ -439,6 +439,56 @@ def test_a_refused_resume_is_one_error_line_on_the_command_line(store, peaked_ve
     assert json.loads((output / "summary.json").read_text())["resumed"] == []
 
 
+def test_the_trained_drafter_step_resumes_a_killed_attempt_and_restarts_a_forced_one(store, peaked_verifier, tmp_path):
+    """The Dagster step trains into a folder keyed by its inputs, not by its warm start: a forced retrain
+    that now starts from the last accepted drafter passes --restart (a resume would be refused), and a
+    retry of an attempt that left no summary resumes the attempt's checkpoint."""
+    from speculators_assets.variants import load_variant
+    from speculators_assets.workload import Step, train_command, trained_drafter
+    from tests.conftest import write_tiny_variant
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n')
+    write_tiny_variant(tmp_path / "variants", peaked_verifier, prompts)
+    yaml = tmp_path / "variants" / "tiny_llama.yaml"
+    recipe = "{max_steps: 4, checkpoint_every: 2, lr: 0.002, token_budget: 128, validation_share: 0.0, precision: fp32}"
+    yaml.write_text(
+        yaml.read_text().replace(
+            "{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}", recipe
+        )
+    )
+    variant = load_variant(yaml)
+    assert variant.training.max_steps == 4
+    command = train_command(variant, store, tmp_path / "out", None)
+    assert "--restart" not in command and "--restart" in train_command(variant, store, tmp_path / "out", None, True)
+    root = tmp_path / "root"
+    shutil.copytree(
+        store, root / "tiny_llama" / "verifier_hidden_states" / "store", ignore=shutil.ignore_patterns(".lock")
+    )
+    first, key = trained_drafter(Step(variant, root))
+    assert first["warm_start"] == "none" and not first["reused"]
+    out = root / "tiny_llama" / "trained_drafter" / key
+    # The drafter accepted and published (what speculator_checkpoint does when the gates pass).
+    published = root / "tiny_llama" / "speculator_checkpoint" / key
+    published.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(out / "drafter" / name, published / name)
+    (published / "accepted.json").write_text(json.dumps({"key": key, "acceptance_length": 1.0}))
+    (published.parent / "latest").symlink_to(key)
+    # Not forced: reused. Forced: retrained afresh from the accepted drafter, into the same folder.
+    assert trained_drafter(Step(variant, root))[0]["reused"]
+    forced, same_key = trained_drafter(Step(variant, root, force=True))
+    assert same_key == key and forced["warm_start"] == str(published) and not forced["reused"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed"] == [] and summary["config"]["warm_start"] == str(published)
+    # A retry after a kill that left no summary: resumed (same settings and warm start), not restarted.
+    (out / "summary.json").unlink()
+    retried, _ = trained_drafter(Step(variant, root))
+    assert not retried["reused"] and [r["step"] for r in json.loads((out / "summary.json").read_text())["resumed"]] == [
+        4
+    ]
+
+
 def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
     from speculators.train.data import Pack
     from speculators.train.trainer import with_aux_noise
