@@ -170,7 +170,9 @@ def refuse_change(last: Path, output: str, name: str, old: Any, new: Any) -> Spe
 def check_resume(last: Path, recorded: RunRecord, current: RunRecord, output: str) -> dict[str, list[Any]]:
     """The changes a resume may make (flag -> [before, after]); a change to what shaped the run is
     refused in one line (the first such change, in the order of TrainConfig's fields)."""
-    before, after = recorded.settings, current.settings
+    # (a setting added after the checkpoint was written: the run had its default, which is what it did then)
+    defaults = {name: info.get_default(call_default_factory=True) for name, info in TrainConfig.model_fields.items()}
+    before, after = {**defaults, **recorded.settings}, current.settings
     packs_before = recorded.world_size * before["grad_accumulation"]
     packs_after = current.world_size * after["grad_accumulation"]
     if packs_before != packs_after:
@@ -186,7 +188,7 @@ def check_resume(last: Path, recorded: RunRecord, current: RunRecord, output: st
         raise refuse(
             last,
             output,
-            f"on the data of --store {before.get('store')} (content {recorded.store_content})",
+            f"on the data of --store {before['store']} (content {recorded.store_content})",
             f"reads other data from --store {after['store']} (content {current.store_content}: samples or draft "
             "vocabulary changed)",
             "resume on the data it was trained on",
@@ -195,7 +197,7 @@ def check_resume(last: Path, recorded: RunRecord, current: RunRecord, output: st
     for name in TrainConfig.model_fields:
         if name in NOT_COMPARED:
             continue
-        old, new = before.get(name), after[name]
+        old, new = before[name], after[name]
         if name == "warm_start":
             if recorded.warm_start_content != current.warm_start_content and old is not None and new is not None:
                 raise refuse(

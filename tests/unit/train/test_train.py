@@ -319,6 +319,13 @@ def test_packs_per_step_decide_whether_another_world_size_may_resume(store, peak
     last, output = tmp_path / "run" / "checkpoints" / "last", str(tmp_path / "run")
     two_ranks = run_record(config_for(store, peaked_verifier, output), 2, "fp32")
     one_rank = run_record(config_for(store, peaked_verifier, output, grad_accumulation=2), 1, "fp32")
+    # A checkpoint from before a setting existed trained at its default.
+    older = two_ranks.model_copy(update={"settings": {k: v for k, v in two_ranks.settings.items() if k != "aux_noise"}})
+    assert check_resume(last, older, two_ranks, output) == {}
+    with pytest.raises(SpeculatorsError, match=r"trained with --aux-noise 0.0, this run asks for --aux-noise 0.1;"):
+        check_resume(
+            last, older, run_record(config_for(store, peaked_verifier, output, aux_noise=0.1), 2, "fp32"), output
+        )
     changes = check_resume(last, two_ranks, one_rank, output)
     assert changes == {"--grad-accumulation": [1, 2], "WORLD_SIZE": [2, 1]}
     doubled = run_record(config_for(store, peaked_verifier, output, grad_accumulation=2), 2, "fp32")
@@ -334,6 +341,36 @@ def test_packs_per_step_decide_whether_another_world_size_may_resume(store, peak
         r"fp32\); resume with --precision bf16, or pass --restart",
     ):
         check_resume(last, auto, run_record(config_for(store, peaked_verifier, output), 1, "fp32"), output)
+
+
+def test_a_run_of_one_process_resumes_on_two_with_the_same_packs_per_step(store, peaked_verifier, tmp_path):
+    """Interrupted in one process with --grad-accumulation 2, resumed by torchrun on 2 processes with 1:
+    the same packs per step, so the same run as one uninterrupted process (to DDP's rounding)."""
+    from speculators.flags import to_argv
+
+    single = config_for(
+        store, peaked_verifier, tmp_path / "single", max_steps=4, checkpoint_every=2, grad_accumulation=2
+    )
+    train(single)
+    output = tmp_path / "resumed"
+    interrupt_at_checkpoint(single.model_copy(update={"output": str(output)}), 2)
+    on_two = single.model_copy(update={"output": str(output), "grad_accumulation": 1, "progress": False})
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train", *to_argv(on_two)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "at step 2; changed since: --grad-accumulation 2 -> 1, WORLD_SIZE 1 -> 2" in result.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed"][0]["changes"]["WORLD_SIZE"] == [1, 2]
+    a = Eagle3Drafter.from_pretrained(tmp_path / "single" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(output / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
 
 
 def test_a_resume_may_change_the_log_schedule_and_the_store_path_and_equals_an_uninterrupted_run(
