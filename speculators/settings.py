@@ -441,6 +441,12 @@ class TrainConfig(TrainRecipe):
         None, ge=1, le=MAX_DRAFT_TOKENS, description="K written into the checkpoint (default: --ttt-steps)"
     )
     progress: bool = Field(True, description="a progress bar (off: one line per log window, for logs)")
+    restart: bool = Field(
+        False,
+        description="train --output afresh from step 0: this run's first checkpoint replaces the earlier run's "
+        "checkpoints/last, then its best drafter and summary go (by default a folder with checkpoints/last "
+        "resumes it, and a setting that would change that run is refused)",
+    )
 
 
 # ----- vLLM servers: serve, bench ----------------------------------------------------------------

@@ -502,8 +502,10 @@ def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: d
     return checks
 
 
-def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -> list[str]:
-    """`speculators train` for a variant (run under torchrun on the step's GPUs, see command_line)."""
+def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None, restart: bool = False) -> list[str]:
+    """`speculators train` for a variant (run under torchrun on the step's GPUs, see command_line); with
+    `restart`, from step 0 over an earlier run in `out` (by default a run there is resumed, or refused
+    where its settings, data or warm start differ)."""
     from speculators.settings import TrainConfig
 
     d = v.drafter
@@ -517,6 +519,7 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None) -
         num_draft_layers=d.num_draft_layers,
         draft_layer_type=d.draft_layer_type,
         progress=False,
+        restart=restart,
     )
     return ["train", *to_argv(config)]
 
@@ -543,7 +546,9 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     summary = read_summary(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
     if not reused:
-        arguments = train_command(v, store, out, warm if warm_start else None)
+        # A retry after a kill resumes the attempt's checkpoint; a forced one trains afresh (it may start
+        # from another warm start than the run in `out` did, which a resume would refuse).
+        arguments = train_command(v, store, out, warm if warm_start else None, restart=step.force)
         speculators(*arguments, gpus=v.profile("trained_drafter").gpus)
         summary = read_summary(out / "summary.json")
     if summary is None:

@@ -1,4 +1,5 @@
-"""The records `speculators train` writes: the resumable training state and the training summary.
+"""The records `speculators train` writes: the resumable training state (with the record of the run
+that wrote it, which a resume checks) and the training summary.
 
 Both are read back by attribute (the trainer on resume; the command line and the Dagster code
 location from the summary) and written as the JSON they have always been: the same keys in the same
@@ -14,6 +15,28 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 
+class RunRecord(BaseModel):
+    """What shaped a run, recorded in its resumable checkpoint: a resume compares its own with it
+    (speculators/train/resume.py says what may change)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    settings: dict[str, Any]  # the run's TrainConfig fields as JSON (its --output and --restart left out)
+    world_size: int  # processes it trained on (WORLD_SIZE): each takes its share of every step's packs
+    compute_dtype: str  # "bf16" or "fp32": --precision as resolved on the device it ran on
+    store_content: str  # identity of the store's data: its samples' keys and checksums, the draft vocabulary
+    verifier_fingerprint: str  # the verifier whose states the store holds
+    warm_start_content: str | None  # identity of the --warm-start drafter's config and weights, None without one
+
+
+class Resumption(BaseModel):
+    """One resume of a run: where it resumed and which settings that may change did."""
+
+    step: int  # the step it resumed at
+    changes: dict[str, list[Any]]  # flag -> [before, after], of the settings that may change between resumes
+    settings_checked: bool = True  # False: the checkpoint predates run records, nothing could be compared
+
+
 class TrainingState(BaseModel):
     """checkpoints/last/trainer_state.json: where a run is, to resume it (the tensors are beside it)."""
 
@@ -27,6 +50,8 @@ class TrainingState(BaseModel):
     wall_seconds: float = 0.0  # wall time of the run, across resumes (absent in early checkpoints)
     optimizer_scalars: dict[str, float] = {}  # "<optimizer>/<param>/<key>" -> each scalar of the optimizers' state
     optimizer_param_groups: list[Any] = []  # each optimizer's param groups
+    run: RunRecord | None = None  # what shaped the run (absent in checkpoints written before resumes checked it)
+    resumes: list[Resumption] = []  # each resume so far, in order
     # The keys in the order they were first set (a file's: its own): the order they are written in.
     _order: list[str] = PrivateAttr(default_factory=list)
 
@@ -75,7 +100,8 @@ class TrainingSummary(BaseModel):
     best_validation_loss: float | None = None  # the lowest validation loss, None without validation samples
     best_validation: dict[str, Any] | None = None  # that validation's metrics, None without validation samples
     drafter: str  # the final drafter's folder
-    config: dict[str, Any]  # the run's settings (TrainConfig)
+    config: dict[str, Any]  # the run's settings (TrainConfig) as its last resume gave them
+    resumed: list[Resumption] = []  # each resume of the run: its step and what changed
 
     @classmethod
     def read(cls, path: Path) -> Self:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -34,7 +36,8 @@ from speculators.models.weights import read_safetensors
 from speculators.precision import check_cuda_device, native_bf16
 from speculators.settings import TrainConfig, TrainRecipe
 from speculators.train.data import PackedStore
-from speculators.train.records import TrainingState, TrainingSummary
+from speculators.train.records import Resumption, RunRecord, TrainingState, TrainingSummary
+from speculators.train.resume import changes_text, check_resume, recorded_state, run_record
 from speculators.train.vocab import load_draft_vocab
 from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, draft_config_for_verifier
 
@@ -59,14 +62,9 @@ def init_distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     rank = int(os.environ.get("RANK", "0"))
-    if config.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    else:
-        check_cuda_device(config.device)
-        # --device cuda: this process's GPU (set_device needs an index)
-        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if config.device == "cuda" else config.device)
+    device = training_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -74,6 +72,22 @@ def init_distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     if config.fsdp and world == 1:
         raise SpeculatorsError("--fsdp shards over several processes; launch with torchrun --nproc-per-node N")
     return rank, world, device
+
+
+def world_size() -> int:
+    """The processes of the run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def training_device(config: TrainConfig) -> torch.device:
+    """This process's device: --device, with auto and cuda meaning cuda:LOCAL_RANK where CUDA is present."""
+    import torch
+
+    if config.device == "auto":
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    check_cuda_device(config.device)
+    # --device cuda: this process's GPU (set_device needs an index)
+    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if config.device == "cuda" else config.device)
 
 
 def wrap_model(drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: bool) -> nn.Module:
@@ -310,8 +324,8 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch.op
     except (SpeculatorsError, KeyError, ValueError, RuntimeError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise SpeculatorsError(
-            f"the resumable checkpoint {directory} cannot be resumed by this run ({reason}); train into a new "
-            f"--output, or move {directory} away to start this one over"
+            f"the resumable checkpoint {directory} cannot be resumed by this run ({reason}); pass --restart to train "
+            f"{directory.parent.parent} afresh, or train into a new --output"
         ) from None
 
 
@@ -330,6 +344,8 @@ def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=full)
     state = TrainingState.read(directory / "trainer_state.json")
+    if state.step == 0:  # a restart's first checkpoint: the optimizers start as built (see start_afresh)
+        return state
     if len(state.optimizer_param_groups) < len(optimizers):
         raise SpeculatorsError(
             f"it holds {len(state.optimizer_param_groups)} optimizers, this run has {len(optimizers)}"
@@ -787,6 +803,41 @@ def validate_and_checkpoint(run: Run, state: TrainingState, log: MetricsLog, clo
             save_checkpoint(run.output / "checkpoints" / "last", snapshot, optimizer_states, state)
 
 
+def announce_resume(last: Path, step: int, changes: dict[str, list[Any]], checked: bool) -> None:
+    """The resume's progress line: its step and the settings changed since (or that none could be checked)."""
+    if not checked:
+        print(
+            f"warning: {last} was written before checkpoints recorded their run's settings; resuming at step {step} "
+            "without checking that the settings, the store's data, the warm start and WORLD_SIZE are the ones it "
+            "was trained with (pass --restart to train afresh if any changed)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    since = f"; changed since: {changes_text(changes)}" if changes else ""
+    print(f"resuming from {last} at step {step}{since}", flush=True)
+
+
+def start_afresh(run: Run, state: TrainingState, record: RunRecord) -> None:
+    """--restart over an earlier run (or a resume of a restart at its step 0). The earlier run's summary
+    goes first (a finished run that is resumed writes it again), then this run's step-0 checkpoint
+    replaces checkpoints/last atomically, and only then does the earlier run's best drafter go;
+    train_log.jsonl starts over with step 0. A kill before the swap leaves the earlier run resumable;
+    after it, a plain rerun resumes this one (and removes what is left of the earlier)."""
+    output = run.output
+    state.run = record
+    if run.rank == 0:
+        (output / "summary.json").unlink(missing_ok=True)
+    # The optimizers have no state before their first step, and stay so: reading it would initialise it
+    # with a zero step (torch's _init_optim_state), which shifts AdamW's bias correction.
+    model_state, _ = gather_full_state(run.model, [])  # (collective)
+    if run.rank == 0:
+        snapshot = drafter_from_state(run.drafter.config, model_state)
+        save_checkpoint(output / "checkpoints" / "last", snapshot, [], state)
+        if (output / "checkpoints" / "best").is_dir():
+            shutil.rmtree(output / "checkpoints" / "best")
+
+
 def finish(run: Run, state: TrainingState, clock: WallClock, log_path: Path) -> TrainingSummary | None:
     """The final drafter (validated), summary.json and the curves; the summary (None off rank 0)."""
 
@@ -815,6 +866,7 @@ def finish(run: Run, state: TrainingState, clock: WallClock, log_path: Path) -> 
         best_validation=state.best_validation,
         drafter=str(output / "drafter"),
         config=run.config.model_dump(),
+        resumed=state.resumes,
     )
     summary.write(output / "summary.json")
     plot_curves(log_path, output / "training_curves.png")
@@ -835,13 +887,23 @@ def train(config: TrainConfig) -> TrainingSummary | None:
 
 
 def train_run(config: TrainConfig) -> TrainingSummary | None:
+    last = Path(config.output) / "checkpoints" / "last"
+    resuming = (last / "trainer_state.json").is_file() and not config.restart
+    # Checked before anything is built or written: a refused resume leaves the run folder as it was.
+    device = training_device(config)
+    record = run_record(config, world_size(), "bf16" if uses_bf16(config, device) else "fp32")
+    recorded = recorded_state(last, config.output).run if resuming else None
+    changes = check_resume(last, recorded, record, config.output) if recorded is not None else {}
     run = start_run(config)
     state = TrainingState.start()
-    last = run.output / "checkpoints" / "last"
-    if (last / "trainer_state.json").is_file():
+    if resuming:
         state = load_checkpoint(last, run.model, run.optimizers)
+        state.resumes = [*state.resumes, Resumption(step=state.step, changes=changes, settings_checked=bool(recorded))]
         if run.rank == 0:
-            print(f"resuming from {last} at step {state.step}", flush=True)
+            announce_resume(last, state.step, changes, checked=recorded is not None)
+    if state.step == 0 and (last / "trainer_state.json").is_file():
+        start_afresh(run, state, record)
+    state.run = record
     clock, window = WallClock(state.wall_seconds), LogWindow()
     log_path = run.output / "train_log.jsonl"
     log = MetricsLog(log_path, run.rank, config.progress, run.total_steps, state.step)

@@ -915,8 +915,8 @@ def test_a_damaged_resume_checkpoint_or_vocabulary_is_one_line(store, peaked_ver
     one_error(
         capsys,
         rf"the resumable checkpoint {output / 'checkpoints' / 'last'} cannot be resumed by this run \(.*truncated or "
-        r"corrupt.*\); train into a new --output, or move .* away to start this one over",
-        *train_args(store, peaked_verifier, output, "--max-steps", "4"),
+        rf"corrupt.*\); pass --restart to train {output} afresh, or train into a new --output$",
+        *train_args(store, peaked_verifier, output, "--max-steps", "2"),
     )
     damaged = copy_store(store, tmp_path / "store")
     (damaged / "draft_vocab.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,6 +175,32 @@ train(TrainConfig.model_validate_json(sys.argv[1]))
 """
 
 
+class Interrupted(Exception):
+    """What stops a run right after one of its checkpoints, as a kill there would."""
+
+
+def interrupt_at_checkpoint(config: TrainConfig, step: int) -> None:
+    """Train `config` until checkpoints/last holds step `step`, and stop there: what a kill just after
+    that checkpoint leaves (the real save_checkpoint wrote it; nothing after it is written)."""
+    import speculators.train.trainer as trainer
+
+    save = trainer.save_checkpoint
+
+    def save_then_stop(directory, drafter, optimizer_states, state):
+        save(directory, drafter, optimizer_states, state)
+        if state.step == step:
+            raise Interrupted
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(Interrupted):
+        patch.setattr(trainer, "save_checkpoint", save_then_stop)
+        train(config)
+
+
+def run_folder_files(folder: Path) -> dict[str, bytes]:
+    """Every file of a run folder and its bytes (the lock file left out)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
 def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp_path):
     """With aux-state noise on: a resumed run draws the same noise for the packs it has left."""
     verifier = peaked_verifier
@@ -195,6 +223,307 @@ def test_kill_and_resume_equals_an_uninterrupted_run(store, peaked_verifier, tmp
     b = Eagle3Drafter.from_pretrained(tmp_path / "resumed" / "checkpoints" / "last" / "drafter").state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_every_train_setting_is_classified_for_resumes():
+    """A field added to TrainConfig / TrainRecipe must say whether a resume may change it."""
+    from speculators.train.resume import BY_CONTENT, MAY_CHANGE, NOT_COMPARED, SHAPES_THE_RUN
+
+    classes = [SHAPES_THE_RUN, BY_CONTENT, MAY_CHANGE, NOT_COMPARED]
+    classified = [name for names in classes for name in names]
+    assert len(classified) == len(set(classified)), "a setting is in two classes"
+    assert set(classified) == set(TrainConfig.model_fields), (
+        f"unclassified: {sorted(set(TrainConfig.model_fields) - set(classified))}; "
+        f"gone: {sorted(set(classified) - set(TrainConfig.model_fields))} (speculators/train/resume.py)"
+    )
+
+
+def resume_refusal(output: Path, trained: str, asks: str, fix: str) -> str:
+    import re
+
+    last = output / "checkpoints" / "last"
+    return (
+        rf"^{re.escape(str(last))} was trained {re.escape(trained)}, this run {re.escape(asks)}; {re.escape(fix)}, "
+        rf"or pass --restart to train {re.escape(str(output))} afresh$"
+    )
+
+
+def test_a_resume_that_would_change_the_run_is_refused_and_writes_nothing(
+    store, peaked_verifier, tmp_path, monkeypatch
+):
+    output = tmp_path / "run"
+    config = config_for(store, peaked_verifier, output, max_steps=6, checkpoint_every=2)
+    interrupt_at_checkpoint(config, 2)
+    before = run_folder_files(output)
+    assert "checkpoints/last/trainer_state.json" in before and "train_log.jsonl" in before
+    changed = {
+        "lr": ("with --lr 0.002", "asks for --lr 0.004", "resume with --lr 0.002", 4e-3),
+        "token_budget": (
+            "with --token-budget 128",
+            "asks for --token-budget 256",
+            "resume with --token-budget 128",
+            256,
+        ),
+        "max_steps": ("with --max-steps 6", "asks for --max-steps 8", "resume with --max-steps 6", 8),
+        "epochs": ("with --epochs 1.0", "asks for --epochs 2.0", "resume with --epochs 1.0", 2.0),
+        "fc_norm": ("with --no-fc-norm", "asks for --fc-norm", "resume with --no-fc-norm", True),
+        "warm_start": (
+            "with no --warm-start",
+            f"asks for --warm-start {tmp_path}",
+            "resume with no --warm-start",
+            str(tmp_path),
+        ),
+    }
+    for name, (trained, asks, fix, value) in changed.items():
+        with pytest.raises(SpeculatorsError, match=resume_refusal(output, trained, asks, fix)):
+            train(config.model_copy(update={name: value}))
+    # Another store: a sample less (the same store elsewhere resumes: see the test below).
+    other = tmp_path / "other-store"
+    shutil.copytree(store, other, ignore=shutil.ignore_patterns(".lock"))
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["samples"] = manifest["samples"][:-1]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    recorded = json.loads(before["checkpoints/last/trainer_state.json"])["run"]["store_content"]
+    with pytest.raises(SpeculatorsError) as refused:
+        train(config.model_copy(update={"store": str(other)}))
+    content = str(refused.value).split("(content ")[-1][:24]
+    assert re.fullmatch(r"[0-9a-f]{24}", content) and content != recorded
+    expected = resume_refusal(
+        output,
+        f"on the data of --store {store} (content {recorded})",
+        f"reads other data from --store {other} (content {content}: samples or draft vocabulary changed)",
+        "resume on the data it was trained on",
+    )
+    assert re.match(expected, str(refused.value)), refused.value
+    # Another number of packs per step: 2 processes (torchrun) where 1 trained (refused before any process group).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        SpeculatorsError,
+        match=resume_refusal(
+            output,
+            "on 1 packs per step (1 process(es) x --grad-accumulation 1)",
+            "takes 2 (2 x 1)",
+            "resume with processes (torchrun --nproc-per-node) x --grad-accumulation = 1",
+        ),
+    ):
+        train(config)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert run_folder_files(output) == before  # the checkpoint and train_log.jsonl untouched, nothing added
+
+
+def test_packs_per_step_decide_whether_another_world_size_may_resume(store, peaked_verifier, tmp_path):
+    """2 processes with --grad-accumulation 1 take the packs (and noise draws) 1 process takes with 2:
+    that resume is a change to note; 2 processes with 2 are refused."""
+    from speculators.train.resume import check_resume, run_record
+
+    last, output = tmp_path / "run" / "checkpoints" / "last", str(tmp_path / "run")
+    two_ranks = run_record(config_for(store, peaked_verifier, output), 2, "fp32")
+    one_rank = run_record(config_for(store, peaked_verifier, output, grad_accumulation=2), 1, "fp32")
+    # A checkpoint from before a setting existed trained at its default.
+    older = two_ranks.model_copy(update={"settings": {k: v for k, v in two_ranks.settings.items() if k != "aux_noise"}})
+    assert check_resume(last, older, two_ranks, output) == {}
+    with pytest.raises(SpeculatorsError, match=r"trained with --aux-noise 0.0, this run asks for --aux-noise 0.1;"):
+        check_resume(
+            last, older, run_record(config_for(store, peaked_verifier, output, aux_noise=0.1), 2, "fp32"), output
+        )
+    changes = check_resume(last, two_ranks, one_rank, output)
+    assert changes == {"--grad-accumulation": [1, 2], "WORLD_SIZE": [2, 1]}
+    doubled = run_record(config_for(store, peaked_verifier, output, grad_accumulation=2), 2, "fp32")
+    with pytest.raises(SpeculatorsError, match=r"trained on 2 packs per step .* this run takes 4 \(2 x 2\)"):
+        check_resume(last, two_ranks, doubled, output)
+    # --precision auto and bf16 compute alike where bf16 is native: a change of name only; fp32 is refused.
+    auto = run_record(config_for(store, peaked_verifier, output, precision="auto"), 1, "bf16")
+    bf16 = run_record(config_for(store, peaked_verifier, output, precision="bf16"), 1, "bf16")
+    assert check_resume(last, auto, bf16, output) == {"--precision": ["auto", "bf16"]}
+    with pytest.raises(
+        SpeculatorsError,
+        match=r"trained with --precision auto \(computing in bf16\), this run asks for --precision fp32 \(computing in "
+        r"fp32\); resume with --precision bf16, or pass --restart",
+    ):
+        check_resume(last, auto, run_record(config_for(store, peaked_verifier, output), 1, "fp32"), output)
+
+
+def test_a_run_of_one_process_resumes_on_two_with_the_same_packs_per_step(store, peaked_verifier, tmp_path):
+    """Interrupted in one process with --grad-accumulation 2, resumed by torchrun on 2 processes with 1:
+    the same packs per step, so the same run as one uninterrupted process (to DDP's rounding)."""
+    from speculators.flags import to_argv
+
+    single = config_for(
+        store, peaked_verifier, tmp_path / "single", max_steps=4, checkpoint_every=2, grad_accumulation=2
+    )
+    train(single)
+    output = tmp_path / "resumed"
+    interrupt_at_checkpoint(single.model_copy(update={"output": str(output)}), 2)
+    on_two = single.model_copy(update={"output": str(output), "grad_accumulation": 1, "progress": False})
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train", *to_argv(on_two)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "at step 2; changed since: --grad-accumulation 2 -> 1, WORLD_SIZE 1 -> 2" in result.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed"][0]["changes"]["WORLD_SIZE"] == [1, 2]
+    a = Eagle3Drafter.from_pretrained(tmp_path / "single" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(output / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_resume_may_change_the_log_schedule_and_the_store_path_and_equals_an_uninterrupted_run(
+    store, peaked_verifier, tmp_path, capsys
+):
+    reference = train(config_for(store, peaked_verifier, tmp_path / "reference", max_steps=6, checkpoint_every=2))
+    output = tmp_path / "resumed"
+    interrupt_at_checkpoint(config_for(store, peaked_verifier, output, max_steps=6, checkpoint_every=2), 4)
+    moved = tmp_path / "moved-store"
+    shutil.copytree(store, moved, ignore=shutil.ignore_patterns(".lock"))
+    capsys.readouterr()
+    summary = train(config_for(moved, peaked_verifier, output, max_steps=6, checkpoint_every=2, log_every=3))
+    out = capsys.readouterr().out
+    last = output / "checkpoints" / "last"
+    assert f"resuming from {last} at step 4; changed since: --log-every 2 -> 3, --store {store} -> {moved}\n" in out
+    assert [r.model_dump() for r in summary.resumed] == [
+        {"step": 4, "changes": {"--log-every": [2, 3], "--store": [str(store), str(moved)]}, "settings_checked": True}
+    ]
+    assert json.loads((output / "summary.json").read_text())["resumed"][0]["step"] == 4
+    assert reference.resumed == [] and summary.steps == reference.steps == 6
+    a = Eagle3Drafter.from_pretrained(tmp_path / "reference" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(output / "drafter").state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    # the next resume compares with the settings this one trained under
+    assert json.loads((last / "trainer_state.json").read_text())["run"]["settings"]["log_every"] == 3
+
+
+def test_restart_trains_afresh_and_a_killed_restart_resumes_itself(store, peaked_verifier, tmp_path, capsys):
+    output = tmp_path / "run"
+    earlier = config_for(store, peaked_verifier, output, max_steps=4, checkpoint_every=2)
+    train(earlier)
+    assert (output / "summary.json").is_file() and (output / "checkpoints" / "best").is_dir()
+    afresh = config_for(store, peaked_verifier, output, max_steps=4, checkpoint_every=2, lr=4e-3, restart=True)
+    # Killed just after its step-0 checkpoint replaced the earlier run's (the earlier run's summary is gone):
+    # a plain rerun resumes the restart, refusing the earlier run's settings.
+    interrupt_at_checkpoint(afresh, 0)
+    state = json.loads((output / "checkpoints" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 0 and state["run"]["settings"]["lr"] == 4e-3
+    assert not (output / "summary.json").exists()
+    with pytest.raises(
+        SpeculatorsError,
+        match=resume_refusal(output, "with --lr 0.004", "asks for --lr 0.002", "resume with --lr 0.004"),
+    ):
+        train(earlier)
+    capsys.readouterr()
+    resumed = train(afresh.model_copy(update={"restart": False}))
+    assert f"resuming from {output / 'checkpoints' / 'last'} at step 0\n" in capsys.readouterr().out
+    fresh = train(config_for(store, peaked_verifier, tmp_path / "fresh", max_steps=4, checkpoint_every=2, lr=4e-3))
+    a = Eagle3Drafter.from_pretrained(tmp_path / "fresh" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(output / "drafter").state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a) and resumed.steps == fresh.steps == 4
+    a = Eagle3Drafter.from_pretrained(tmp_path / "fresh" / "checkpoints" / "best").state_dict()
+    b = Eagle3Drafter.from_pretrained(output / "checkpoints" / "best").state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)  # the restart's best, not the earlier run's
+    log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["event"] == "train"] == [2, 4]  # from step 0, the earlier run's lines gone
+    # --restart again, uninterrupted: from step 0 under a changed --lr, nothing resumed
+    again = train(afresh.model_copy(update={"lr": 3e-3}))
+    assert again.steps == 4 and again.resumed == [] and again.config["lr"] == 3e-3
+    log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["event"] == "train"] == [2, 4]
+
+
+def test_a_checkpoint_from_before_run_records_resumes_with_a_warning(store, peaked_verifier, tmp_path, capsys):
+    output = tmp_path / "run"
+    config = config_for(store, peaked_verifier, output, max_steps=4, checkpoint_every=2)
+    interrupt_at_checkpoint(config, 2)
+    state_file = output / "checkpoints" / "last" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["run"]  # what the trainer wrote before it recorded its run (an unresumed run has no "resumes")
+    assert "resumes" not in state
+    state_file.write_text(json.dumps(state, indent=1))
+    capsys.readouterr()
+    summary = train(config.model_copy(update={"lr": 4e-3}))  # (a change that cannot be seen)
+    err = capsys.readouterr().err
+    assert (
+        f"warning: {output / 'checkpoints' / 'last'} was written before checkpoints recorded their run's settings; "
+        "resuming at step 2 without checking that the settings, the store's data, the warm start and WORLD_SIZE are "
+        "the ones it was trained with (pass --restart to train afresh if any changed)\n"
+    ) in err
+    assert [r.model_dump() for r in summary.resumed] == [{"step": 2, "changes": {}, "settings_checked": False}]
+    assert json.loads(state_file.read_text())["run"]["settings"]["lr"] == 4e-3  # checked from now on
+
+
+def test_a_refused_resume_is_one_error_line_on_the_command_line(store, peaked_verifier, tmp_path, capsys):
+    from speculators.cli import main
+    from speculators.flags import to_argv
+
+    output = tmp_path / "run"
+    config = config_for(store, peaked_verifier, output, max_steps=4, checkpoint_every=2)
+    interrupt_at_checkpoint(config, 2)
+    before = run_folder_files(output)
+    capsys.readouterr()
+    code = main(["train", *to_argv(config.model_copy(update={"token_budget": 256}))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [
+        f"error: {output / 'checkpoints' / 'last'} was trained with --token-budget 128, this run asks for "
+        f"--token-budget 256; resume with --token-budget 128, or pass --restart to train {output} afresh"
+    ]
+    assert run_folder_files(output) == before
+    assert main(["train", *to_argv(config), "--restart"]) == 0
+    assert json.loads((output / "summary.json").read_text())["resumed"] == []
+
+
+def test_the_trained_drafter_step_resumes_a_killed_attempt_and_restarts_a_forced_one(store, peaked_verifier, tmp_path):
+    """The Dagster step trains into a folder keyed by its inputs, not by its warm start: a forced retrain
+    that now starts from the last accepted drafter passes --restart (a resume would be refused), and a
+    retry of an attempt that left no summary resumes the attempt's checkpoint."""
+    from speculators_assets.variants import load_variant
+    from speculators_assets.workload import Step, train_command, trained_drafter
+    from tests.conftest import write_tiny_variant
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n')
+    write_tiny_variant(tmp_path / "variants", peaked_verifier, prompts)
+    yaml = tmp_path / "variants" / "tiny_llama.yaml"
+    recipe = "{max_steps: 4, checkpoint_every: 2, lr: 0.002, token_budget: 128, validation_share: 0.0, precision: fp32}"
+    yaml.write_text(
+        yaml.read_text().replace(
+            "{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}", recipe
+        )
+    )
+    variant = load_variant(yaml)
+    assert variant.training.max_steps == 4
+    command = train_command(variant, store, tmp_path / "out", None)
+    assert "--restart" not in command and "--restart" in train_command(variant, store, tmp_path / "out", None, True)
+    root = tmp_path / "root"
+    shutil.copytree(
+        store, root / "tiny_llama" / "verifier_hidden_states" / "store", ignore=shutil.ignore_patterns(".lock")
+    )
+    first, key = trained_drafter(Step(variant, root))
+    assert first["warm_start"] == "none" and not first["reused"]
+    out = root / "tiny_llama" / "trained_drafter" / key
+    # The drafter accepted and published (what speculator_checkpoint does when the gates pass).
+    published = root / "tiny_llama" / "speculator_checkpoint" / key
+    published.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(out / "drafter" / name, published / name)
+    (published / "accepted.json").write_text(json.dumps({"key": key, "acceptance_length": 1.0}))
+    (published.parent / "latest").symlink_to(key)
+    # Not forced: reused. Forced: retrained afresh from the accepted drafter, into the same folder.
+    assert trained_drafter(Step(variant, root))[0]["reused"]
+    forced, same_key = trained_drafter(Step(variant, root, force=True))
+    assert same_key == key and forced["warm_start"] == str(published) and not forced["reused"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed"] == [] and summary["config"]["warm_start"] == str(published)
+    # A retry after a kill that left no summary: resumed (same settings and warm start), not restarted.
+    (out / "summary.json").unlink()
+    retried, _ = trained_drafter(Step(variant, root))
+    assert not retried["reused"] and [r["step"] for r in json.loads((out / "summary.json").read_text())["resumed"]] == [
+        4
+    ]
 
 
 def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
@@ -402,10 +731,16 @@ def test_muon_steps_as_torch_muon_does_and_iterates_in_the_dtype_training_comput
 
 def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, tmp_path):
     config = config_for(
-        store, peaked_verifier, tmp_path / "muon", optimizer="muon", max_steps=4, lr=2e-2, train_lm_head=True
+        store,
+        peaked_verifier,
+        tmp_path / "muon",
+        optimizer="muon",
+        max_steps=4,
+        lr=2e-2,
+        train_lm_head=True,
+        checkpoint_every=2,
     )
-    first = train(config)
-    assert first.steps == 4
+    interrupt_at_checkpoint(config, 2)
     from safetensors.torch import load_file
 
     optimizer_tensors = load_file(str(tmp_path / "muon" / "checkpoints" / "last" / "optimizer.safetensors"))
@@ -417,8 +752,8 @@ def test_muon_optimizer_trains_checkpoints_and_resumes(store, peaked_verifier, t
         and "0/drafter.lm_head.weight/momentum_buffer" not in optimizer_tensors
     )
     assert "1/drafter.norm.weight/exp_avg" in optimizer_tensors
-    resumed = train(config.model_copy(update={"max_steps": 6}))
-    assert resumed.steps == 6
+    resumed = train(config)
+    assert resumed.steps == 4 and [r.step for r in resumed.resumed] == [2]
     assert validate_checkpoint(tmp_path / "muon" / "drafter", verifier=str(peaked_verifier)).ok
 
 
