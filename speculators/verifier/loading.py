@@ -713,7 +713,10 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, verifier: str | Pa
     """A verifier whose conversations are rendered (prepare, evaluate, `verifier --prompt`) needs a chat
     template that renders a user turn; one error naming the verifier and the fix otherwise."""
     from jinja2 import TemplateError
+    from transformers.tokenization_mistral_common import MistralCommonBackend
 
+    if isinstance(tokenizer, MistralCommonBackend):  # (mistral-common renders by its own code, no template)
+        return
     if not has_chat_template(tokenizer):
         raise SpeculatorsError(
             f"verifier {shorten(str(verifier), 200)} has no chat template (no chat_template.jinja, nor a "
