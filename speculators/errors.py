@@ -173,9 +173,10 @@ def number_flags(values: Mapping[str, Any]) -> dict[str, int | float]:
     }
 
 
-def overflow_line(error: OverflowError, values: Mapping[str, Any]) -> str:
+def overflow_line(error: OverflowError, values: Mapping[str, Any]) -> str | None:
     """An overflow names the flags whose numbers are too large to compute with (a float past 2^53, an
-    integer past 64 bits), or says that a number in the command's files was."""
+    integer past 64 bits); None when no flag's is (then it is a bug, or a file's number that its loader
+    should have refused: its traceback says where)."""
     reason = shorten(str(error) or type(error).__name__, 120)
     huge = {
         flag: value
@@ -184,7 +185,7 @@ def overflow_line(error: OverflowError, values: Mapping[str, Any]) -> str:
         or (isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX)
     }
     if not huge:
-        return f"a number is too large to compute with ({reason}); check the numbers in this command's files"
+        return None
     named = ", ".join(f"{flag} {value:g}" for flag, value in huge.items())
     return f"{named}: too large to compute with ({reason}); give a smaller value"
 
