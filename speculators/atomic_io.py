@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -16,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, os_error_of
 
 
 @contextmanager
@@ -48,18 +47,6 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> Path:
     """One JSON line per row (rows provide `to_json()`), written atomically."""
     return write_text_atomic(path, "".join(row.to_json() + "\n" for row in rows))
-
-
-def os_error_of(error: Exception, path: str | Path | None = None) -> OSError | None:
-    """The OSError behind a failed write: itself, or the one a Rust writer (safetensors) names only in
-    its message, "...: No space left on device (os error 28)"; None for any other error."""
-    if isinstance(error, OSError):
-        return error
-    found = re.search(r"\(os error (\d+)\)", str(error))
-    if found is None:
-        return None
-    number = int(found.group(1))
-    return OSError(number, os.strerror(number), None if path is None else str(path))
 
 
 def write_with(path: str | Path, writer: Callable[[Path], None]) -> Path:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,13 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from speculators.atomic_io import os_error_of
 from speculators.checkpoint.convert import convert_checkpoint
 from speculators.checkpoint.validation import validate_checkpoint
 from speculators.data.capture import run_capture
 from speculators.data.prepare import run_prepare
 from speculators.data.store import HiddenStateStore
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, argv_problem, user_error_line
 from speculators.eval.bench import run_bench
 from speculators.eval.evaluate import run_evaluation
 from speculators.flags import add_flags, from_args
@@ -53,6 +50,7 @@ from speculators.verifier.loading import (
     draft_config_for_verifier,
     load_verifier,
     load_verifier_config,
+    require_chat_template,
 )
 from speculators.verifier.quantization import vllm_dtype
 from speculators.verifier.tiny import make_tiny_mistral_verifier, make_tiny_verifier
@@ -117,6 +115,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     verifier = load_verifier(s.source, dtype=s.dtype)
     info = verifier.describe()
     if s.prompt:
+        require_chat_template(verifier.tokenizer, s.source)
         import torch
         from transformers import BatchEncoding
 
@@ -343,31 +342,6 @@ def compute_device(args: argparse.Namespace) -> str:
     return getattr(args, "device", None) or "auto"
 
 
-# What a failed file operation asks the user to do, by errno; any other OSError is a bug and keeps its traceback.
-OS_ERROR_FIXES = {
-    errno.ENOSPC: "free some space there or write elsewhere",
-    errno.EDQUOT: "free some space there or write elsewhere",
-    errno.EACCES: "check its permissions or write elsewhere",
-    errno.EPERM: "check its permissions or write elsewhere",
-    errno.EROFS: "the file system is read-only: write elsewhere",
-    errno.ENOENT: "check the path",
-    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
-    errno.EISDIR: "it is a folder: name a file",
-    errno.EEXIST: "something else already has that name: choose another",
-}
-
-
-def os_error_line(error: Exception) -> str | None:
-    """One line for a file operation that failed for a reason outside the program (a full disk, no
-    permission), naming the path; None for anything else."""
-    refused = os_error_of(error)
-    fix = None if refused is None else OS_ERROR_FIXES.get(refused.errno or 0)
-    if refused is None or fix is None:
-        return None
-    path = refused.filename if refused.filename is not None else "while writing a file"
-    return f"{refused.strerror or refused} ({path}); {fix}"
-
-
 def check_output_folder(args: argparse.Namespace) -> None:
     """A command whose --output is a folder refuses a file there, before any work."""
     output = getattr(args, "output", None)
@@ -376,6 +350,10 @@ def check_output_folder(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (problem := argv_problem(argv)) is not None:  # (before argparse, which would echo it)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         check_output_folder(args)
@@ -386,12 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 args.dtype = resolve_dtype(args.dtype, compute_device(args))
         return args.func(args)
-    except SpeculatorsError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:  # (only what the OS refused becomes one line; the rest keeps its traceback)
-        line = os_error_line(error)
-        if line is None or os.environ.get("SPECULATORS_TRACEBACK"):
+    except Exception as error:  # a user's mistake, or what only a user's input raises: one line; a bug: its traceback
+        line = user_error_line(error, vars(args))
+        if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from speculators.errors import SpeculatorsError
+from speculators.errors import INT64_MAX, INT64_MIN, SpeculatorsError, shorten
 
 
 def field_extra(info: FieldInfo) -> dict[str, Any]:
@@ -61,14 +61,17 @@ def comma_list(kind: Any, what: str, example: str) -> Any:
 
 
 def number(kind: type[int] | type[float], low: float | None = None, high: float | None = None) -> Any:
-    """An argparse type: a finite number within [low, high], else one error naming the range (argparse
-    names the flag in front of it)."""
+    """An argparse type: a finite number within [low, high], an integer within 64 bits, else one error
+    naming the range (argparse names the flag in front of it)."""
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not {'an integer' if kind is int else 'a number'}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"'{shorten(text, 80)}' is not {what}") from None
+        if kind is int and not INT64_MIN <= value <= INT64_MAX:  # (torch and the OS take none larger)
+            raise argparse.ArgumentTypeError(f"{shorten(text, 40)} is beyond 64 bits (at most {INT64_MAX:,})")
         if value != value or value in (float("inf"), float("-inf")):  # (NaN is unequal to itself)
             raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
         if (low is not None and value < low) or (high is not None and value > high):
@@ -144,6 +147,8 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
         elif typing.get_origin(kind) is Literal:
             choices = typing.get_args(kind)
             options["choices"], options["type"] = choices, type(choices[0])
+        elif kind is int:  # (an integer beyond 64 bits fails deep inside torch: refused as it is parsed)
+            options["type"] = number(int)
         elif typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
             if extra.get("repeat"):

@@ -47,7 +47,13 @@ from speculators.flags import to_argv
 from speculators.serving.engine import decoding_enforce_eager, vllm_log
 from speculators.serving.serve import ServerSettings, VllmServer
 from speculators.settings import PrepareSettings, node_group_of
-from speculators.verifier.loading import load_tokenizer, load_verifier, load_verifier_config, local_model_dir
+from speculators.verifier.loading import (
+    load_tokenizer,
+    load_verifier,
+    load_verifier_config,
+    local_model_dir,
+    require_chat_template,
+)
 from speculators.verifier.vision import ImageInputs, is_vision_language
 
 if TYPE_CHECKING:
@@ -184,6 +190,7 @@ def tokenize_samples(
 
     config, location = load_verifier_config(str(settings.verifier))
     tokenizer = load_tokenizer(location)
+    require_chat_template(tokenizer, str(settings.verifier))
     images = verifier_image_inputs(config, location)
     samples, rejected, clipped, longest = [], Counter[str](), 0, LongestPrompt()
     for conversation in conversations:
@@ -411,6 +418,7 @@ def answer_generator(
             raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
 
         verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
+        require_chat_template(verifier.tokenizer, str(s.verifier))
         if images is not None:
             return (
                 verifier.tokenizer,
@@ -429,6 +437,7 @@ def answer_generator(
 
     _, location = load_verifier_config(str(s.verifier))  # a GGUF file becomes its cached directory
     tokenizer = load_tokenizer(location)
+    require_chat_template(tokenizer, str(s.verifier))
     ends = turn_end_ids(tokenizer)
     max_model_len = s.max_length + s.max_new_tokens
     if offline_vllm_engine(s):

@@ -33,7 +33,7 @@ from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.models.weights import read_checkpoint
 from speculators.settings import EvaluateSettings
-from speculators.verifier.loading import has_chat_template, load_verifier
+from speculators.verifier.loading import has_chat_template, load_verifier, require_chat_template
 from speculators.verifier.quantization import path_noise
 from speculators.verifier.vision import image_parts, load_image
 
@@ -771,6 +771,7 @@ def run_evaluation(
     (evaluate_mt_bench)."""
 
     verifier = load_verifier(verifier_source, dtype=dtype, quantization=quantization)
+    require_chat_template(verifier.tokenizer, verifier_source)  # (before the drafter loads: prompts are rendered)
     proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
     if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
         num_speculative_tokens = 3

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import atomic_directory, exclusive_lock
 from speculators.checkpoint.validation import validate_checkpoint
-from speculators.errors import SpeculatorsError
+from speculators.errors import INT64_MAX, SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter, is_speculator_checkpoint
 from speculators.models.ttt import replay_decoding, row_chunks, summarize, ttt_loss, verifier_target_logits
 from speculators.models.weights import read_safetensors
@@ -531,6 +531,18 @@ def packed_stores(config: TrainConfig) -> tuple[PackedStore, PackedStore]:
     return train_packs, PackedStore(store, budget, "validation", share, seed=-1)
 
 
+def steps_of_epochs(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of `epochs` passes: at least 1, and a count a step counter holds (--epochs 1e308
+    would otherwise overflow, or train for ever)."""
+    steps = epochs * steps_per_epoch
+    if not steps < INT64_MAX:  # (also inf)
+        raise SpeculatorsError(
+            f"--epochs {epochs:g} makes {steps:g} optimizer steps ({steps_per_epoch} per epoch), more than a step "
+            f"counter holds; give fewer --epochs, or --max-steps"
+        )
+    return max(1, int(steps))
+
+
 def start_run(config: TrainConfig) -> Run:
     """Processes, data, verifier head, drafter, optimizers; the verifier's weights are let go."""
     import torch
@@ -556,7 +568,7 @@ def start_run(config: TrainConfig) -> Run:
             f"the store has fewer training packs ({len(train_packs.pack_plan(0))}) than one optimizer step uses "
             f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
         )
-    total_steps = config.max_steps or max(1, int(config.epochs * steps_per_epoch))
+    total_steps = config.max_steps or steps_of_epochs(config.epochs, steps_per_epoch)
     return Run(
         config,
         rank,

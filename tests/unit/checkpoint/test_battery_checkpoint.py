@@ -602,3 +602,143 @@ def test_a_variant_file_too_large_or_not_a_file_is_refused_before_it_is_read(tmp
             load_variant(fifo)
     finally:
         os.close(writer)
+
+
+class FakeDagster:
+    """A local HTTP server standing in for a Dagster webserver's /graphql (the remote side, which cannot be
+    a real deployment here): it answers the launch and the status query with the replies a test sets,
+    and records the Authorization headers it was sent."""
+
+    def __init__(self, launch: object, status: object):
+        import http.server
+        import threading
+
+        self.replies = {"launchPipelineExecution": launch, "pipelineRunOrError": status}
+        self.authorizations: list[str | None] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                query = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["query"]
+                fake.authorizations.append(self.headers.get("Authorization"))
+                field = next(name for name in fake.replies if name in query)
+                body = json.dumps({"data": fake.replies[field]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # (quiet)
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+LAUNCHED = {"launchPipelineExecution": {"__typename": "LaunchRunSuccess", "run": {"runId": "r1"}}}
+
+
+def status_reply(status: str) -> dict:
+    return {"pipelineRunOrError": {"__typename": "Run", "status": status}}
+
+
+@pytest.fixture
+def fake_dagster():
+    servers: list[FakeDagster] = []
+
+    def start(launch: object = LAUNCHED, status: object = None) -> FakeDagster:
+        servers.append(FakeDagster(launch, status_reply("SUCCESS") if status is None else status))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def refresh(url: str, *extra: str) -> list[str]:
+    return ["refresh-benchmark", "--url", url, "--variant", "tiny_llama", *extra]
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "1e400", "0", "-5", "soon"])
+def test_refresh_benchmark_takes_only_a_finite_timeout_of_at_least_a_second(timeout, fake_dagster, capsys):
+    from speculators_assets.cli import main as assets_main
+
+    server = fake_dagster()
+    with pytest.raises(SystemExit) as exit:
+        assets_main(refresh(server.url, "--timeout", timeout))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err
+    assert re.search(
+        rf"argument --timeout: '?{timeout}'? (is not a finite number|must be at least 1|is not a number)", err
+    )
+    assert server.authorizations == []  # nothing was launched
+
+
+@pytest.mark.parametrize(
+    ("launch", "status", "pattern"),
+    [
+        ({}, None, r"the reply of .* to the launch of refresh_benchmark has no field 'launchPipelineExecution'"),
+        ({"launchPipelineExecution": None}, None, r"to the launch of refresh_benchmark is not of the shape Dagster"),
+        (
+            {"launchPipelineExecution": {"__typename": "LaunchRunSuccess", "run": {}}},
+            None,
+            r"to the launch of refresh_benchmark has no field 'runId'",
+        ),
+        (
+            {"launchPipelineExecution": {"__typename": "LaunchRunSuccess", "run": {"runId": 7}}},
+            None,
+            r"to the launch of refresh_benchmark names no run id \(7\)",
+        ),
+        (LAUNCHED, {}, r"the reply of .* to the status of run r1 has no field 'pipelineRunOrError'"),
+        (LAUNCHED, status_reply("ALMOST"), r"to the status of run r1 holds a value Dagster does not have \(.*ALMOST"),
+    ],
+)
+def test_a_graphql_reply_without_the_expected_field_is_one_line(launch, status, pattern, fake_dagster, capsys):
+    server = fake_dagster(launch, status)
+    line = assets_error(refresh(server.url, "--timeout", "5"), capsys)
+    assert re.search(pattern, line), line
+    assert (
+        line.endswith(
+            "check that --url is the Dagster webserver (its GraphQL API at /graphql) of a Dagster version "
+            "this client speaks"
+        )
+        or "names no run id" in line
+    )
+
+
+def test_a_run_that_stays_running_ends_at_the_timeout(fake_dagster, capsys):
+    from speculators_assets.cli import main as assets_main
+
+    server = fake_dagster(status=status_reply("STARTED"))
+    started = time.monotonic()
+    assert assets_main(refresh(server.url, "--timeout", "2")) == 1
+    assert time.monotonic() - started < 10  # (the poll waits at most what is left)
+    out, err = capsys.readouterr()
+    assert "launched refresh_benchmark for tiny_llama: run r1" in out
+    assert err.strip() == "error: run r1 still STARTED after 2 s"
+    assert len(server.authorizations) >= 2
+
+
+def test_a_token_goes_only_over_https_or_loopback(fake_dagster, capsys):
+    from speculators_assets.cli import check_token_transport, parse_url
+    from speculators_assets.cli import main as assets_main
+
+    line = assets_error(refresh("http://dagster.example:3000", "--token", "s3cret"), capsys)
+    assert line == (
+        "error: --token would go in clear text over http:// to dagster.example, where anyone on the way can read "
+        "it; use an https:// --url, or pass --allow-insecure-token if the network to dagster.example is private"
+    )
+    assert "s3cret" not in line
+    # Asked for, or over https, or to this machine, it goes.
+    check_token_transport(parse_url("http://dagster.example:3000")[0], "s3cret", allow_insecure_token=True)
+    check_token_transport(parse_url("https://dagster.example")[0], "s3cret", allow_insecure_token=False)
+    server = fake_dagster()
+    assert assets_main(refresh(server.url, "--token", "s3cret", "--timeout", "5")) == 0
+    assert "finished: SUCCESS" in capsys.readouterr().out
+    assert server.authorizations and set(server.authorizations) == {"Bearer s3cret"}

@@ -25,6 +25,7 @@ import pytest
 
 from speculators.cli import main
 from speculators.data.store import HiddenStateStore, SampleEntry, file_sha256
+from speculators.errors import SpeculatorsError
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -871,7 +872,8 @@ def test_verifier_sources_that_are_not_models_are_one_line(tmp_path, capsys):
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    one_error(capsys, rf"could not load verifier from {config_only}", "verifier", config_only)
+    no_tokenizer = rf"could not load the tokenizer of verifier {config_only} .*restore its tokenizer files"
+    one_error(capsys, no_tokenizer, "verifier", config_only)
     one_error(capsys, r"verifier directory .* has no config.json", "verifier", tmp_path)
 
 
@@ -925,3 +927,243 @@ def test_a_damaged_resume_checkpoint_or_vocabulary_is_one_line(store, peaked_ver
         r"draft_vocab.safetensors is damaged or not a draft vocabulary .*run 'speculators vocab",
         *train_args(damaged, peaked_verifier, tmp_path / "other"),
     )
+
+
+# ----- the command line's edge: what Python, the OS or a model's own files refuse ---------------------
+
+
+def broken_verifier(verifier: Path, target: Path, damage) -> Path:
+    """A copy of the tiny verifier with one file damaged (`damage(folder)`)."""
+    shutil.copytree(verifier, target)
+    damage(target)
+    return target
+
+
+def edit_config(**changes):
+    def damage(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return damage
+
+
+def replace_file(name: str, text: str):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def written(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def symlink_loop(folder: Path) -> Path:
+    (folder / "loop").symlink_to(folder / "loop")
+    return folder / "loop" / "data"
+
+
+def prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "conversations.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    )
+    return path
+
+
+NO_TEMPLATE = r"verifier .*no-template has no chat template .*use its instruct \(chat\) model, or put its chat template"
+BAD_TEMPLATE = r"the chat template of verifier .*bad-template fails on a user turn .*fix its chat_template\.jinja"
+# kind -> (argv from the tiny verifier, (the peaked store, its verifier), an untrained drafter and a tmp folder;
+# the error's pattern)
+EDGE_CASES = {
+    "path with a NUL byte": (
+        lambda v, s, d, t: ["init", "--verifier", v, "--output", f"{t}/a\x00b"],
+        r"^error: --output '.*/a\\x00b' holds a NUL byte \(\\x00\), which no file name or text here can hold",
+    ),
+    "path that is not UTF-8": (
+        lambda v, s, d, t: ["tiny-verifier", "--family", "llama", "--output", f"{t}/caf\udce9"],
+        r"^error: --output '.*/caf\\xe9' is not UTF-8 text .*rename the file to a UTF-8 name",
+    ),
+    "prompt text that is not UTF-8": (
+        lambda v, s, d, t: ["verifier", v, "--prompt", "caf\udce9 au lait"],
+        r"^error: --prompt 'caf\\xe9 au lait' is not UTF-8 text",
+    ),
+    "name too long": (
+        lambda v, s, d, t: ["prepare", "--source", "demo:eval", "--output", f"{t}/{'n' * 300}/data"],
+        r"File name too long \(.*/nnnn.*\.\.\.\); a name in it is longer than the file system allows",
+    ),
+    "a symlink loop": (
+        lambda v, s, d, t: ["prepare", "--source", "demo:eval", "--output", symlink_loop(Path(t))],
+        r"Too many levels of symbolic links \(.*/loop.*\); its symbolic links point at each other",
+    ),
+    "overflowing float flag": (
+        lambda v, s, d, t: ["train", "--store", s[0], "--verifier", s[1], "--output", f"{t}/run", "--epochs", "1e308"],
+        r"^error: --epochs",  # (too large to compute with; a bound of the setting words it its own way)
+    ),
+    "integer flag beyond 64 bits": (
+        lambda v, s, d, t: ["init", "--verifier", v, "--output", f"{t}/d", "--seed", str(10**30)],
+        r"argument --seed: 10{30} is beyond 64 bits",
+    ),
+    "config.json of wrong types": (
+        lambda v, s, d, t: ["verifier", broken_verifier(v, Path(t) / "types", edit_config(hidden_size="big"))],
+        r"could not read the verifier config of '.*types': .*'hidden_size' expected int, got str",
+    ),
+    "config.json that is a list": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(v, Path(t) / "list", lambda f: (f / "config.json").write_text("[]")),
+        ],
+        r"could not read the verifier config of '.*list'",
+    ),
+    "config.json of an unknown model_type": (
+        lambda v, s, d, t: ["verifier", broken_verifier(v, Path(t) / "unknown", edit_config(model_type="nonesuch"))],
+        r"could not read the verifier config of '.*unknown': .*model type `nonesuch`",
+    ),
+    "config.json with a non-finite number": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(
+                v,
+                Path(t) / "nan",
+                lambda f: (f / "config.json").write_text((f / "config.json").read_text().replace("1e-06", "NaN")),
+            ),
+        ],
+        r"the config of verifier '.*nan' holds values that are not finite numbers \(rms_norm_eps=nan\)",
+    ),
+    "tokenizer.json of another shape": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(v, Path(t) / "tok", lambda f: (f / "tokenizer.json").write_text('{"model": 3}')),
+        ],
+        r"could not load the tokenizer of verifier .*tok \('added_tokens'\); restore its tokenizer files",
+    ),
+    "tokenizer.json the tokenizers parser refuses": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(
+                v,
+                Path(t) / "rust",
+                lambda f: (f / "tokenizer.json").write_text(
+                    '{"added_tokens": [], "model": {"type": "BPE", "vocab": 3}}'
+                ),
+            ),
+        ],
+        r"could not load the tokenizer of verifier .*rust \(.*expected a map.*\); restore its tokenizer files",
+    ),
+    "safetensors weights that are garbage": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(v, Path(t) / "weights", lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 4096)),
+        ],
+        r"could not load verifier from .*weights: a weights file \(\*\.safetensors\) is damaged \(.*header",
+    ),
+    "GGUF file that is garbage": (
+        lambda v, s, d, t: ["verifier", written(Path(t, "v.gguf"), b"GGUF" + b"\x07" * 300)],
+        r"verifier file .*v\.gguf is not a usable GGUF model \(.*\); re-download it",
+    ),
+    "GGUF file cut short": (
+        lambda v, s, d, t: ["verifier", written(Path(t, "cut.gguf"), b"GGUF\x03\x00\x00\x00")],
+        r"verifier file .*cut\.gguf is not a usable GGUF model \(.*buffer.*\); re-download it",
+    ),
+    "verifier --prompt without a chat template": (
+        lambda v, s, d, t: [
+            "verifier",
+            broken_verifier(v, Path(t) / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+            "--prompt",
+            "hi",
+        ],
+        NO_TEMPLATE,
+    ),
+    "prepare without a chat template": (
+        lambda v, s, d, t: [
+            "prepare",
+            "--source",
+            prompt_file(Path(t)),
+            "--output",
+            f"{t}/data",
+            "--verifier",
+            broken_verifier(v, Path(t) / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+        ],
+        NO_TEMPLATE,
+    ),
+    "evaluate without a chat template": (
+        lambda v, s, d, t: [
+            "evaluate",
+            "--verifier",
+            broken_verifier(v, Path(t) / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+            "--speculator",
+            d,
+            "--max-prompts",
+            "1",
+        ],
+        NO_TEMPLATE,
+    ),
+    "evaluate with a chat template that fails": (
+        lambda v, s, d, t: [
+            "evaluate",
+            "--verifier",
+            broken_verifier(v, Path(t) / "bad-template", lambda f: (f / "chat_template.jinja").write_text("{% for %}")),
+            "--speculator",
+            d,
+            "--max-prompts",
+            "1",
+        ],
+        BAD_TEMPLATE,
+    ),
+    "an unknown --prompts source": (
+        lambda v, s, d, t: ["evaluate", "--verifier", v, "--speculator", d, "--prompts", "nonesuch:x"],
+        r"prompt source nonesuch:x does not exist; pass a file, hf:<dataset> or demo:train",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(EDGE_CASES))
+def test_input_that_python_the_os_or_a_model_file_refuses_is_one_line(
+    kind, verifier, store, peaked_verifier, drafter, tmp_path, capsys
+):
+    """Each kind of input that used to escape as a traceback from inside Python, torch, tokenizers,
+    safetensors, the GGUF reader or a chat template: one `error:` line naming the value, exit 2."""
+    make_argv, pattern = EDGE_CASES[kind]
+    argv = make_argv(verifier, (store, peaked_verifier), drafter, str(tmp_path))
+    one_error(capsys, pattern, *argv)
+    assert not (tmp_path / "run" / "drafter").exists() and not (tmp_path / "d").exists()  # nothing was written
+
+
+def test_a_real_command_line_with_bytes_that_are_not_utf8_is_one_line(tmp_path):
+    """Through the real argv (bytes, decoded with surrogateescape), in a process of its own."""
+    output = os.fsencode(tmp_path) + b"/caf\xe9"
+    done = subprocess.run(
+        [sys.executable, "-m", "speculators.cli", "tiny-verifier", "--family", "llama", "--output", output],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().endswith(
+        "/caf\\xe9' is not UTF-8 text (bytes in another encoding); pass UTF-8 text, or rename the file to a UTF-8 name"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_traceback_behind_a_translated_error_is_shown_when_asked(verifier, tmp_path, monkeypatch, capsys):
+    broken = broken_verifier(verifier, tmp_path / "tok", lambda f: (f / "tokenizer.json").write_text('{"model": 3}'))
+    monkeypatch.setenv("SPECULATORS_TRACEBACK", "1")
+    with pytest.raises(SpeculatorsError) as raised:
+        main(["verifier", str(broken)])
+    assert isinstance(raised.value.__cause__, KeyError)  # what transformers raised, kept as the cause
+    with pytest.raises(OSError, match="File name too long"):  # (the edge's own translations too)
+        main(["init", "--verifier", str(verifier), "--output", str(tmp_path / ("n" * 300))])
+
+
+def test_an_overflow_names_the_flags_whose_numbers_are_too_large():
+    """What the edge prints for an OverflowError from deep inside: the flags past 2^53 or 64 bits; with
+    none, the traceback stays."""
+    from speculators.errors import input_error_line
+
+    try:
+        int(float("inf"))
+    except OverflowError as overflow:
+        error = overflow
+    flags = {"epochs": 1e308, "lr": 3e-4, "seed": 0, "progress": True, "store": "s"}
+    assert input_error_line(error, flags) == (
+        "--epochs 1e+308: too large to compute with (cannot convert float infinity to integer); give a smaller value"
+    )
+    assert input_error_line(error, {"lr": 3e-4}) is None  # (no flag to blame: a bug keeps its traceback)
+    assert input_error_line(ValueError("a bug"), flags) is None and input_error_line(KeyError("x"), flags) is None
