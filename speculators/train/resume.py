@@ -33,6 +33,7 @@ from speculators.errors import SpeculatorsError
 from speculators.flags import flag_of
 from speculators.settings import TrainConfig
 from speculators.train.records import RunRecord, TrainingState
+from speculators.verifier.loading import add_sampled_file
 
 SHAPES_THE_RUN = frozenset(
     {
@@ -116,12 +117,7 @@ def drafter_content(folder: str | Path) -> str:
     directory = Path(folder)
     digest = hashlib.sha256()
     for path in sorted(directory.glob("*.json")) + sorted(directory.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}\n".encode())
-        with open(path, "rb") as handle:
-            for block in range(16):
-                handle.seek(size * block // 16)
-                digest.update(handle.read(1 << 16))
+        add_sampled_file(digest, path, separator="\n")
     return digest.hexdigest()[:24]
 
 
