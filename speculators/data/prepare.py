@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import exclusive_lock, write_jsonl_atomic, write_text_atomic
 from speculators.data.capture import Replica, raise_for_failed_replicas, replica_devices, start_replica
-from speculators.data.prompts import VALIDATION_PREFIX, RowRejected, prepare_conversations, source_image_root
+from speculators.data.conversation import VALIDATION_PREFIX
+from speculators.data.prompt_set import prepare_conversations
 from speculators.data.regenerate import (
     VllmGenerate,
     regenerate,
@@ -32,6 +33,8 @@ from speculators.data.regenerate import (
     transformers_generate_fn,
     transformers_image_generate_fn,
 )
+from speculators.data.rows import RowRejected
+from speculators.data.sources import source_image_root
 from speculators.data.tokenization import (
     LongestPrompt,
     OverLength,
@@ -59,7 +62,8 @@ from speculators.verifier.vision import ImageInputs, is_vision_language
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-    from speculators.data.prompts import Conversation, PrepareReport
+    from speculators.data.conversation import Conversation
+    from speculators.data.prompt_set import PrepareReport
     from speculators.data.regenerate import ImageGenerateFn
     from speculators.data.tokenization import TokenizedSample
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from speculators.data.prompts import Conversation, RowRejected
+from speculators.data.conversation import Conversation
+from speculators.data.rows import RowRejected
 from speculators.data.tokenization import (
     LongestPrompt,
     OverLength,
