@@ -418,21 +418,7 @@ def answer_generator(
     with `images` (a vision-language verifier) the generator also takes each prompt's images."""
     s = settings
     if s.backend != "vllm":
-        if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
-            raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
-
-        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
-        require_chat_template(verifier.tokenizer, str(s.verifier))
-        if images is not None:
-            return (
-                verifier.tokenizer,
-                transformers_image_generate_fn(
-                    verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
-                ),
-                nullcontext(),
-            )
-        generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
-        return verifier.tokenizer, generate, nullcontext()
+        return transformers_answer_generator(s, images)
     if images is not None and s.server_url:
         raise SpeculatorsError(
             "regenerating image conversations runs vLLM's offline engine (a server's token-id API takes no images); "
@@ -497,3 +483,25 @@ def answer_generator(
         return on_server(server.url, server.model_name)(prompts)
 
     return tokenizer, generate_on_server, server
+
+
+def transformers_answer_generator(
+    settings: PrepareSettings, images: ImageInputs | None = None
+) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
+    """answer_generator for the transformers backend: the verifier loaded here, generating in this process."""
+    s = settings
+    if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
+        raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
+
+    verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
+    require_chat_template(verifier.tokenizer, str(s.verifier))
+    if images is not None:
+        return (
+            verifier.tokenizer,
+            transformers_image_generate_fn(
+                verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
+            ),
+            nullcontext(),
+        )
+    generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
+    return verifier.tokenizer, generate, nullcontext()
