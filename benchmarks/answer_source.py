@@ -47,7 +47,8 @@ def original_samples(data: Path, verifier: str, cap: int, output: Path) -> dict[
     """samples.jsonl of the regenerated arm's training conversations with their original answers
     (each clipped to `cap` answer tokens), plus its validation samples unchanged."""
     from speculators.atomic_io import write_jsonl_atomic
-    from speculators.data.prompts import VALIDATION_PREFIX, RowRejected
+    from speculators.data.conversation import VALIDATION_PREFIX
+    from speculators.data.rows import RowRejected
     from speculators.data.tokenization import TokenizedSample, read_samples, tokenize_conversation
     from speculators.verifier.loading import load_tokenizer, load_verifier_config
 
@@ -79,7 +80,7 @@ def original_samples(data: Path, verifier: str, cap: int, output: Path) -> dict[
 
 
 def statistics(samples: list[Any]) -> dict[str, int]:
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     train = [s for s in samples if not s.id.startswith(VALIDATION_PREFIX)]
     return {
@@ -119,7 +120,7 @@ def combined_store(regenerated: Path, original: Path, directory: Path) -> Path:
     """One store of both arms: every regenerated sample and, beside it, the same prompt's original
     answer (its id prefixed `original-`); the shards are the two stores' own, linked; its own draft
     vocabulary of the same size."""
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
     from speculators.data.store import StoreManifest, StoreTotals
 
     if (directory / "draft_vocab.json").is_file():
@@ -166,7 +167,8 @@ def train(store: Path, verifier: str, run: Path, epochs: str) -> dict[str, Any]:
 def evaluate(args: argparse.Namespace, drafters: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Both drafters on MT-Bench (two turns) and natural:eval, the verifier loaded once."""
     import speculators.eval.evaluate as evaluation
-    from speculators.data.prompts import load_prompts, mt_bench_questions
+    from speculators.data.mt_bench import mt_bench_questions
+    from speculators.data.prompt_set import load_prompts
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(args.verifier, dtype=args.dtype)

@@ -62,7 +62,7 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     args = parser.parse_args()
 
-    from speculators.data.prompts import MT_BENCH
+    from speculators.data.packaged import MT_BENCH
     from speculators.eval import bench
     from speculators.serving.serve import ServerSettings, VllmServer
     from speculators.settings import BenchSettings

@@ -45,7 +45,7 @@ def vllm_tokens_per_second(verifier: str, dtype: str, prompts: int, max_tokens: 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.data.tokenization import render_ids, turn_end_ids
     from speculators.serving.engine import configure_cpu_build
     from speculators.verifier.loading import load_verifier_config

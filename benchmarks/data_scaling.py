@@ -127,7 +127,7 @@ def main() -> None:
     started = time.perf_counter()
     store = build_store(variant, work)
     data_minutes = (time.perf_counter() - started) / 60
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     manifest = StoreManifest.read(store / "manifest.json")
     training = [e for e in manifest.samples if not e.id.startswith(VALIDATION_PREFIX)]

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from speculators.data.prompts import load_prompts
+from speculators.data.prompt_set import load_prompts
 from speculators.eval.evaluate import tokenize_prompts
 from speculators.verifier.loading import load_verifier
 

@@ -49,7 +49,7 @@ def best_validation(summary: TrainingSummary, out: Path) -> dict[str, Any]:
 def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
     """A store holding the first `train_samples` training samples of `store` and all its validation-
     source samples, sharing its shards, with its own draft vocabulary."""
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
     from speculators.data.store import StoreManifest, StoreTotals
 
     manifest = StoreManifest.read(store / "manifest.json")

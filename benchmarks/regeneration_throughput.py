@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One configuration in this process: regenerate the conversations, or (ceiling) prefill them."""
     from transformers import AutoTokenizer
 
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.data.regenerate import VllmGenerate, regenerate
     from speculators.data.tokenization import render_ids, turn_end_ids
     from speculators.precision import resolve_dtype

@@ -661,7 +661,9 @@ def train_ours_process(config_path: str) -> None:
 
 def prompt_categories(source: str) -> dict[str, str]:
     """Conversation id -> category for rows that name one (`category`, or natural prompts' `kind`)."""
-    from speculators.data.prompts import VALIDATION_PREFIX, conversation_id, iter_source_rows, parse_row
+    from speculators.data.conversation import VALIDATION_PREFIX, conversation_id
+    from speculators.data.messages import parse_row
+    from speculators.data.sources import iter_source_rows
 
     categories = {}
     try:
@@ -697,8 +699,9 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
     """Both drafters with our evaluator on every prompt set, the verifier loaded once. MT-Bench runs in
     two turns (turn 2 after the verifier's own greedy turn-1 answer, the same for both drafters) where
     the evaluator has `evaluate_mt_bench`; otherwise as any prompt source (first turns)."""
-    import speculators.data.prompts as prompt_sources
     import speculators.eval.evaluate as evaluation
+    from speculators.data.mt_bench import mt_bench_questions
+    from speculators.data.prompt_set import load_prompts
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(args.verifier, dtype=args.eval_dtype)
@@ -706,10 +709,10 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
     for source in args.prompts:
         two_turns = source == "mt-bench" and hasattr(evaluation, "evaluate_mt_bench")
         if two_turns:
-            questions = prompt_sources.mt_bench_questions(args.max_prompts)
+            questions = mt_bench_questions(args.max_prompts)
             what = f"{len(questions)} MT-Bench questions, two turns each"
         else:
-            conversations = prompt_sources.load_prompts(source, args.max_prompts)
+            conversations = load_prompts(source, args.max_prompts)
             prompts = evaluation.tokenize_prompts(verifier.tokenizer, conversations, verifier)
             what = f"{len(prompts)} prompts of {source}"
         categories = prompt_categories(source)
@@ -899,7 +902,7 @@ def main() -> None:
     store = Path(args.store).resolve() if args.store else work / "store"
     output = Path(args.output) if args.output else work / "vs_reference.json"
 
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.precision import native_bf16
     from speculators.train.trainer import check_store_fits_verifier
     from speculators.verifier.loading import VerifierFacts

@@ -299,7 +299,7 @@ class PromptSources(Settings):
 
 def source_weights_problem(sources: int, weights: Sequence[float] | None, max_samples: int | None) -> str | None:
     """What is wrong with `weights` for that many prompt sources, or None: the one rule for the
-    settings (flags, variants) and for `prompts.prepare_conversations`' Python callers."""
+    settings (flags, variants) and for `prompt_set.prepare_conversations`' Python callers."""
     if weights is None:
         return None
     if len(weights) != sources:

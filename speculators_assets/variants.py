@@ -127,9 +127,9 @@ DEMO_SOURCES = ("demo", "demo:train", "demo:eval", "demo-vl:train", "demo-vl:eva
 def prompt_source_problem(value: str) -> str | None:
     """What is wrong with a variant's prompt source in form, or None: a built-in or packaged source
     (natural:eval, mt-bench, sharegpt), generated prompts (demo:train, demo-vl:eval), hf:<preset or
-    dataset id>, or a local file or folder. Sorted as the library sorts them (speculators.data.prompts.
+    dataset id>, or a local file or folder. Sorted as the library sorts them (speculators.data.sources.
     source_kind), so a name that would be read as something else is refused here."""
-    from speculators.data.prompts import HF_PRESETS, source_kind  # (light: no torch)
+    from speculators.data.sources import HF_PRESETS, source_kind  # (light: no torch)
 
     problem = text_problem(value)
     if problem:

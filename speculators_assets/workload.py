@@ -216,7 +216,7 @@ class Step:
 
 def source_fingerprints(variant: Variant) -> dict[str, str]:
     """Content hash of each prompt source of a variant (what the retraining schedule compares)."""
-    from speculators.data.prompts import source_fingerprint
+    from speculators.data.sources import source_fingerprint
 
     sources = [*variant.prompts.validation_sources, *variant.prompts.sources]
     return {source: source_fingerprint(source) for source in sources}
@@ -310,7 +310,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     vLLM backend shards the verifier over the compute profile's tensor-parallel size and runs its
     data-parallel replicas. The prepare re-reads raw_prompts' conversations, whose local images lie
     in the folders of the variant's local sources (or its image roots): those folders are its roots."""
-    from speculators.data.prompts import is_local_source, source_image_root
+    from speculators.data.sources import is_local_source, source_image_root
     from speculators.settings import CaptureSettings, PrepareSettings
 
     sources = [*v.prompts.validation_sources, *v.prompts.sources]
@@ -453,7 +453,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
 def store_version(store: Path, manifest: StoreManifest) -> str:
     """Content key of a store: its sample keys (verifier + tokens), which of them are validation-only
     (a sample's split changes what training learns from) and its draft vocabulary."""
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     vocab = hashlib.sha256((store / "draft_vocab.safetensors").read_bytes()).hexdigest()
     validation = sorted(e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX))

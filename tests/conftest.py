@@ -75,7 +75,7 @@ def build_peaked_store(
     """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128;
     with `quantization`, the FP8 verifier's own answers and states."""
     from speculators.data.capture import capture_samples
-    from speculators.data.prompts import Conversation
+    from speculators.data.conversation import Conversation
     from speculators.data.regenerate import regenerate, transformers_generate_fn
     from speculators.train.vocab import build_store_vocab
     from speculators.verifier.loading import load_verifier

@@ -205,28 +205,8 @@ def capture_samples(
     `replica=(i, n)`: compute only every n-th batch from the i-th and write no manifest (one of n
     data-parallel replicas; `run_capture_replicas` starts them and writes the manifest after).
     `nodes`: the vllm engine spans several nodes, this is node rank 0 (speculators/serving/multinode.py)."""
-    import torch
-    from tqdm import tqdm
-
-    if storage not in STORAGE_FORMATS:
-        raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
-    if not samples:
-        raise SpeculatorsError("no samples to capture; the prepared data is empty")
-    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
-    if len(aux_ids) != 3:
-        raise SpeculatorsError(f"aux layer ids {aux_ids} must be 3 ids (EAGLE-3 reads 3 states)")
-    capture_ids = [*aux_ids, verifier.num_layers]
-    verifier.check_layer_ids(capture_ids)
-    vocab = verifier.vocab_size
-    for sample in samples:
-        if min(sample.input_ids) < 0 or max(sample.input_ids) >= vocab:
-            raise SpeculatorsError(
-                f"sample {sample.id} has token ids outside the verifier vocab 0..{vocab - 1}; "
-                f"prepare the data with this verifier's tokenizer"
-            )
-    if backend not in ("transformers", "vllm"):
-        raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
-    capture: CaptureFn | None = None  # built on first need: a fully reused store starts no engine
+    capture_ids = checked_capture_ids(samples, verifier, aux_layer_ids, storage, backend)
+    aux_ids = capture_ids[:3]
     store = HiddenStateStore(store_dir)
     check_store_holds(store, verifier, aux_ids, storage, overwrite)
     previous = store.previous_entries()
@@ -237,80 +217,25 @@ def capture_samples(
             f"prepare them with this verifier"
         )
     keys = sample_keys(fingerprint, capture_ids, storage, samples)
-    written: dict[str, tuple[str, int]] = {}
-    computed = computed_tokens = 0
     started = time.perf_counter()
     batches = plan_batches(samples, batch_size)
     if replica is not None:
         index, count = replica
         batches = batches[index::count]
     total_tokens = sum(len(s.input_ids) for s in samples)
-    with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
-        for batch in batches:
-            missing = [i for i in batch if not store.has(keys[i])]
-            if not missing:
-                bar.update(sum(len(samples[i].input_ids) for i in batch))
-                continue
-            if capture is None:
-                capture = make_capture_fn(
-                    backend,
-                    verifier,
-                    capture_ids,
-                    max(len(s.input_ids) for s in samples),
-                    tensor_parallel_size,
-                    batch_size,
-                    nodes,
-                )
-            states = capture([samples[i].input_ids for i in batch], [samples[i].images for i in batch])
-            for row, i in enumerate(batch):
-                if i not in missing:
-                    continue
-                sample = samples[i]
-                written[keys[i]] = store.write_sample(
-                    keys[i],
-                    sample.id,
-                    torch.tensor(sample.input_ids),
-                    torch.tensor(sample.loss_mask),
-                    states[row][:, :3],
-                    states[row][:, 3],
-                    storage,
-                    drafter_positions(verifier, sample),
-                )
-                computed += 1
-                computed_tokens += len(sample.input_ids)
-            bar.update(sum(len(samples[i].input_ids) for i in batch))
-            bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
-    close = getattr(capture, "close", None)  # a vLLM engine's
-    if close is not None:
-        close()
+    max_length = max(len(s.input_ids) for s in samples)
+
+    def start_capture() -> CaptureFn:  # on first need: a fully reused store starts no engine
+        return make_capture_fn(backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes)
+
+    written, computed, computed_tokens = capture_missing(
+        samples, keys, batches, store, verifier, storage, start_capture, progress, started
+    )
     seconds = time.perf_counter() - started
     if replica is not None:
         return CaptureReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
-    entries: list[SampleEntry] = []
-    for sample, key in zip(samples, keys, strict=True):
-        path = store.shard_path(key)
-        if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
-            stored_ids, _ = shard_tokens(store.shard_file(shard_name(key), sample.id))  # (a symlink out refused)
-            if stored_ids.tolist() != sample.input_ids:
-                raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
-        if key in written:
-            checksum, size = written[key]
-        elif key in previous and previous[key].bytes == path.stat().st_size:
-            checksum, size = previous[key].checksum, previous[key].bytes
-        else:
-            checksum, size = file_sha256(path), path.stat().st_size
-        entries.append(
-            SampleEntry(
-                id=sample.id,
-                key=key,
-                shard=shard_name(key),
-                num_tokens=len(sample.input_ids),
-                supervised_tokens=sample.supervised_tokens,
-                checksum=checksum,
-                bytes=size,
-            )
-        )
+    entries = store_entries(samples, keys, written, previous, store)
     totals = StoreTotals.over(entries)
     report = CaptureReport(
         len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, totals.bytes
@@ -336,6 +261,126 @@ def capture_samples(
         )
     )
     return report
+
+
+def checked_capture_ids(
+    samples: list[TokenizedSample],
+    verifier: VerifierFacts,
+    aux_layer_ids: list[int] | None,
+    storage: str,
+    backend: str,
+) -> list[int]:
+    """The layers to capture (the 3 aux layers, then the last), once the request is one that can run: a
+    known storage format and backend, some samples, layers the verifier has, token ids in its vocab."""
+    if storage not in STORAGE_FORMATS:
+        raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
+    if not samples:
+        raise SpeculatorsError("no samples to capture; the prepared data is empty")
+    aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
+    if len(aux_ids) != 3:
+        raise SpeculatorsError(f"aux layer ids {aux_ids} must be 3 ids (EAGLE-3 reads 3 states)")
+    capture_ids = [*aux_ids, verifier.num_layers]
+    verifier.check_layer_ids(capture_ids)
+    vocab = verifier.vocab_size
+    for sample in samples:
+        if min(sample.input_ids) < 0 or max(sample.input_ids) >= vocab:
+            raise SpeculatorsError(
+                f"sample {sample.id} has token ids outside the verifier vocab 0..{vocab - 1}; "
+                f"prepare the data with this verifier's tokenizer"
+            )
+    if backend not in ("transformers", "vllm"):
+        raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
+    return capture_ids
+
+
+def capture_missing(
+    samples: list[TokenizedSample],
+    keys: list[str],
+    batches: list[list[int]],
+    store: HiddenStateStore,
+    verifier: VerifierFacts,
+    storage: str,
+    start_capture: Callable[[], CaptureFn],
+    progress: bool,
+    started: float,
+) -> tuple[dict[str, tuple[str, int]], int, int]:
+    """Computes and writes the states of the batches' samples the store lacks (a batch whose samples it
+    all holds starts nothing); returns the shards written (key -> checksum, bytes), how many samples were
+    computed and their tokens."""
+    import torch
+    from tqdm import tqdm
+
+    capture: CaptureFn | None = None
+    written: dict[str, tuple[str, int]] = {}
+    computed = computed_tokens = 0
+    total_tokens = sum(len(s.input_ids) for s in samples)
+    with tqdm(total=total_tokens, desc="capturing hidden states", unit="tok", disable=not progress) as bar:
+        for batch in batches:
+            missing = [i for i in batch if not store.has(keys[i])]
+            if not missing:
+                bar.update(sum(len(samples[i].input_ids) for i in batch))
+                continue
+            if capture is None:
+                capture = start_capture()
+            states = capture([samples[i].input_ids for i in batch], [samples[i].images for i in batch])
+            for row, i in enumerate(batch):
+                if i not in missing:
+                    continue
+                sample = samples[i]
+                written[keys[i]] = store.write_sample(
+                    keys[i],
+                    sample.id,
+                    torch.tensor(sample.input_ids),
+                    torch.tensor(sample.loss_mask),
+                    states[row][:, :3],
+                    states[row][:, 3],
+                    storage,
+                    drafter_positions(verifier, sample),
+                )
+                computed += 1
+                computed_tokens += len(sample.input_ids)
+            bar.update(sum(len(samples[i].input_ids) for i in batch))
+            bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+    close = getattr(capture, "close", None)  # a vLLM engine's
+    if close is not None:
+        close()
+    return written, computed, computed_tokens
+
+
+def store_entries(
+    samples: list[TokenizedSample],
+    keys: list[str],
+    written: dict[str, tuple[str, int]],
+    previous: dict[str, SampleEntry],
+    store: HiddenStateStore,
+) -> list[SampleEntry]:
+    """The manifest's entry of each sample: a shard written now, or one reused (its tokens checked to be the
+    sample's, its checksum kept from the previous manifest when its size still matches)."""
+    entries: list[SampleEntry] = []
+    for sample, key in zip(samples, keys, strict=True):
+        path = store.shard_path(key)
+        if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
+            stored_ids, _ = shard_tokens(store.shard_file(shard_name(key), sample.id))  # (a symlink out refused)
+            if stored_ids.tolist() != sample.input_ids:
+                raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
+        if key in written:
+            checksum, size = written[key]
+        elif key in previous and previous[key].bytes == path.stat().st_size:
+            checksum, size = previous[key].checksum, previous[key].bytes
+        else:
+            checksum, size = file_sha256(path), path.stat().st_size
+        entries.append(
+            SampleEntry(
+                id=sample.id,
+                key=key,
+                shard=shard_name(key),
+                num_tokens=len(sample.input_ids),
+                supervised_tokens=sample.supervised_tokens,
+                checksum=checksum,
+                bytes=size,
+            )
+        )
+    return entries
 
 
 def replica_devices(replicas: int, tensor_parallel_size: int) -> list[dict[str, str]]:

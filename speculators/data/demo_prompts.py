@@ -31,9 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The word lists, templates and texts the families draw from: data, kept apart from the code that
-# draws (files/demo_words.json). Lists of pairs are tuples here, as the families unpack them.
-WORDS: dict[str, Any] = json.loads((Path(__file__).parent / "files" / "demo_words.json").read_text(encoding="utf-8"))
+
+@functools.cache
+def demo_words() -> dict[str, Any]:
+    """The word lists, templates and texts the families draw from (files/demo_words.json), read once: data,
+    kept apart from the code that draws. FILLER_WORDS holds the template fields filled with a choice from a
+    list (field -> its words); EXTRACTION_ASKS what people ask of each kind of text to work on."""
+    return json.loads((Path(__file__).parent / "files" / "demo_words.json").read_text(encoding="utf-8"))
+
+
+# Lists of pairs are tuples here, as the families unpack them.
+WORDS = demo_words()
 
 EVAL_SHARE = 0.1
 # Draws a family may spend per prompt it owes before giving up (families with few combinations hit it).
@@ -120,7 +128,6 @@ FILLERS: dict[str, Callable[[random.Random], str]] = {
     "city": choice_of(CITIES),
     "job": choice_of(JOBS),
     "relative": choice_of(RELATIVES),
-    "family_member": choice_of(["mom", "dad", "sister", "brother", "grandmother", "son", "daughter", "partner"]),
     "hobby": choice_of(HOBBIES),
     "skill": choice_of(SKILLS),
     "food": choice_of(FOODS),
@@ -135,7 +142,6 @@ FILLERS: dict[str, Callable[[random.Random], str]] = {
     "time": clock_time,
     "date": date_text,
     "age": number(18, 74),
-    "milestone": choice_of(["18th", "21st", "30th", "40th", "50th", "60th", "70th", "80th"]),
     "kid_age": number(3, 15),
     "n": number(3, 7),
     "big_n": number(10, 60),
@@ -150,6 +156,8 @@ FILLERS: dict[str, Callable[[random.Random], str]] = {
     "small_budget": money(15, 150, 5),
     "price": lambda rng: f"${rng.randint(2, 250)}.{rng.choice(['00', '49', '50', '95', '99'])}",
 }
+# The fields filled with a choice from a word list.
+FILLERS.update({field: choice_of(words) for field, words in WORDS["FILLER_WORDS"].items()})
 FORMATTER = string.Formatter()
 # "a" before a filled-in word or number that starts with a vowel sound ("a electrician", "a 18-year-old").
 A_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[aioAIO]|[eE](?!u)|u(?!ni|s[eu])|8|1[18](?!\d))")
@@ -181,12 +189,7 @@ def fill(rng: random.Random, template: str, **given: str) -> str:
 CONSTRAINTS = WORDS["CONSTRAINTS"]
 GENERAL_CONTEXTS = WORDS["GENERAL_CONTEXTS"]
 # Reasons to learn about a subject, for explanations.
-LEARNING_CONTEXTS = [
-    *GENERAL_CONTEXTS, "I'm a {job} and this keeps coming up at work.", "This is for a school project.",
-    "I'm preparing a short talk for my team.", "My {family_member} asked me and I didn't know.",
-    "I'm studying for an exam next {weekday}.", "I'm writing a blog post.", "I'm helping my {child} with homework.",
-    "We argued about this at dinner last night.",
-]
+LEARNING_CONTEXTS = [*GENERAL_CONTEXTS, *WORDS["LEARNING_CONTEXTS"]]
 OPENERS = WORDS["OPENERS"]
 CLOSERS = WORDS["CLOSERS"]
 CASUAL_ENDINGS = WORDS["CASUAL_ENDINGS"]
@@ -280,47 +283,8 @@ def how_to(rng: random.Random) -> str:
 
 ADVICE_TEMPLATES = WORDS["ADVICE_TEMPLATES"]
 FILLERS.update({
-    "saving_goal": choice_of(["a house deposit", "a wedding", "a new car", "a year of travel", "retirement",
-                              "an emergency fund", "my kids' education", "a sabbatical", "a new laptop"]),
-    "purchase": choice_of(["a laptop for university", "a road bike", "a sofa", "a used car", "a camera",
-                           "a mattress", "running shoes", "a coffee machine", "a gaming PC", "a tent", "a TV",
-                           "a pair of hiking boots", "a desk chair", "an e-reader", "a washing machine"]),
-    "coworker": choice_of(["coworker", "manager", "team lead", "desk neighbour", "new colleague"]),
-    "coworker_problem": choice_of([
-        "takes credit for my work in meetings", "keeps scheduling calls during my lunch break",
-        "talks loudly on the phone all day", "replies to every email with 'per my last email'",
-        "asks me to cover their shifts almost every week", "never answers messages until the last minute",
-        "criticises my work in front of clients", "keeps borrowing my stapler and never returns it",
-        "sends me work messages at midnight", "interrupts me whenever I speak in meetings"]),
-    "exam": choice_of(["driving theory", "biology", "accounting", "statistics", "final chemistry", "bar",
-                       "nursing licensing", "history", "calculus", "German B1", "AWS certification"]),
-    "child": choice_of(["son", "daughter", "kid", "stepson", "stepdaughter"]),
-    "child_problem": choice_of([
-        "refuses to do homework", "is scared of going to the dentist", "gets angry when losing at games",
-        "won't eat anything green", "has trouble making friends at school", "spends hours on a tablet",
-        "is being teased about their glasses", "can't fall asleep before midnight", "wants a phone already",
-        "says school is boring every single day", "keeps lying about small things"]),
-    "tradeoff": choice_of(["commute for an hour each way", "move away from my family", "work most weekends",
-                           "give up remote work", "take a less senior title", "travel two weeks a month"]),
     "debt": money(800, 12000, 100),
     "savings": money(500, 20000, 100),
-    "plant": choice_of(["monstera", "peace lily", "snake plant", "basil plant", "fiddle leaf fig", "orchid",
-                        "pothos", "rosemary bush", "lemon tree", "spider plant", "jade plant", "aloe vera"]),
-    "plant_symptom": choice_of(["brown crispy tips on the leaves", "drooping stems even though I water it",
-                                "white spots on the leaves", "leaves that are curling inward",
-                                "tiny flies around the soil", "no new growth for months",
-                                "soft, mushy stems near the soil", "pale, washed-out leaves"]),
-    "hard_message": choice_of([
-        "I can't lend them money again", "I won't be home for the holidays this year", "I'm changing careers",
-        "I don't want to be the one who always hosts", "their jokes about my job hurt", "I'm moving abroad",
-        "I need more time to myself", "I'm not going to their wedding", "I've decided to drop out of my course"]),
-    "nervous_event": choice_of(["a presentation to the whole company", "my first driving lesson",
-                                "meeting my partner's parents", "a big family dinner", "a dentist appointment",
-                                "my first day at a new school", "a performance review", "a piano recital",
-                                "giving a eulogy", "a first date"]),
-    "life_area": choice_of(["my career", "how I raise my kids", "my diet", "my spending", "my wedding plans"]),
-    "pet_kind": choice_of(["dog", "puppy", "cat", "pair of rabbits", "rescue greyhound", "kitten"]),
-    "race": choice_of(["a half marathon", "a 10k", "a marathon", "a 5k", "a trail race"]),
 })
 
 PET_PROBLEMS = WORDS["PET_PROBLEMS"]
@@ -343,35 +307,6 @@ def pet_advice(rng: random.Random) -> str:
 # --- casual chat ------------------------------------------------------------------------------------------------
 
 CHAT_TEMPLATES = WORDS["CHAT_TEMPLATES"]
-FILLERS.update({
-    "achievement": choice_of(["passed my driving test", "ran my first 5k", "got the job", "finished my thesis",
-                              "baked my first loaf of bread", "got engaged", "paid off my student loan",
-                              "adopted a kitten", "learned to do a handstand", "fixed my own bike"]),
-    "complaint": choice_of(["my train got cancelled again", "it's raining and I forgot my umbrella",
-                            "my laptop just died in the middle of an essay", "the neighbours are drilling again",
-                            "I spilled coffee on my white shirt", "mondays are the worst",
-                            "my code has been broken for three hours", "I burned the toast"]),
-    "mood_line": choice_of(["I'm feeling a bit lonely tonight.", "I had a great day and want to share it.",
-                            "I can't focus on anything.", "I'm procrastinating, honestly.", "Work was long.",
-                            "I'm waiting for a bus and have nothing to read."]),
-    "would_a": choice_of(["live by the sea", "be able to fly", "speak every language", "never need sleep",
-                          "have a personal chef", "travel to the past", "live in a big city"]),
-    "would_b": choice_of(["live in the mountains", "be invisible", "play every instrument", "never feel cold",
-                          "have a personal driver", "travel to the future", "live on a quiet farm"]),
-    "weather": choice_of(["sunny and warm", "pouring with rain", "freezing", "foggy", "really windy", "humid"]),
-    "favourite_thing": choice_of(["book", "colour", "season", "animal", "movie genre", "food", "word",
-                                  "planet", "type of music", "number"]),
-    "bad_day": choice_of(["bad", "rough", "long", "weird", "stressful", "boring"]),
-    "opinion_claim": choice_of(["pineapple belongs on pizza", "cats are smarter than dogs",
-                                "you should never wake a sleeping baby", "cold showers are good for you",
-                                "tomatoes are a vegetable", "reading on a screen ruins your eyes",
-                                "you lose most body heat through your head"]),
-    "habit": choice_of(["talk to my plants", "reread the same book every year", "eat breakfast at noon",
-                        "need music to concentrate", "hate the sound of people chewing",
-                        "rehearse conversations in my head", "sleep with socks on", "name my houseplants"]),
-    "finished_thing": choice_of(["a 1000-piece jigsaw", "a long fantasy series", "my first knitted scarf",
-                                 "a TV show I loved", "a language course", "a big work project"]),
-})
 
 
 def chat(rng: random.Random) -> str:
@@ -421,10 +356,6 @@ CODE_QUESTION_ASKS = WORDS["CODE_QUESTION_ASKS"]
 
 
 SQL_TABLES = WORDS["SQL_TABLES"]
-FILLERS.update({
-    "department": choice_of(["Sales", "Engineering", "Finance", "Marketing", "Support", "Legal"]),
-    "subject": choice_of(["maths", "biology", "history", "French", "physics", "art"]),
-})
 SQL_TEMPLATES = WORDS["SQL_TEMPLATES"]
 
 
@@ -435,7 +366,6 @@ def sql_task(rng: random.Random) -> str:
 
 
 SHELL_TASKS = WORDS["SHELL_TASKS"]
-FILLERS["port"] = choice_of(["3000", "5432", "8080", "8000", "5000", "9090"])
 SHELL_TEMPLATES = WORDS["SHELL_TEMPLATES"]
 
 
@@ -807,8 +737,6 @@ def logic_puzzle(rng: random.Random) -> str:
 
 
 RIDDLES = WORDS["RIDDLES"]
-FILLERS["riddle_answer"] = choice_of(["a shadow", "an echo", "a candle", "a map", "a key", "time", "a cloud",
-                                      "a clock", "footsteps", "a sponge", "a mirror", "the letter E"])
 
 
 def puzzles(rng: random.Random) -> str:
@@ -823,65 +751,13 @@ PUZZLE_ASKS = WORDS["PUZZLE_ASKS"]
 # --- creative writing ---------------------------------------------------------------------------------------------
 
 CREATIVE_TEMPLATES = WORDS["CREATIVE_TEMPLATES"]
-FILLERS.update({
-    "genre": choice_of(["mystery", "science fiction", "fantasy", "romance", "thriller", "historical",
-                        "horror", "comedy", "adventure", "literary"]),
-    "business": choice_of(["a bike repair shop", "a dog-walking service", "a vegan food truck", "a yoga studio",
-                           "a second-hand bookshop", "a cleaning company", "a language school", "a plant nursery",
-                           "an escape room", "a tea shop", "a local gym", "a wedding photographer",
-                           "a moving company", "a board game café", "a tutoring service", "an ice cream van",
-                           "a podcast about history", "a recycling app", "a barber shop", "a climbing wall"]),
-    "product": choice_of(["a solar-powered phone charger", "noise-cancelling earplugs for sleeping",
-                          "a smart plant pot", "a foldable e-bike", "a handmade ceramic mug", "a weighted blanket",
-                          "a travel pillow that packs into its own pocket", "a cast iron pizza pan",
-                          "a kids' coding robot", "an ergonomic mouse", "a waterproof hiking jacket",
-                          "an electric kettle with temperature control", "a reusable notebook", "a bamboo toothbrush"]),
-    "recipient": choice_of(["my team", "a client", "my professor", "the HR department", "a hotel", "my neighbours",
-                            "a new colleague", "the school principal", "an old friend", "the city council",
-                            "a customer who complained", "a recruiter"]),
-    "email_purpose": choice_of([
-        "asking for a deadline extension", "inviting them to a farewell lunch on {weekday}",
-        "following up on an invoice that is {n} weeks late", "asking for a reference letter",
-        "explaining that I'll be on leave in {month}", "thanking them for a great workshop",
-        "suggesting we move our meeting to {weekday}", "asking about a lost parcel",
-        "complaining about a noisy party", "introducing myself as the new {job}", "declining a job offer politely",
-        "asking to work from home on {weekday}s", "about the fire drill next {weekday}"]),
-    "celebration": choice_of(["silver wedding anniversary", "retirement party", "50th birthday", "graduation",
-                              "engagement party", "housewarming", "farewell dinner", "promotion party"]),
-    "occasion": choice_of(["the opening of a community garden", "a school's sports day", "my last day at work",
-                           "a friend's book launch", "the start of a charity run", "a team's end-of-year dinner",
-                           "a summer holiday", "a retirement", "the first day of a new project"]),
-    "music_genre": choice_of(["country", "blues", "pop", "punk", "folk", "sea shanty", "rap", "musical theatre"]),
-    "announcement": choice_of(["a new café opening on {weekday}", "our first app release", "a bake sale for charity",
-                               "the winner of our photo contest", "a new podcast episode", "a free coding workshop"]),
-    "mistake": choice_of(["forgetting our dinner plans", "missing the call last night", "being late again",
-                          "breaking the good teapot", "snapping this morning", "losing the spare key"]),
-    "everyday_object": choice_of(["a mirror", "a phone that keeps ringing", "an old doll", "a fridge",
-                                  "the last bus home", "a knock at the door", "a babysitting job", "a GPS",
-                                  "a toaster", "a coffee machine", "an umbrella", "a pair of headphones"]),
-    "virtue": choice_of(["patience", "honesty", "sharing", "hard work", "listening", "courage", "humility"]),
-    "struggle": choice_of(["training for a marathon", "starting a new job", "learning to code", "studying late",
-                           "recovering from an injury", "moving to a new country", "looking for work"]),
-    "acrostic": choice_of(["SUMMER", "COFFEE", "FRIEND", "OCEAN", "MONDAY", "GARDEN", "WINTER", "MUSIC"]),
-    "first_line": choice_of(["The last train had already left.", "Nobody in the village had ever seen snow.",
-                             "The letter arrived forty years late.", "My neighbour's dog can read.",
-                             "The lights went out at exactly midnight.", "She had one hour to find the key."]),
-    "party": choice_of(["a barbecue in our garden", "a baby shower", "a games night", "a surprise party",
-                        "a picnic in the park", "a Halloween party", "a farewell drinks evening"]),
-})
 
 
 # --- editing: fix, rewrite, shorten and turn notes into prose -------------------------------------------------------
 
 ERRONEOUS_SENTENCES = WORDS["ERRONEOUS_SENTENCES"]
-FILLERS.update({
-    "place": choice_of(["museum", "library", "gym", "bakery", "pool", "cinema", "post office", "market", "park"]),
-    "thing": choice_of(["chair", "printer", "laptop", "cable", "ticket", "plant", "book", "lamp", "bike", "parcel"]),
-})
 # Texts to edit, by what is asked of them.
 EDIT_TEXTS = WORDS["EDIT_TEXTS"]
-FILLERS["event"] = choice_of(["team lunch", "book club", "workshop", "quiz night", "training session", "standup",
-                              "rehearsal", "planning meeting", "parents' evening", "football practice"])
 NOTE_FRAGMENTS = WORDS["NOTE_FRAGMENTS"]
 EDIT_INSTRUCTIONS = WORDS["EDIT_INSTRUCTIONS"]
 
@@ -904,15 +780,8 @@ def editing(rng: random.Random) -> str:
 PASSAGES = WORDS["PASSAGES"]
 FILLERS.update({
     "project_cost": lambda rng: f"${rng.randint(2, 60) / 2:g} million",
-    "facility": choice_of(["public library", "swimming pool", "cycling bridge", "community centre", "skate park"]),
-    "product_review": choice_of(["air purifier", "standing desk", "robot vacuum", "blender", "electric toothbrush"]),
-    "habit_study": choice_of(["an evening walk", "reading before bed", "drinking coffee after noon",
-                              "using a phone in bed", "a short afternoon nap"]),
     "topic_title": lambda rng: capitalised(rng.choice(TOPICS)),
     "pet_name": lambda rng: rng.choice(PET_NAMES),
-    "lost_pet": choice_of(["dog", "cat", "kitten", "puppy", "rabbit", "spaniel", "terrier"]),
-    "pet_colour": choice_of(["black", "grey", "ginger", "white", "brown and white", "tabby"]),
-    "place_near": choice_of(["the park", "the station", "Elm Street", "the school", "the canal", "the market"]),
     "phone_digits": number(1000, 9999),
 })
 SUMMARY_INSTRUCTIONS = WORDS["SUMMARY_INSTRUCTIONS"]
@@ -924,14 +793,6 @@ def summarising(rng: random.Random) -> str:
 
 
 TRANSLATION_SENTENCES = WORDS["TRANSLATION_SENTENCES"]
-FILLERS.update({
-    "menu_item": choice_of(["a glass of water", "the soup of the day", "a coffee with milk", "the bill",
-                            "two croissants", "the vegetarian menu"]),
-    "shop": choice_of(["bakery", "supermarket", "bank", "pharmacy", "museum", "bookshop"]),
-    "hour": choice_of(["eight", "nine", "ten", "half past seven", "noon"]),
-    "allergen": choice_of(["peanuts", "shellfish", "gluten", "milk", "eggs"]),
-    "lost_item": choice_of(["passport", "wallet", "phone", "keys", "luggage"]),
-})
 TRANSLATION_TEMPLATES = WORDS["TRANSLATION_TEMPLATES"]
 
 
@@ -943,39 +804,6 @@ def translation(rng: random.Random) -> str:
 # --- lists, recommendations, comparisons and role-play --------------------------------------------------------------
 
 LIST_TEMPLATES = WORDS["LIST_TEMPLATES"]
-FILLERS.update({
-    "list_subject": choice_of([
-        "vegetables that are rich in iron", "countries in South America", "famous bridges", "ways to save energy at"
-        " home", "indoor activities for a rainy day", "breakfasts that take under five minutes", "classic novels",
-        "jobs that didn't exist twenty years ago", "words that are hard to translate", "birds you can see in a city"
-        " park", "inventions that changed daily life", "stretches for people who sit all day", "cheap date ideas",
-        "ways to reuse glass jars", "habits of productive people", "spices every kitchen should have",
-        "mistakes new managers make", "sports you can play alone", "animals that live in the desert",
-        "ways to say thank you at work", "signs that a website is a scam", "herbs that grow well indoors"]),
-    "idea_occasion": choice_of(["a rainy Sunday with kids", "a team-building day", "a cheap date night",
-                                "a {milestone} birthday party", "a school science fair", "a first blog post",
-                                "a family reunion", "a small garden", "a farewell gift for a coworker",
-                                "a picnic lunch", "a themed dinner party", "a YouTube channel about {hobby}"]),
-    "good_things": choice_of(["snacks for a long road trip", "houseplants for a dark room",
-                              "podcasts for learning history", "games to play on a long car ride",
-                              "apps for learning a language", "gifts for someone who has everything",
-                              "exercises to do at a desk", "names for a golden retriever", "first cars for students",
-                              "habits for better sleep", "songs for a wedding first dance", "icebreaker games"]),
-    "media": choice_of(["books", "films", "podcasts", "TV series", "albums", "video games", "documentaries"]),
-    "media_taste": choice_of(["cozy mysteries", "space exploration", "true crime", "slow, beautiful films",
-                              "stories about friendship", "historical dramas", "clever heist plots",
-                              "nature and wildlife", "dark comedies", "epic fantasy worlds", "{topic}"]),
-    "trip": choice_of(["a beach weekend", "a business trip to {city}", "a week of skiing", "a music festival",
-                       "a winter city break in {city}", "a road trip with a baby", "a month backpacking in Asia",
-                       "a camping weekend with kids", "a wedding abroad"]),
-    "social_situation": choice_of(["a networking event", "a first date", "meeting my partner's family",
-                                   "a new team at work", "a wedding where I know nobody", "a school parents' evening"]),
-    "checklist_task": choice_of(["the first week at a new job", "selling my car", "hosting Thanksgiving",
-                                 "getting a new puppy", "closing up a holiday home for winter", "a job interview",
-                                 "launching a small website", "a baby's first trip abroad", "spring cleaning"]),
-    "question_setting": choice_of(["a job interview", "a parent-teacher meeting", "a flat viewing",
-                                   "my first appointment with a financial adviser", "a wedding venue visit"]),
-})
 
 # Things people choose between (any comparison template fits) and ideas they contrast (only the neutral ones).
 CHOICE_PAIRS = [tuple(item) for item in WORDS["CHOICE_PAIRS"]]
@@ -983,13 +811,6 @@ CONCEPT_PAIRS = [tuple(item) for item in WORDS["CONCEPT_PAIRS"]]
 COMPARISON_TEMPLATES = WORDS["COMPARISON_TEMPLATES"]
 CONCEPT_TEMPLATES = WORDS["CONCEPT_TEMPLATES"]
 CHOICE_TEMPLATES = WORDS["CHOICE_TEMPLATES"]
-FILLERS.update({
-    "purpose": choice_of(["a beginner", "a tight budget", "a small family", "someone who travels a lot",
-                          "a student", "the environment", "long-term use", "my health", "a small business"]),
-    "comparison_context": choice_of(["I'm {age} and on a budget.", "I live in {city}.", "I'm a {job}.",
-                                     "I care most about cost.", "Time matters more to me than money.",
-                                     "It's for my {relative}.", "I have {n} kids."]),
-})
 
 
 def comparison(rng: random.Random) -> str:
@@ -1006,14 +827,6 @@ def comparison(rng: random.Random) -> str:
 ROLES = WORDS["ROLES"]
 ROLE_TASKS = WORDS["ROLE_TASKS"]
 ROLEPLAY_TEMPLATES = WORDS["ROLEPLAY_TEMPLATES"]
-FILLERS.update({
-    "my_role": choice_of(["a tourist", "a customer", "your apprentice", "a journalist", "a new neighbour",
-                          "a lost traveller", "a student", "a time traveller from the year 1800"]),
-    "practice": choice_of(["asking for a raise", "returning a faulty item", "a difficult conversation with my"
-                           " landlord about noise", "ordering food in {language}", "small talk at a party",
-                           "a salary negotiation", "saying no to a pushy salesperson",
-                           "a first phone call to a client"]),
-})
 
 
 def roleplay(rng: random.Random) -> str:
@@ -1061,20 +874,8 @@ def support_text(rng: random.Random) -> str:
 
 # A text to work on, and what people ask of such a text.
 EXTRACTIONS = [
-    (dates_text, ["Extract the dates from this text", "List all the dates mentioned here",
-                  "Pull out every date in this message and say what each is for"]),
-    (people_text, ["Which people are mentioned in this sentence", "List the names and places in this text",
-                   "Extract the people, places and times from this"]),
-    (receipt_text, ["What's the total of this receipt", "Add these up",
-                    "Which item here is the most expensive, and what's the total"]),
-    (contacts_text, ["Find the email addresses in this message", "Extract all contact details from this",
-                     "Pull out the emails and phone numbers"]),
-    (review_text, ["Is this review positive, negative or mixed", "Classify the sentiment of this review",
-                   "What's the tone of this customer review"]),
-    (record_text, ["Turn this into JSON with the fields name, age, city and job", "Convert this to a YAML record",
-                   "Fill in a table with name, age, city and job from this sentence"]),
-    (support_text, ["Classify this customer message as billing, technical or other", "Label the intent of this message",
-                    "Which team should handle this message: billing, tech support or sales"]),
+    (make_text, WORDS["EXTRACTION_ASKS"][make_text.__name__])
+    for make_text in (dates_text, people_text, receipt_text, contacts_text, review_text, record_text, support_text)
 ]
 
 
@@ -1098,23 +899,6 @@ FACT_OR_OPINION = WORDS["FACT_OR_OPINION"]
 FACTUAL_QUESTIONS = WORDS["FACTUAL_QUESTIONS"]
 YES_NO_TEMPLATES = WORDS["YES_NO_TEMPLATES"]
 FILLERS.update({
-    "animal": choice_of(["penguins", "octopuses", "horses", "owls", "crocodiles", "snails", "goldfish", "cows",
-                         "sharks", "parrots", "elephants", "spiders", "bats", "squirrels", "frogs", "pigs"]),
-    "ability": choice_of(["swim", "see in colour", "recognise faces", "sleep standing up", "climb trees",
-                          "jump", "hear music", "live for 50 years", "survive freezing", "count"]),
-    "claim": choice_of(["we only use 10% of our brains", "goldfish have a three-second memory",
-                        "lightning never strikes the same place twice", "bats are blind",
-                        "cracking your knuckles causes arthritis", "the Great Wall is visible from space",
-                        "sugar makes children hyperactive", "bulls hate the colour red",
-                        "you should wait an hour after eating before swimming",
-                        "shaving makes hair grow back thicker"]),
-    "safety_action": choice_of(["eat raw cookie dough", "reheat rice", "charge my phone overnight",
-                                "look at a solar eclipse with sunglasses", "drink water from a garden hose",
-                                "give my dog grapes", "refreeze thawed chicken", "run every day"]),
-    "person": choice_of(["Cleopatra", "Shakespeare", "Isaac Newton", "Leonardo da Vinci", "Napoleon", "Mozart",
-                         "Galileo", "Abraham Lincoln", "Charles Darwin", "Queen Victoria", "Genghis Khan"]),
-    "sky_thing": choice_of(["Saturn's rings", "the Andromeda galaxy", "Jupiter's moons", "the ISS", "Mars",
-                            "the Milky Way", "a comet"]),
     "number_claim": number(50, 999),
 })
 

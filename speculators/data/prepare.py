@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import exclusive_lock, write_jsonl_atomic, write_text_atomic
 from speculators.data.capture import Replica, raise_for_failed_replicas, replica_devices, start_replica
-from speculators.data.prompts import VALIDATION_PREFIX, RowRejected, prepare_conversations, source_image_root
+from speculators.data.conversation import VALIDATION_PREFIX
+from speculators.data.prompt_set import prepare_conversations
 from speculators.data.regenerate import (
     VllmGenerate,
     regenerate,
@@ -32,6 +33,8 @@ from speculators.data.regenerate import (
     transformers_generate_fn,
     transformers_image_generate_fn,
 )
+from speculators.data.rows import RowRejected
+from speculators.data.sources import source_image_root
 from speculators.data.tokenization import (
     LongestPrompt,
     OverLength,
@@ -59,7 +62,8 @@ from speculators.verifier.vision import ImageInputs, is_vision_language
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-    from speculators.data.prompts import Conversation, PrepareReport
+    from speculators.data.conversation import Conversation
+    from speculators.data.prompt_set import PrepareReport
     from speculators.data.regenerate import ImageGenerateFn
     from speculators.data.tokenization import TokenizedSample
 
@@ -414,21 +418,7 @@ def answer_generator(
     with `images` (a vision-language verifier) the generator also takes each prompt's images."""
     s = settings
     if s.backend != "vllm":
-        if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
-            raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
-
-        verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
-        require_chat_template(verifier.tokenizer, str(s.verifier))
-        if images is not None:
-            return (
-                verifier.tokenizer,
-                transformers_image_generate_fn(
-                    verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
-                ),
-                nullcontext(),
-            )
-        generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
-        return verifier.tokenizer, generate, nullcontext()
+        return transformers_answer_generator(s, images)
     if images is not None and s.server_url:
         raise SpeculatorsError(
             "regenerating image conversations runs vLLM's offline engine (a server's token-id API takes no images); "
@@ -493,3 +483,25 @@ def answer_generator(
         return on_server(server.url, server.model_name)(prompts)
 
     return tokenizer, generate_on_server, server
+
+
+def transformers_answer_generator(
+    settings: PrepareSettings, images: ImageInputs | None = None
+) -> tuple[PreTrainedTokenizerBase, Generate | ImageGenerateFn, AbstractContextManager[Any]]:
+    """answer_generator for the transformers backend: the verifier loaded here, generating in this process."""
+    s = settings
+    if s.tensor_parallel_size > 1 or s.data_parallel_size > 1 or s.server_url:
+        raise SpeculatorsError("--tensor-parallel-size and --server-url need --backend vllm")
+
+    verifier = load_verifier(str(s.verifier), dtype=s.dtype, device=s.device, quantization=s.quantization)
+    require_chat_template(verifier.tokenizer, str(s.verifier))
+    if images is not None:
+        return (
+            verifier.tokenizer,
+            transformers_image_generate_fn(
+                verifier.model, verifier.tokenizer, images, s.max_new_tokens, s.temperature, s.seed
+            ),
+            nullcontext(),
+        )
+    generate = transformers_generate_fn(verifier.model, verifier.tokenizer, s.max_new_tokens, s.temperature, s.seed)
+    return verifier.tokenizer, generate, nullcontext()

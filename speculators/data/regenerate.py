@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from speculators.data.prompts import Conversation, RowRejected
+from speculators.data.conversation import Conversation
+from speculators.data.rows import RowRejected
 from speculators.data.tokenization import (
     LongestPrompt,
     OverLength,
@@ -515,18 +516,7 @@ def regenerate(
 
         def finish(state: ConversationState) -> None:
             """The sample of a finished conversation appended to the resume file (or its rejection counted)."""
-            sample = TokenizedSample(state.conversation.id, state.ids[:max_length], state.mask[:max_length])
-            images = image_parts(state.history)
-            if state.rejected is None and images and image_inputs is not None:
-                try:
-                    full = TokenizedSample(state.conversation.id, state.ids, state.mask, images)
-                    sample = expand_images(image_inputs, full, max_length)
-                except RowRejected as reason:
-                    state.rejected = str(reason)
-                    if isinstance(reason, OverLength):
-                        state.prompt_size = (reason.size, reason.unit)
-            if state.rejected is None and not any(sample.loss_mask):
-                state.rejected = "no assistant token after tokenization"
+            sample = finished_sample(state, max_length, image_inputs)
             if state.rejected is not None:
                 report.rejected[state.rejected] += 1
                 if state.prompt_size is not None:
@@ -545,6 +535,24 @@ def regenerate(
             answer_in_batches(todo, generate, batch_size, begin, answered, image_inputs is not None)
     report.seconds = time.perf_counter() - started
     return [done[c.id] for c in conversations if c.id in done], report
+
+
+def finished_sample(state: ConversationState, max_length: int, image_inputs: ImageInputs | None) -> TokenizedSample:
+    """The sample of a finished conversation, cut to `max_length` (its images expanded with `image_inputs`);
+    a reason found on the way not to keep it is set on the state (`rejected`, and `prompt_size` when too long)."""
+    sample = TokenizedSample(state.conversation.id, state.ids[:max_length], state.mask[:max_length])
+    images = image_parts(state.history)
+    if state.rejected is None and images and image_inputs is not None:
+        try:
+            full = TokenizedSample(state.conversation.id, state.ids, state.mask, images)
+            sample = expand_images(image_inputs, full, max_length)
+        except RowRejected as reason:
+            state.rejected = str(reason)
+            if isinstance(reason, OverLength):
+                state.prompt_size = (reason.size, reason.unit)
+    if state.rejected is None and not any(sample.loss_mask):
+        state.rejected = "no assistant token after tokenization"
+    return sample
 
 
 def answer_continuously(

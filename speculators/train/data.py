@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculators.data.prompts import VALIDATION_PREFIX
+from speculators.data.conversation import VALIDATION_PREFIX
 from speculators.data.store import HiddenStateStore
 from speculators.errors import SpeculatorsError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.atomic_io import exclusive_lock, write_text_atomic, write_with
-from speculators.data.prompts import VALIDATION_PREFIX
+from speculators.data.conversation import VALIDATION_PREFIX
 from speculators.data.store import HiddenStateStore, StoreManifest
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.models.weights import read_safetensors

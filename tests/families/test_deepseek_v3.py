@@ -225,7 +225,7 @@ def test_vllm_cpu_serves_the_verifier_but_not_our_drafter_beside_it_so_the_evalu
     multiples of 16: read in vLLM's backends, not run here)."""
     import json
 
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.errors import SpeculatorsError
     from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate, load_proposer, tokenize_prompts
     from speculators.serving.engine import cpu_rotary_workaround

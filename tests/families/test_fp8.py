@@ -227,7 +227,7 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
     the right model)."""
     from speculators.data.capture import run_capture
     from speculators.data.prepare import run_prepare
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.data.regenerate import transformers_generate_fn
     from speculators.data.store import HiddenStateStore
     from speculators.eval.bench import OutputJudge, compare_served_outputs

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from speculators.data.prompts import Conversation
+from speculators.data.conversation import Conversation
 from speculators.verifier.vision import image_part, image_parts, load_image
 
 PEAKED_AUX = [1, 4, 6]
@@ -153,7 +153,7 @@ def test_tokenization_expands_each_image_and_never_supervises_it(loaded):
     assert collapse_placeholders(sample.input_ids, pad) == list(rendered)
     # A limit inside the second image drops it whole (and the answer after it: nothing supervised).
     first_end = sample.input_ids.index(pad) + inputs.token_count(grids[0])
-    from speculators.data.prompts import RowRejected
+    from speculators.data.rows import RowRejected
 
     with pytest.raises(RowRejected, match="over-length"):
         tokenize_conversation(loaded.tokenizer, conversation.id, conversation.messages, first_end + 4, inputs)

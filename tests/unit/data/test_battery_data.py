@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from speculators.data import prompts, tokenization
-from speculators.data.prompts import Conversation, prepare_conversations
+from speculators.data import prompt_set, sources, tokenization
+from speculators.data import rows as source_rows
+from speculators.data.conversation import Conversation
+from speculators.data.prompt_set import prepare_conversations
 from speculators.errors import SpeculatorsError
 from speculators.verifier import vision
 from tests.unit.shared.test_battery import one_error, run
@@ -61,8 +63,8 @@ def image_row(reference: str) -> dict:
 @pytest.fixture
 def small_rows(monkeypatch):
     """Rows over 2 KiB are oversized; files are read 512 bytes at a time."""
-    monkeypatch.setattr(prompts, "MAX_ROW_BYTES", 2048)
-    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 512)
+    monkeypatch.setattr(source_rows, "MAX_ROW_BYTES", 2048)
+    monkeypatch.setattr(source_rows, "READ_CHUNK_BYTES", 512)
     return "row larger than 2 KiB"
 
 
@@ -102,7 +104,7 @@ def test_an_oversized_jsonl_line_is_never_held_in_memory(tmp_path, small_rows):
             handle.write(json.dumps(single(f"p{index}", "z" * 400_000)) + "\n")
         handle.write(json.dumps(single("small")) + "\n")
     rows: list = []
-    peak = peak_bytes(lambda: rows.extend(prompts.iter_file_rows(path)))
+    peak = peak_bytes(lambda: rows.extend(source_rows.iter_file_rows(path)))
     assert [type(row).__name__ for _, row in rows] == ["RowRejected"] * 3 + ["dict"]
     assert peak < 100_000, peak  # one line is 400 KB: read and skipped in 512-byte pieces
 
@@ -120,7 +122,7 @@ def test_json_elements_are_read_one_by_one_an_oversized_one_counted_and_the_rest
     big = tmp_path / "big.json"
     big.write_text(json.dumps([single("a", "q" * 600_000), single("b")]))
     rows_read: list = []
-    peak = peak_bytes(lambda: rows_read.extend(prompts.iter_file_rows(big)))
+    peak = peak_bytes(lambda: rows_read.extend(source_rows.iter_file_rows(big)))
     assert [type(row).__name__ for _, row in rows_read] == ["RowRejected", "dict"] and peak < 100_000, peak
 
 
@@ -130,11 +132,11 @@ def test_a_truncated_json_file_gives_its_complete_rows_then_one_counted_row(tmp_
         (tmp_path / "cut.json").write_text(whole[:cut])
         _, report = prepare_conversations([str(tmp_path / "cut.json")])
         assert report.kept == (4 if cut < len(whole) - 1 else 6), cut
-        assert report.rejected == {prompts.TRUNCATED_JSON: 1}
-        assert report.examples[prompts.TRUNCATED_JSON] == [f"cut.json[{report.kept}]"]
+        assert report.rejected == {source_rows.TRUNCATED_JSON: 1}
+        assert report.examples[source_rows.TRUNCATED_JSON] == [f"cut.json[{report.kept}]"]
     (tmp_path / "object.json").write_text(json.dumps({"data": [single("a"), single("b")]})[:-30])
     _, report = prepare_conversations([str(tmp_path / "object.json")])
-    assert report.kept == 1 and report.rejected == {prompts.TRUNCATED_JSON: 1}
+    assert report.kept == 1 and report.rejected == {source_rows.TRUNCATED_JSON: 1}
 
 
 def test_a_json_object_holding_one_list_is_read_and_other_shapes_are_one_error(tmp_path, small_rows):
@@ -162,7 +164,7 @@ def test_a_malformed_json_element_whose_brackets_close_is_a_counted_row(tmp_path
     deep = "[" * 3000 + "]" * 3000  # valid JSON nested deeper than Python decodes
     text = '[{"prompt": "a", "response": "b"}, {"prompt": "bad",}, ' + deep + ', {"prompt": "c", "response": "d"}]'
     (tmp_path / "rows.json").write_text(text)
-    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 512)
+    monkeypatch.setattr(source_rows, "READ_CHUNK_BYTES", 512)
     conversations, report = prepare_conversations([str(tmp_path / "rows.json")])
     assert [c.messages[0]["content"] for c in conversations] == ["a", "c"]
     assert report.rejected == {
@@ -173,11 +175,11 @@ def test_a_malformed_json_element_whose_brackets_close_is_a_counted_row(tmp_path
 
 
 def test_json_strings_with_escapes_and_brackets_split_across_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(prompts, "READ_CHUNK_BYTES", 3)
+    monkeypatch.setattr(source_rows, "READ_CHUNK_BYTES", 3)
     rows = [single('a \\" ] } [ { \\\\', 'b "]}"'), single("\\", '\\\\"'), single("é 漢字 \u2028", "ok")]
     for name, data in (("list.json", rows), ("object.json", {"rows": rows})):
         (tmp_path / name).write_text("\ufeff" + json.dumps(data, ensure_ascii=False))
-        got = [row for _, row in prompts.iter_file_rows(tmp_path / name)]
+        got = [row for _, row in source_rows.iter_file_rows(tmp_path / name)]
         assert got == rows
 
 
@@ -260,7 +262,7 @@ def test_conversations_within_the_bound_tokenize_exactly_as_before(tokenizer, mo
         for index, messages in enumerate(conversations):
             try:
                 bounded.append(tokenization.tokenize_conversation(tokenizer, str(index), messages, max_length))
-            except prompts.RowRejected as reason:
+            except source_rows.RowRejected as reason:
                 bounded.append(str(reason))
         with monkeypatch.context() as patch:
             unclipped(patch)
@@ -268,7 +270,7 @@ def test_conversations_within_the_bound_tokenize_exactly_as_before(tokenizer, mo
             for index, messages in enumerate(conversations):
                 try:
                     before.append(tokenization.tokenize_conversation(tokenizer, str(index), messages, max_length))
-                except prompts.RowRejected as reason:
+                except source_rows.RowRejected as reason:
                     before.append(str(reason))
         assert bounded == before, max_length
 
@@ -276,7 +278,7 @@ def test_conversations_within_the_bound_tokenize_exactly_as_before(tokenizer, mo
 def test_an_answer_clipped_away_is_still_rejected_as_over_length(tokenizer, monkeypatch):
     seen = spy_templates(monkeypatch, tokenizer)
     messages = [{"role": "user", "content": "x" * 200_000}, {"role": "assistant", "content": "late"}]
-    with pytest.raises(prompts.RowRejected, match=r"^over-length \(the prompt alone exceeds max length 32\)$"):
+    with pytest.raises(source_rows.RowRejected, match=r"^over-length \(the prompt alone exceeds max length 32\)$"):
         tokenization.tokenize_conversation(tokenizer, "x", messages, 32)
     assert max(seen, default=0) <= tokenization.text_limit(tokenizer, 32)
 
@@ -392,7 +394,8 @@ import json, os, sys
 from pathlib import Path
 from speculators.verifier import vision
 from speculators.errors import SpeculatorsError
-from speculators.data.prompts import prepare_conversations, source_fingerprint
+from speculators.data.prompt_set import prepare_conversations
+from speculators.data.sources import source_fingerprint
 
 folder = Path(sys.argv[1])
 os.mkfifo(folder / "pipe.jsonl")
@@ -493,12 +496,12 @@ def test_prepared_conversations_are_read_again_with_their_sources_folders_as_roo
     )
     _, report = prepare_conversations([str(written)])
     assert report.rejected == {vision.OUTSIDE_ROOTS: 1}
-    root = prompts.source_image_root(source)
+    root = sources.source_image_root(source)
     again, report = prepare_conversations([str(written)], image_roots=[root])
     assert root == tmp_path / "src" and report.kept == 1
     assert [(c.id, c.messages) for c in again] == [(c.id, c.messages) for c in conversations]
-    assert prompts.source_image_root(str(tmp_path / "src")) == tmp_path / "src"
-    assert prompts.source_image_root("hf:ultrachat") == Path.cwd().resolve()
+    assert sources.source_image_root(str(tmp_path / "src")) == tmp_path / "src"
+    assert sources.source_image_root("hf:ultrachat") == Path.cwd().resolve()
 
 
 def test_the_hidden_state_prepare_gets_the_variant_roots_and_its_local_sources_folders(tmp_path):
@@ -585,7 +588,7 @@ def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, 
 def test_evaluation_prompts_with_images_load_with_the_default_roots(tmp_path):
     png(tmp_path / "a.png")
     source = write_jsonl(tmp_path / "eval.jsonl", [image_row("a.png"), image_row("../x.png")])
-    loaded = prompts.load_prompts(source)
+    loaded = prompt_set.load_prompts(source)
     assert len(loaded) == 1 and loaded[0].messages[0]["content"][0]["image"] == str(tmp_path / "a.png")
 
 

@@ -204,7 +204,7 @@ def test_store_vocab_leaves_out_validation_source_samples(llama, tmp_path):
     """Answers of a validation source are only scored: they must not pick the vocabulary they are scored with."""
     from dataclasses import replace
 
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     train, held = make_samples(llama.tokenizer, 3), make_samples(llama.tokenizer, 2, offset=3)
     held = [replace(s, id=VALIDATION_PREFIX + s.id) for s in held]

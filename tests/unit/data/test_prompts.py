@@ -7,7 +7,8 @@ import json
 import pytest
 
 from speculators.data.demo_prompts import TASKS, all_demo_prompts, demo_prompts
-from speculators.data.prompts import HF_PRESETS, prepare_conversations
+from speculators.data.prompt_set import prepare_conversations
+from speculators.data.sources import HF_PRESETS
 from speculators.errors import SpeculatorsError
 
 SHAREGPT = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]}
@@ -202,7 +203,8 @@ def test_hf_failure_is_one_clear_error(monkeypatch):
 def test_the_natural_evaluation_set_is_a_builtin_source_unlike_the_demo_generator():
     """`natural:eval`: hand-written prompts of many kinds, none of them a demo-generator prompt."""
     from speculators.data.demo_prompts import all_demo_prompts
-    from speculators.data.prompts import load_prompts, source_fingerprint
+    from speculators.data.prompt_set import load_prompts
+    from speculators.data.sources import source_fingerprint
 
     conversations = load_prompts("natural:eval")
     prompts = [c.messages[-1]["content"] for c in conversations]
@@ -216,7 +218,7 @@ def test_the_natural_evaluation_set_is_a_builtin_source_unlike_the_demo_generato
 
 
 def test_validation_sources_are_tagged_come_first_and_win_over_equal_training_rows(tmp_path):
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
     from speculators.train.data import is_validation
 
     training = tmp_path / "train.jsonl"
@@ -301,7 +303,7 @@ def test_openai_image_parts_in_every_form_normalise_in_order(tmp_path, monkeypat
         },
         {"role": "assistant", "content": "Red, blue, green."},  # text-only: still a plain string
     ]
-    from speculators.data.prompts import text_of
+    from speculators.data.messages import text_of
 
     assert text_of(conversations[0].messages[1]["content"]) == "Look:and?"
 
@@ -471,7 +473,7 @@ def test_dataset_rows_with_decoded_images_are_rejected_with_the_reason(monkeypat
 def test_conversation_ids_follow_image_bytes_not_paths(tmp_path):
     import base64
 
-    from speculators.data.prompts import conversation_id
+    from speculators.data.conversation import conversation_id
 
     png(tmp_path / "a.png", (9, 9, 9))
     png(tmp_path / "copy" / "same.png", (9, 9, 9))
@@ -491,7 +493,8 @@ def test_conversation_ids_follow_image_bytes_not_paths(tmp_path):
 
 def test_text_only_conversation_ids_are_what_they_were():
     """Ids and data versions computed by the code before image prompts existed (commit dd54071)."""
-    from speculators.data.prompts import conversation_id, parse_row
+    from speculators.data.conversation import conversation_id
+    from speculators.data.messages import parse_row
 
     assert conversation_id(parse_row(OPENAI, True)) == "69dac6c5253cb8d5b45d"
     assert conversation_id(parse_row(SHAREGPT, True)) == "efb17071a837fc830a06"
@@ -522,7 +525,7 @@ def test_prepared_image_conversations_read_back_unchanged(tmp_path):
 def test_prompt_messages_and_openai_messages_with_image_parts(tmp_path):
     import base64
 
-    from speculators.data.prompts import prompt_messages
+    from speculators.data.conversation import prompt_messages
     from speculators.verifier.vision import openai_messages
 
     digest = png(tmp_path / "a.png")
@@ -591,7 +594,8 @@ def test_demo_vl_rows_are_deterministic_split_and_small_images():
 
 
 def test_demo_vl_source_names_and_fingerprints():
-    from speculators.data.prompts import load_prompts, source_fingerprint
+    from speculators.data.prompt_set import load_prompts
+    from speculators.data.sources import source_fingerprint
 
     prompts = load_prompts("demo-vl:eval", max_prompts=5)
     assert len(prompts) == 5 and all(isinstance(p.messages[0]["content"], list) for p in prompts)
@@ -604,7 +608,7 @@ def test_demo_vl_source_names_and_fingerprints():
 
 
 def test_max_samples_is_shared_among_sources_by_weight_and_a_short_source_leaves_its_rest(tmp_path):
-    from speculators.data.prompts import source_quotas
+    from speculators.data.prompt_set import source_quotas
 
     assert source_quotas(10, [1, 1, 1]) == [4, 3, 3] and source_quotas(7, [3, 1]) == [5, 2]
     assert sum(source_quotas(1_000_003, [0.7, 0.2, 0.1])) == 1_000_003

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.data.prompts import Conversation
+from speculators.data.conversation import Conversation
 from speculators.data.regenerate import regenerate, transformers_generate_fn
 from speculators.data.tokenization import render_ids, turn_end_ids
 from speculators.verifier.loading import load_verifier

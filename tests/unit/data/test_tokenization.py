@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculators.data.prompts import RowRejected
+from speculators.data.rows import RowRejected
 from speculators.data.tokenization import token_statistics, tokenize_conversation
 from speculators.verifier.tiny import build_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speculators.cli import main
-from speculators.data.prompts import load_prompts
+from speculators.data.prompt_set import load_prompts
 from speculators.errors import SpeculatorsError
 from speculators.eval.evaluate import (
     EvaluationReport,

