@@ -24,7 +24,7 @@ class Check:
 
 @dataclass(frozen=True)
 class StepSpec:
-    name: str  # asset key and workload function
+    name: str  # asset key; the workload function registered for it runs the step
     description: str
     kinds: frozenset[str]
     upstream: str | None = None  # the step whose artifacts this one reads
