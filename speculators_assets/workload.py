@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from speculators.checkpoint.records import CheckpointFacts, ValidationResult
 from speculators.data.records import DatagenReport, DraftVocabSummary, PreparedDataReport
 from speculators.data.store import StoreManifest
-from speculators.eval.records import BenchReport, MtBenchReport
+from speculators.eval.records import BenchReport, MachineLoad, MtBenchReport
 from speculators.flags import to_argv
 from speculators.settings import RegenerationSettings
 from speculators.train.records import TrainingSummary
@@ -512,8 +512,8 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "supervised_tokens": prepared.statistics.supervised_tokens,
         "answers": prepared.answers or ("the verifier's (regenerated)" if v.datagen.regenerate else "the rows' own"),
         "clipped_answers": prepared.clipped_answers,
-        "regenerated": 0 if reused else regeneration.get("regenerated", 0),
-        "regeneration_reused": samples_written if reused else regeneration.get("resumed", 0),
+        "regenerated": 0 if reused else regeneration.regenerated,
+        "regeneration_reused": samples_written if reused else regeneration.resumed,
         "computed": 0 if reused else capture.computed,
         "reused": stored if reused else capture.reused,
         "capture_tokens_per_second": capture.tokens_per_second,
@@ -833,13 +833,13 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     # A speed-up measured while other work shared the machine says little (bench's machine_load).
     from speculators.eval.bench import load_text
 
-    load = report.machine_load or {}
+    load = report.machine_load or MachineLoad()
     step.check(
         "quiet_machine",
-        load.get("quiet") is not False,
-        load_text(load),
+        load.quiet is not False,
+        load_text(load.model_dump(exclude_unset=True)),  # (as the report holds it)
         severity="WARN",
-        other_cores_max=load.get("other_cores_max", 0.0),
+        other_cores_max=load.other_cores_max,
     )
     # Lossless as the evaluator defines it: identical, or parted at a numerical near-tie of the verifier.
     compared = (

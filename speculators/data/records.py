@@ -39,12 +39,19 @@ class TokenStatistics(DataRecord):
     supervised_tokens: int
 
 
+class RegenerationSection(DataRecord):
+    """How many answers the verifier wrote in this run, and how many an earlier run's resume file gave."""
+
+    regenerated: int = 0
+    resumed: int = 0
+
+
 class TokenizationSection(DataRecord):
     """prepare_report.json's `tokenization` (written with a verifier): the samples and how their answers
     were made."""
 
     statistics: TokenStatistics
-    regeneration: dict[str, Any] = {}  # `regenerated`, `resumed`, ... (with answers by the verifier)
+    regeneration: RegenerationSection = RegenerationSection()  # (absent where the verifier answered nothing)
     answers: str | None = None  # whose answers, in words (absent in early reports)
     clipped_answers: int = 0
 

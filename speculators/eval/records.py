@@ -79,6 +79,14 @@ class MtBenchReport(PromptSetReport):
     prompts: PromptSetInfo
 
 
+class MachineLoad(ReportRecord):
+    """`machine_load`: how busy the machine was during the GuideLLM runs (bench's machine_load_summary);
+    `quiet` None where no run could be measured."""
+
+    quiet: bool | None = None
+    other_cores_max: float = 0.0
+
+
 class ReportedSettings(ReportRecord):
     num_speculative_tokens: int  # K as the servers ran it
 
@@ -91,5 +99,5 @@ class BenchReport(PromptSetReport):
 
     settings: ReportedSettings
     outputs: OutputComparison
-    machine_load: dict[str, Any] | None = None  # bench's machine_load summary (absent in early reports)
+    machine_load: MachineLoad | None = None  # (absent in early reports)
     mt_bench: MtBenchReport | None = None
