@@ -687,7 +687,10 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
             for name in ("config.json", "model.safetensors"):
                 shutil.copy2(drafter / name, tmp / name)
     validation = validate(target, v.verifier)
-    config = required(CheckpointFacts, target, "train")
+    config = read_record(CheckpointFacts, target)
+    if config is None:  # (validate names what is wrong with it)
+        problems = "; ".join(validation.problems) or "unreadable"
+        raise StepFailed(f"{target / CheckpointFacts.FILE} is not a speculator's config: {problems}")
     tokens = config.speculative_tokens
     k_ok = tokens == v.drafter.speculative_tokens
     passed = validation.ok and k_ok
