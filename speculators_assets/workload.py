@@ -689,8 +689,8 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     validation = validate(target, v.verifier)
     config = read_record(CheckpointFacts, target)
     if config is None:  # (validate names what is wrong with it)
-        problems = "; ".join(validation.problems) or "unreadable"
-        raise StepFailed(f"{target / CheckpointFacts.FILE} is not a speculator's config: {problems}")
+        found = "; ".join(validation.problems) or "unreadable"
+        raise StepFailed(f"{target / CheckpointFacts.FILE} is not a speculator's config: {found}")
     tokens = config.speculative_tokens
     k_ok = tokens == v.drafter.speculative_tokens
     passed = validation.ok and k_ok
