@@ -24,6 +24,7 @@ from urllib.parse import ParseResult, urlparse
 
 from speculators.errors import SpeculatorsError, argv_problem, shorten, user_error_line
 from speculators.flags import number
+from speculators_assets.steps import BENCHMARK_REPORT
 from speculators_assets.variants import VariantError
 
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -129,7 +130,7 @@ def refresh_benchmark(
                 job,
                 repository_location_name=location,
                 repository_name="__repository__",
-                run_config={"ops": {"benchmark_report": {"config": {"force": True}}}},  # measure anew, never reuse
+                run_config={"ops": {BENCHMARK_REPORT: {"config": {"force": True}}}},  # measure anew, never reuse
                 tags={"dagster/partition": variant, "speculators/trigger": "ci"},
             ),
         )

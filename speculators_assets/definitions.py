@@ -13,7 +13,7 @@ from pydantic import Field
 
 from speculators_assets.environment import Settings
 from speculators_assets.resources import PipelineRunner, StorageRoot
-from speculators_assets.steps import STEPS, StepSpec
+from speculators_assets.steps import BENCHMARK_REPORT, STEPS, TRAINED_DRAFTER, StepSpec
 from speculators_assets.variants import Variant, load_variants
 
 GROUP = "speculators"
@@ -82,7 +82,7 @@ def source_fingerprint_of(variant: Variant) -> str:
 
 def last_drafter_fingerprint(instance: dg.DagsterInstance, variant: str) -> str | None:
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("trained_drafter"), asset_partitions=[variant]), limit=1
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(TRAINED_DRAFTER), asset_partitions=[variant]), limit=1
     ).records
     if not records:
         return None
@@ -135,9 +135,9 @@ def build_defs(variants: dict[str, Variant] | None = None, settings: Settings | 
     )
     refresh = dg.define_asset_job(
         "refresh_benchmark",
-        selection=dg.AssetSelection.assets("benchmark_report"),
+        selection=dg.AssetSelection.assets(BENCHMARK_REPORT),
         partitions_def=partitions,
-        config={"ops": {"benchmark_report": {"config": {"force": True}}}},
+        config={"ops": {BENCHMARK_REPORT: {"config": {"force": True}}}},
         description="Re-run the benchmark of a variant's published checkpoint (CI calls this).",
     )
 

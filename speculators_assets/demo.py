@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators.errors import SpeculatorsError
+from speculators_assets.steps import BENCHMARK_REPORT, SPECULATOR_CHECKPOINT, TRAINED_DRAFTER, VERIFIER_HIDDEN_STATES
 
 
 def prepare_home(home: Path) -> Path:
@@ -67,7 +68,7 @@ def materialized(result) -> dict[str, dict[str, Any]]:
 
 def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[str]:
     lines = []
-    hidden = meta.get("verifier_hidden_states")
+    hidden = meta.get(VERIFIER_HIDDEN_STATES)
     if hidden:
         lines.append(
             f"hidden states: {hidden['samples']} samples, {hidden['tokens']} tokens "
@@ -76,7 +77,7 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
             f"{hidden['capture_tokens_per_second']} tokens/s, "
             f"{hidden['bytes_per_token']} bytes/token"
         )
-    drafter = meta.get("trained_drafter")
+    drafter = meta.get(TRAINED_DRAFTER)
     if drafter:
         accuracy = " / ".join(f"{a:.3f}" for a in drafter["full_accuracy_per_step"])
         lines.append(
@@ -84,11 +85,11 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
             f"validation accuracy per TTT step {accuracy}, acceptance length "
             f"{drafter['acceptance_length']:.2f} ({drafter['acceptance_length_source']})"
         )
-    checkpoint = meta.get("speculator_checkpoint")
+    checkpoint = meta.get(SPECULATOR_CHECKPOINT)
     if checkpoint:
         state = "published" if checkpoint.get("published") else "NOT published (a gate failed)"
         lines.append(f"checkpoint: K={checkpoint['speculative_tokens']}, {state} at {checkpoint['latest']}")
-    report = meta.get("benchmark_report")
+    report = meta.get(BENCHMARK_REPORT)
     if report:
         rates = " / ".join(f"{r:.3f}" for r in report["acceptance_per_position"])
         natural = report.get("tpot_speedup_natural")

@@ -1,9 +1,11 @@
 """The five pipeline steps, described once, upstream first.
 
-Each step is one Dagster asset per variant (partition) and one function of the Pipes workload of
-the same name. Everything else is derived from `STEPS`: the assets and their check specs
-(definitions.py), the step names a variant's `compute:` may set (variants.py), the workload's
-dispatch (workload.py) and the tests. Import-light: no Dagster, no torch.
+Each step is one Dagster asset per variant (partition) and one function of the Pipes workload,
+registered for its name (workload.py's `@registered`, with the records it reads and writes). Code
+names a step by its constant here (`RAW_PROMPTS`, ...), never by a literal. Everything else is
+derived from `STEPS`: the assets and their check specs (definitions.py), the step names a variant's
+`compute:` may set (variants.py), the workload's registry (every step must have its function) and
+the tests. Import-light: no Dagster, no torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Check:
 
 @dataclass(frozen=True)
 class StepSpec:
-    name: str  # asset key and workload function
+    name: str  # asset key; the workload function registered for it runs the step
     description: str
     kinds: frozenset[str]
     upstream: str | None = None  # the step whose artifacts this one reads
@@ -30,18 +32,24 @@ class StepSpec:
     checks: tuple[Check, ...] = ()
 
 
+RAW_PROMPTS = "raw_prompts"
+VERIFIER_HIDDEN_STATES = "verifier_hidden_states"
+TRAINED_DRAFTER = "trained_drafter"
+SPECULATOR_CHECKPOINT = "speculator_checkpoint"
+BENCHMARK_REPORT = "benchmark_report"
+
 STEPS: tuple[StepSpec, ...] = (
     StepSpec(
-        name="raw_prompts",
+        name=RAW_PROMPTS,
         description="The variant's prompt sources, normalised into conversations (rows counted, data version).",
         kinds=frozenset({"python", "json"}),
     ),
     StepSpec(
-        name="verifier_hidden_states",
+        name=VERIFIER_HIDDEN_STATES,
         description="On-policy answers by the verifier, tokenized with loss masks; the verifier's aux hidden "
         "states in the content-addressed store; the draft vocabulary.",
         kinds=frozenset({"pytorch", "vllm", "safetensors"}),
-        upstream="raw_prompts",
+        upstream=RAW_PROMPTS,
         gpu_pool=True,
         checks=(
             Check("counts_match_prepared_data", "store samples = prepared samples"),
@@ -50,10 +58,10 @@ STEPS: tuple[StepSpec, ...] = (
         ),
     ),
     StepSpec(
-        name="trained_drafter",
+        name=TRAINED_DRAFTER,
         description="EAGLE-3 drafter trained with training-time test (warm-started from the last accepted one).",
         kinds=frozenset({"pytorch"}),
-        upstream="verifier_hidden_states",
+        upstream=VERIFIER_HIDDEN_STATES,
         gpu_pool=True,
         checks=(
             Check("acceptance_floor", "validation acceptance estimate >= the variant's floor", blocking=True),
@@ -61,17 +69,17 @@ STEPS: tuple[StepSpec, ...] = (
         ),
     ),
     StepSpec(
-        name="speculator_checkpoint",
+        name=SPECULATOR_CHECKPOINT,
         description="The validated, vLLM-ready speculator checkpoint; published to .../latest when the gates pass.",
         kinds=frozenset({"vllm", "safetensors"}),
-        upstream="trained_drafter",
+        upstream=TRAINED_DRAFTER,
         checks=(Check("passes_validate", "speculators validate against the verifier; K as set", blocking=True),),
     ),
     StepSpec(
-        name="benchmark_report",
+        name=BENCHMARK_REPORT,
         description="vLLM + GuideLLM: the verifier alone vs with the speculator, acceptance and latency.",
         kinds=frozenset({"vllm", "guidellm"}),
-        upstream="speculator_checkpoint",
+        upstream=SPECULATOR_CHECKPOINT,
         gpu_pool=True,
         checks=(
             Check("speedup_at_least_1", "synchronous per-token latency speed-up >= 1"),

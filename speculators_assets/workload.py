@@ -8,6 +8,10 @@ Dagster nor torch (the commands run as their own processes); only `dagster-pipes
 Artifacts: `<root>/<variant>/<asset>/...`. Steps reuse what is already there when their inputs did
 not change (a second materialization costs nearly nothing): prompts by content, regenerated answers
 by settings, hidden states by shard content, drafters and reports by the key of their inputs.
+
+The steps are a registry: each function below is registered (`@registered`) as the workload of one
+step steps.py describes, with the records it reads and writes; `main` dispatches by it. Steps name
+each other by steps.py's constants and read every JSON file through its typed record.
 """
 
 from __future__ import annotations
@@ -22,18 +26,41 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import BaseModel
+
+from speculators.checkpoint.records import CheckpointFacts, ValidationResult
+from speculators.data.records import DatagenReport, DraftVocabSummary, PreparedDataReport
+from speculators.data.store import StoreManifest
+from speculators.eval.records import BenchReport, MachineLoad, MtBenchReport
 from speculators.flags import to_argv
 from speculators.settings import RegenerationSettings
+from speculators.train.records import TrainingSummary
+from speculators_assets.records import (
+    AcceptedDrafter,
+    CurrentDrafter,
+    PromptsStamp,
+    Record,
+    StoreStamp,
+    read_record,
+    write_json,
+    write_record,
+)
+from speculators_assets.steps import (
+    BENCHMARK_REPORT,
+    BY_NAME,
+    NAMES,
+    RAW_PROMPTS,
+    SPECULATOR_CHECKPOINT,
+    TRAINED_DRAFTER,
+    VERIFIER_HIDDEN_STATES,
+    StepSpec,
+)
 from speculators_assets.variants import Variant
-
-if TYPE_CHECKING:
-    from pydantic import BaseModel
-
-    from speculators.data.store import StoreManifest
-    from speculators.train.records import TrainingSummary
 
 Metadata = dict[str, Any]
 
@@ -66,17 +93,12 @@ def dump_for_key(settings: BaseModel, added_later: dict[str, Any]) -> dict[str, 
     return settings.model_dump(exclude=at_default)
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    from speculators.atomic_io import write_text_atomic
-
-    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+def required(model: type[Record], folder: Path, command: str) -> Record:
+    """A record the step's own command has just written: missing or unreadable, it fails the step."""
+    record = read_record(model, folder)
+    if record is None:
+        raise StepFailed(f"`speculators {command}` wrote no readable {folder / model.FILE}")  # type: ignore[attr-defined]
+    return record
 
 
 def read_manifest(store: Path) -> StoreManifest | None:
@@ -103,38 +125,36 @@ def recorded_drafter(step: Step) -> tuple[str, Path]:
     from the key, under this storage root: a record cannot point the copy at a folder elsewhere."""
     from speculators.errors import shorten
 
-    path = step.dir("trained_drafter") / "current.json"
-    current = read_json(path)
+    folder = step.dir(TRAINED_DRAFTER)
+    current = read_record(CurrentDrafter, folder)
     if current is None:
-        raise StepFailed(f"no trained drafter recorded for {step.variant.name}; materialize trained_drafter first")
-    key = current.get("key")
+        raise StepFailed(f"no trained drafter recorded for {step.variant.name}; materialize {TRAINED_DRAFTER} first")
+    key = current.key
     if not isinstance(key, str) or not ARTIFACT_KEY.fullmatch(key):
         raise StepFailed(
-            f"{path} records the drafter key {shorten(repr(key), 80)}, not an artifact key (12 hex digits); "
-            f"materialize trained_drafter again to record its drafter"
+            f"{folder / CurrentDrafter.FILE} records the drafter key {shorten(repr(key), 80)}, not an artifact key "
+            f"(12 hex digits); materialize {TRAINED_DRAFTER} again to record its drafter"
         )
-    return key, step.dir("trained_drafter") / key / "drafter"
+    return key, folder / key / "drafter"
 
 
 def published_checkpoint(step: Step) -> Path | None:
     """The checkpoint folder speculator_checkpoint's `latest` link points at; None before one is published.
     The link is followed only to a keyed folder beside it: a link to anywhere else fails the step."""
-    latest = step.dir("speculator_checkpoint") / "latest"
+    latest = step.dir(SPECULATOR_CHECKPOINT) / "latest"
     if not latest.exists() and not latest.is_symlink():
         return None
     target, folder = latest.resolve(), latest.parent.resolve()
     if target.parent != folder or not ARTIFACT_KEY.fullmatch(target.name):
         raise StepFailed(
             f"{latest} points at {target}, not a checkpoint folder beside it; remove the link {latest} and "
-            f"materialize speculator_checkpoint again to publish"
+            f"materialize {SPECULATOR_CHECKPOINT} again to publish"
         )
     return target
 
 
 def read_summary(path: Path) -> TrainingSummary | None:
     """A training summary; None if there is none (or it cannot be read)."""
-    from speculators.train.records import TrainingSummary
-
     try:
         return TrainingSummary.read(path)
     except (OSError, ValueError):
@@ -211,6 +231,41 @@ class Step:
         )
 
 
+# ----- the registry of steps -----------------------------------------------------------------------
+
+StepFunction = Callable[[Step], tuple[Metadata, str]]  # (metadata, data version)
+
+
+@dataclass(frozen=True)
+class RegisteredStep:
+    """One step's workload: steps.py's description (name, upstream, checks), the function that runs it, and
+    the records it reads (its own and other steps') and writes."""
+
+    spec: StepSpec
+    run: StepFunction
+    reads: tuple[type[BaseModel], ...]
+    writes: tuple[type[BaseModel], ...]
+
+
+REGISTRY: dict[str, RegisteredStep] = {}  # step name -> its workload, upstream first
+
+
+def registered(
+    name: str, reads: tuple[type[BaseModel], ...] = (), writes: tuple[type[BaseModel], ...] = ()
+) -> Callable[[StepFunction], StepFunction]:
+    """Registers the decorated function as the workload of the step `name` (one steps.py describes)."""
+
+    def register(function: StepFunction) -> StepFunction:
+        if name not in BY_NAME:
+            raise ImportError(f"{function.__name__} is registered for {name}, which steps.py does not describe")
+        if name in REGISTRY:
+            raise ImportError(f"{name} is registered twice: {REGISTRY[name].run.__name__} and {function.__name__}")
+        REGISTRY[name] = RegisteredStep(BY_NAME[name], function, reads, writes)
+        return function
+
+    return register
+
+
 # ----- the five steps ------------------------------------------------------------------------------
 
 
@@ -222,10 +277,8 @@ def source_fingerprints(variant: Variant) -> dict[str, str]:
     return {source: source_fingerprint(source) for source in sources}
 
 
-def raw_prompts(step: Step) -> tuple[Metadata, str]:
-    v, out = step.variant, step.dir("raw_prompts")
-    fingerprints = source_fingerprints(v)
-    fingerprint = key_of(fingerprints)  # what the retraining schedule compares
+def raw_prompts_key(v: Variant, fingerprints: dict[str, str]) -> str:
+    """The conversations' key: the prompt sources' content and the prompt settings."""
     # source_weights joined the settings later: a one-source variant without them keeps its key (its
     # rows are what they were); several sources now share max_samples, so their keys change.
     unchanged = v.prompts.source_weights is None and len(v.prompts.sources) == 1
@@ -239,29 +292,36 @@ def raw_prompts(step: Step) -> tuple[Metadata, str]:
         if v.datagen.regenerate
         else [{"own_answers": True, "regenerate_validation": v.datagen.regenerate_validation}]
     )
-    key = key_of(fingerprints, v.prompts.model_dump(exclude=left_out), *answers)
-    stamp = read_json(out / "stamp.json")
-    reused = bool(stamp and stamp.get("key") == key and not step.force)
+    return key_of(fingerprints, v.prompts.model_dump(exclude=left_out), *answers)
+
+
+@registered(RAW_PROMPTS, reads=(PromptsStamp, PreparedDataReport), writes=(PromptsStamp,))
+def raw_prompts(step: Step) -> tuple[Metadata, str]:
+    v, out = step.variant, step.dir(RAW_PROMPTS)
+    fingerprints = source_fingerprints(v)
+    fingerprint = key_of(fingerprints)  # what the retraining schedule compares
+    key = raw_prompts_key(v, fingerprints)
+    stamp = read_record(PromptsStamp, out)
+    reused = bool(stamp and stamp.key == key and not step.force)
     if not reused:
         speculators(*prompts_command(v, out))
-        write_json(out / "stamp.json", {"key": key, "source_fingerprint": fingerprint})
-    report = read_json(out / "prepare_report.json")["prompts"]
-    rejected = sum(report["rejected"].values()) if isinstance(report["rejected"], dict) else report["rejected"]
+        write_record(PromptsStamp(key=key, source_fingerprint=fingerprint), out)
+    report = required(PreparedDataReport, out, "prepare").prompts
     metadata = {
         "reused": reused,
-        "rows_read": report["rows_read"],
-        "kept": report["kept"],
-        "validation_only": report.get("validation", 0),
-        "duplicates": report["duplicates"],
-        "rejected": rejected,
-        "rejection_reasons": {"raw_value": report["rejected"], "type": "json"},
-        "data_version": report["data_version"],
+        "rows_read": report.rows_read,
+        "kept": report.kept,
+        "validation_only": report.validation,
+        "duplicates": report.duplicates,
+        "rejected": report.rejected_total,
+        "rejection_reasons": {"raw_value": report.rejected, "type": "json"},
+        "data_version": report.data_version,
         "source_fingerprint": fingerprint,
         "sources": {"raw_value": fingerprints, "type": "json"},
-        "kept_per_source": {"raw_value": report.get("per_source", []), "type": "json"},
+        "kept_per_source": {"raw_value": report.per_source, "type": "json"},
         "path": path_value(out / "conversations.jsonl"),
     }
-    return metadata, report["data_version"]
+    return metadata, report.data_version
 
 
 def verifier_identity(source: str) -> Any:
@@ -318,13 +378,13 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     if any(source.startswith("hf:") for source in sources):  # (a dataset row's relative image: the working dir)
         local.append(Path.cwd())
     image_roots = list(dict.fromkeys([*v.prompts.image_roots, *(str(folder) for folder in local if folder.is_dir())]))
-    d, profile = v.datagen, v.profile("verifier_hidden_states")
+    d, profile = v.datagen, v.profile(VERIFIER_HIDDEN_STATES)
     vllm = d.backend == "vllm"
     parallel = {"tensor_parallel_size": profile.tensor_parallel_size, "data_parallel_size": profile.data_parallel_size}
     # Over several nodes this pod is node rank 0: each engine it starts serves its arguments to the
     # other nodes' `speculators follow` (PipelineRunner.node_pods); the library refuses a backend that
     # cannot span them, so the node group goes to every command that starts an engine.
-    nodes = node_group(v, "verifier_hidden_states")
+    nodes = node_group(v, VERIFIER_HIDDEN_STATES)
     # The verifier answers every prompt (regenerate), or only the validation prompts (regenerate_validation).
     answers = d.regenerate or bool(d.regenerate_validation and v.prompts.validation_sources)
     regeneration = {
@@ -364,41 +424,62 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
     return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
 
 
-def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
-    v, out = step.variant, step.dir("verifier_hidden_states")
-    conversations = step.dir("raw_prompts") / "conversations.jsonl"
-    if not conversations.is_file():
-        raise StepFailed(f"{conversations} is missing; materialize raw_prompts for {v.name} first")
-    data, store = out / "data", out / "store"
-    # The inputs decide the key: a rematerialization with the same prompts, verifier and settings
-    # starts none of the three commands (each would load the verifier only to find nothing to do).
-    from speculators.data.store import file_sha256
-
-    key = key_of(
-        file_sha256(conversations),
-        verifier_identity(v.verifier),
+def hidden_states_key(v: Variant, conversations: str, verifier: Any) -> str:
+    """The key of the prepared data, store and vocabulary: the conversations' digest, the verifier's
+    identity (verifier_identity) and quantization, the datagen settings and the drafter's aux layers and
+    vocabulary size."""
+    return key_of(
+        conversations,
+        verifier,
         *quantization_key(v),
         dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None}),
         v.drafter.aux_layer_ids,
         v.drafter.draft_vocab_size,
     )
-    stamp = read_json(out / "stamp.json")
+
+
+def capture_hidden_states(step: Step, conversations: Path, data: Path, store: Path) -> bool:
+    """prepare, datagen and vocab into `data` and `store`, unless their inputs are what the stamp records
+    and their outputs are there; True when they were reused."""
+    from speculators.data.store import file_sha256
+
+    v, out = step.variant, step.dir(VERIFIER_HIDDEN_STATES)
+    # The inputs decide the key: a rematerialization with the same prompts, verifier and settings
+    # starts none of the three commands (each would load the verifier only to find nothing to do).
+    key = hidden_states_key(v, file_sha256(conversations), verifier_identity(v.verifier))
+    stamp = read_record(StoreStamp, out)
     outputs = (store / "manifest.json", store / "draft_vocab.safetensors", data / "samples.jsonl")
-    reused = bool(stamp and stamp.get("key") == key and all(p.is_file() for p in outputs) and not step.force)
-    if reused:
-        print(f"inputs unchanged since {stamp['written']}: reusing {store}", flush=True)
-    else:
-        for arguments in hidden_state_commands(v, conversations, data, store):
-            speculators(*arguments)
-        write_json(out / "stamp.json", {"key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
+    if stamp and stamp.key == key and all(p.is_file() for p in outputs) and not step.force:
+        print(f"inputs unchanged since {stamp.written}: reusing {store}", flush=True)
+        return True
+    for arguments in hidden_state_commands(v, conversations, data, store):
+        speculators(*arguments)
+    write_record(StoreStamp(key=key, written=time.strftime("%Y-%m-%d %H:%M:%S")), out)
+    return False
+
+
+@registered(
+    VERIFIER_HIDDEN_STATES,
+    reads=(StoreStamp, PreparedDataReport, StoreManifest, DatagenReport, DraftVocabSummary),
+    writes=(StoreStamp,),
+)
+def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
+    v, out = step.variant, step.dir(VERIFIER_HIDDEN_STATES)
+    conversations = step.dir(RAW_PROMPTS) / "conversations.jsonl"
+    if not conversations.is_file():
+        raise StepFailed(f"{conversations} is missing; materialize {RAW_PROMPTS} for {v.name} first")
+    data, store = out / "data", out / "store"
+    reused = capture_hidden_states(step, conversations, data, store)
     verified = speculators("verify-store", str(store), capture=True)
 
-    prepared = read_json(data / "prepare_report.json")["tokenization"]
+    prepared = required(PreparedDataReport, data, "prepare").tokenization
+    if prepared is None:
+        raise StepFailed(f"{data / PreparedDataReport.FILE} records no tokenized samples; materialize again")
     manifest = read_manifest(store)
     if manifest is None:
         raise StepFailed(f"datagen wrote no hidden-state store manifest at {store}")
-    capture = read_json(store / "datagen_report.json") or {}
-    vocab = read_json(store / "draft_vocab.json") or {}
+    capture = read_record(DatagenReport, store) or DatagenReport()
+    vocab = read_record(DraftVocabSummary, store) or DraftVocabSummary()
     with open(data / "samples.jsonl", encoding="utf-8") as handle:
         samples_written = sum(1 for _ in handle)
     stored = len(manifest.samples)
@@ -416,7 +497,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         if verified.returncode == 0
         else (verified.stdout + verified.stderr).strip()[-2000:],
     )
-    coverage, floor = float(vocab.get("coverage", 0.0)), v.gates.min_vocab_coverage
+    coverage, floor = vocab.coverage, v.gates.min_vocab_coverage
     step.check(
         "draft_vocab_coverage",
         coverage >= floor,
@@ -424,21 +505,19 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         severity="WARN",
         coverage=coverage,
     )
-    stats = prepared["statistics"]
-    regeneration = prepared.get("regeneration", {})
+    regeneration = prepared.regeneration
     metadata = {
         "samples": stored,
-        "tokens": stats["tokens"],
-        "supervised_tokens": stats["supervised_tokens"],
-        "answers": prepared.get("answers")
-        or ("the verifier's (regenerated)" if v.datagen.regenerate else "the rows' own"),
-        "clipped_answers": prepared.get("clipped_answers", 0),
-        "regenerated": 0 if reused else regeneration.get("regenerated", 0),
-        "regeneration_reused": samples_written if reused else regeneration.get("resumed", 0),
-        "computed": 0 if reused else capture.get("computed"),
-        "reused": stored if reused else capture.get("reused"),
-        "capture_tokens_per_second": capture.get("tokens_per_second"),
-        "bytes_per_token": capture.get("bytes_per_token"),
+        "tokens": prepared.statistics.tokens,
+        "supervised_tokens": prepared.statistics.supervised_tokens,
+        "answers": prepared.answers or ("the verifier's (regenerated)" if v.datagen.regenerate else "the rows' own"),
+        "clipped_answers": prepared.clipped_answers,
+        "regenerated": 0 if reused else regeneration.regenerated,
+        "regeneration_reused": samples_written if reused else regeneration.resumed,
+        "computed": 0 if reused else capture.computed,
+        "reused": stored if reused else capture.reused,
+        "capture_tokens_per_second": capture.tokens_per_second,
+        "bytes_per_token": capture.bytes_per_token,
         "store_bytes": directory_bytes(store),
         "draft_vocab_size": v.drafter.draft_vocab_size,
         "draft_vocab_coverage": coverage,
@@ -460,12 +539,13 @@ def store_version(store: Path, manifest: StoreManifest) -> str:
     return key_of(sorted(entry.key for entry in manifest.samples), vocab, *([validation] if validation else []))
 
 
-def previous_accepted(step: Step) -> dict[str, Any] | None:
+def previous_accepted(step: Step) -> AcceptedDrafter | None:
+    """The record of the drafter published last (speculator_checkpoint's `latest`); None before one."""
     published = published_checkpoint(step)
-    return read_json(published / "accepted.json") if published is not None else None
+    return read_record(AcceptedDrafter, published) if published is not None else None
 
 
-def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: dict[str, Any] | None) -> list[dict]:
+def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: AcceptedDrafter | None) -> list[dict]:
     """The drafter's gates: the acceptance floor, and no regression against the last accepted drafter."""
     acceptance, kind = summary.acceptance() if summary is not None else (0.0, "no training summary")
     gates = variant.gates
@@ -488,7 +568,7 @@ def drafter_gates(variant: Variant, summary: TrainingSummary | None, previous: d
             }
         )
     else:
-        earlier = float(previous["acceptance_length"])
+        earlier = previous.acceptance_length
         checks.append(
             {
                 "name": "no_regression",
@@ -532,30 +612,35 @@ def trained_drafter_key(v: Variant, store_key: str) -> str:
     return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier)
 
 
+@registered(
+    TRAINED_DRAFTER,
+    reads=(StoreManifest, AcceptedDrafter, TrainingSummary, PromptsStamp),
+    writes=(CurrentDrafter,),
+)
 def trained_drafter(step: Step) -> tuple[Metadata, str]:
-    v, store = step.variant, step.dir("verifier_hidden_states") / "store"
+    v, store = step.variant, step.dir(VERIFIER_HIDDEN_STATES) / "store"
     manifest = read_manifest(store)
     if manifest is None or not (store / "draft_vocab.safetensors").is_file():
-        raise StepFailed(f"no hidden-state store with a draft vocab at {store}; materialize verifier_hidden_states")
+        raise StepFailed(f"no hidden-state store with a draft vocab at {store}; materialize {VERIFIER_HIDDEN_STATES}")
     previous = previous_accepted(step)
     warm = published_checkpoint(step)
     warm_start = v.training.warm_start and previous is not None and warm is not None
     # The inputs decide the key; a warm start only changes where an (input-changed) run begins.
     key = trained_drafter_key(v, store_version(store, manifest))
-    out = step.dir("trained_drafter") / key
+    out = step.dir(TRAINED_DRAFTER) / key
     summary = read_summary(out / "summary.json")
     reused = bool(summary and (out / "drafter" / "config.json").is_file() and not step.force)
     if not reused:
         # A retry after a kill resumes the attempt's checkpoint; a forced one trains afresh (it may start
         # from another warm start than the run in `out` did, which a resume would refuse).
         arguments = train_command(v, store, out, warm if warm_start else None, restart=step.force)
-        speculators(*arguments, gpus=v.profile("trained_drafter").gpus)
+        speculators(*arguments, gpus=v.profile(TRAINED_DRAFTER).gpus)
         summary = read_summary(out / "summary.json")
     if summary is None:
         raise StepFailed(f"training wrote no summary at {out / 'summary.json'}")
-    stamp = read_json(step.dir("raw_prompts") / "stamp.json") or {}
-    current = {"key": key, "drafter": str(out / "drafter"), "source_fingerprint": stamp.get("source_fingerprint")}
-    write_json(step.dir("trained_drafter") / "current.json", current)
+    stamp = read_record(PromptsStamp, step.dir(RAW_PROMPTS))
+    fingerprint = stamp.source_fingerprint if stamp is not None else None
+    write_record(CurrentDrafter(key=key, drafter=str(out / "drafter"), source_fingerprint=fingerprint), out.parent)
 
     best = summary.best_validation or summary.final_train
     acceptance, acceptance_kind = summary.acceptance()
@@ -575,7 +660,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
         "acceptance_length_estimate": float(best["acceptance_length"]),
         "full_accuracy_per_step": {"raw_value": best["full_acc"], "type": "json"},
         "loss_per_step": {"raw_value": best["loss"], "type": "json"},
-        "source_fingerprint": stamp.get("source_fingerprint") or "unknown",
+        "source_fingerprint": fingerprint or "unknown",
         "path": path_value(out / "drafter"),
     }
     if curves.is_file():
@@ -583,31 +668,33 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     return metadata, key
 
 
+@registered(
+    SPECULATOR_CHECKPOINT,
+    reads=(CurrentDrafter, ValidationResult, CheckpointFacts, TrainingSummary, AcceptedDrafter),
+    writes=(ValidationResult, AcceptedDrafter),
+)
 def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
     from speculators.atomic_io import atomic_directory
 
     v = step.variant
     key, drafter = recorded_drafter(step)
-    out_root = step.dir("speculator_checkpoint")
+    out_root = step.dir(SPECULATOR_CHECKPOINT)
     target = out_root / key
     if not (target / "model.safetensors").is_file():
         if not (drafter / "model.safetensors").is_file():
-            raise StepFailed(f"no trained drafter at {drafter}; materialize trained_drafter again")
+            raise StepFailed(f"no trained drafter at {drafter}; materialize {TRAINED_DRAFTER} again")
         with atomic_directory(target, overwrite=True) as tmp:  # (the storage root's own folder)
             for name in ("config.json", "model.safetensors"):
                 shutil.copy2(drafter / name, tmp / name)
-    report_path = target / "validation.json"
-    code = speculators("validate", str(target), "--verifier", v.verifier, "--json", capture=True)
-    try:
-        validation = json.loads(code.stdout)
-    except ValueError:
-        raise StepFailed(f"speculators validate failed: {code.stderr.strip()[-500:]}") from None
-    write_json(report_path, validation)
-    config = read_json(target / "config.json")
-    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    validation = validate(target, v.verifier)
+    config = read_record(CheckpointFacts, target)
+    if config is None:  # (validate names what is wrong with it)
+        found = "; ".join(validation.problems) or "unreadable"
+        raise StepFailed(f"{target / CheckpointFacts.FILE} is not a speculator's config: {found}")
+    tokens = config.speculative_tokens
     k_ok = tokens == v.drafter.speculative_tokens
-    passed = bool(validation["ok"]) and k_ok
-    problems = validation["problems"] + (
+    passed = validation.ok and k_ok
+    problems = validation.problems + (
         [] if k_ok else [f"K is {tokens}, the variant says {v.drafter.speculative_tokens}"]
     )
     step.check(
@@ -626,20 +713,14 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         print(f"not publishing {target}: {'; '.join(failed_gates)}", flush=True)
     if passed and not failed_gates and drafter_summary is not None:  # publish: the path vLLM users point at
         acceptance = drafter_summary.acceptance()[0]
-        write_json(
-            target / "accepted.json",
-            {
-                "key": key,
-                "acceptance_length": acceptance,
-                "verifier": v.verifier,
-                "accepted_at": time.time(),
-            },
+        write_record(
+            AcceptedDrafter(key=key, acceptance_length=acceptance, verifier=v.verifier, accepted_at=time.time()), target
         )
         temporary = out_root / f".latest-{os.getpid()}"
         temporary.unlink(missing_ok=True)
         temporary.symlink_to(target.name)
         os.replace(temporary, latest)
-    notes = "\n".join(f"- {line}" for line in validation["problems"] + validation["notes"])
+    notes = "\n".join(f"- {line}" for line in validation.problems + validation.notes)
     metadata = {
         "key": key,
         "published": passed and not failed_gates,
@@ -648,13 +729,26 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         "latest": path_value(latest),
         "verifier": v.verifier,
         "speculative_tokens": tokens,
-        "draft_vocab_size": config["draft_vocab_size"],
-        "aux_layer_ids": {"raw_value": config.get("eagle_aux_hidden_state_layer_ids"), "type": "json"},
+        "draft_vocab_size": config.draft_vocab_size,
+        "aux_layer_ids": {"raw_value": config.eagle_aux_hidden_state_layer_ids, "type": "json"},
         "bytes": directory_bytes(target),
         "validation": md(notes or "valid, no notes"),
         "serve_with": md(f"```\nspeculators serve --verifier {v.verifier} --speculator {latest}\n```"),
     }
     return metadata, key
+
+
+def validate(checkpoint: Path, verifier: str) -> ValidationResult:
+    """`speculators validate --json` of a checkpoint against the verifier; its verdict is kept beside the
+    checkpoint (validation.json, as validate printed it)."""
+    code = speculators("validate", str(checkpoint), "--verifier", verifier, "--json", capture=True)
+    try:
+        printed = json.loads(code.stdout)
+        validation = ValidationResult.model_validate(printed)
+    except ValueError:
+        raise StepFailed(f"speculators validate failed: {code.stderr.strip()[-500:]}") from None
+    write_json(checkpoint / ValidationResult.FILE, printed)
+    return validation
 
 
 def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
@@ -663,7 +757,7 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
     nodes' `speculators follow` take from it)."""
     from speculators.settings import BenchSettings
 
-    profile = v.profile("benchmark_report")
+    profile = v.profile(BENCHMARK_REPORT)
     settings = BenchSettings(
         **v.benchmark.model_dump(exclude_unset=True),
         verifier=v.verifier,
@@ -672,7 +766,7 @@ def bench_command(v: Variant, speculator: Path, out: Path) -> list[str]:
         prompts=v.prompts.eval_source,
         tensor_parallel_size=profile.tensor_parallel_size,
         **({"quantization": v.verifier_quantization} if v.verifier_quantization else {}),
-        **node_group(v, "benchmark_report"),
+        **node_group(v, BENCHMARK_REPORT),
     )
     return ["bench", *to_argv(settings)]
 
@@ -707,28 +801,29 @@ def benchmark_key(v: Variant, drafter_key: str) -> str:
     return key_of(drafter_key, profile, v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
 
 
+@registered(BENCHMARK_REPORT, reads=(AcceptedDrafter, BenchReport))
 def benchmark_report(step: Step) -> tuple[Metadata, str]:
     v = step.variant
-    latest = step.dir("speculator_checkpoint") / "latest"
+    latest = step.dir(SPECULATOR_CHECKPOINT) / "latest"
     published = published_checkpoint(step)
-    accepted = read_json(published / "accepted.json") if published is not None else None
+    accepted = read_record(AcceptedDrafter, published) if published is not None else None
     if published is None or accepted is None:
-        raise StepFailed(f"no published checkpoint at {latest}; materialize speculator_checkpoint (gates must pass)")
-    key = benchmark_key(v, accepted["key"])
-    out = step.dir("benchmark_report") / key
-    reused = (out / "report.json").is_file() and not step.force
+        raise StepFailed(f"no published checkpoint at {latest}; materialize {SPECULATOR_CHECKPOINT} (gates must pass)")
+    key = benchmark_key(v, accepted.key)
+    out = step.dir(BENCHMARK_REPORT) / key
+    reused = (out / BenchReport.FILE).is_file() and not step.force
     if not reused:
         if out.exists():
             shutil.rmtree(out)
         arguments = bench_command(v, published, out)
         speculators(*arguments)
-    report = read_json(out / "report.json")
+    report = required(BenchReport, out, "bench")
     # the fixed-length synchronous profile, or the natural-length one where that runs alone (fixed_length off)
-    synchronous = report["profiles"].get("synchronous") or report["profiles"]["synchronous-natural"]
-    speedup = synchronous["speedup"].get("tpot_ms", 0.0)
-    outputs = report["outputs"]
-    identical = outputs["identical"] == outputs["compared"]
-    lossless = outputs["diverged"] == 0
+    synchronous = report.profiles.get("synchronous") or report.profiles["synchronous-natural"]
+    speedup = synchronous.speedup.tpot_ms
+    outputs = report.outputs
+    identical = outputs.identical == outputs.compared
+    lossless = outputs.diverged == 0
     files = ["report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl"]
     missing = [name for name in files if not (out / name).is_file()]
     step.check(
@@ -741,64 +836,81 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     # A speed-up measured while other work shared the machine says little (bench's machine_load).
     from speculators.eval.bench import load_text
 
-    load = report.get("machine_load") or {}
+    load = report.machine_load or MachineLoad()
     step.check(
         "quiet_machine",
-        load.get("quiet") is not False,
-        load_text(load),
+        load.quiet is not False,
+        load_text(load.model_dump(exclude_unset=True)),  # (as the report holds it)
         severity="WARN",
-        other_cores_max=load.get("other_cores_max", 0.0),
+        other_cores_max=load.other_cores_max,
     )
     # Lossless as the evaluator defines it: identical, or parted at a numerical near-tie of the verifier.
     compared = (
-        f"{outputs['identical']} of {outputs['compared']} greedy outputs identical, {outputs['near_tie']} "
-        f"near-tie, {outputs['diverged']} diverged"
+        f"{outputs.identical} of {outputs.compared} greedy outputs identical, {outputs.near_tie} "
+        f"near-tie, {outputs.diverged} diverged"
     )
     step.check("lossless_outputs", lossless, compared, severity="WARN")
     step.check("report_complete", not missing, "every report file present" if not missing else f"missing {missing}")
-    acceptance = report["acceptance"]
-    plots = ("acceptance.png", "latency.png", "throughput.png")
     metadata = {
         "reused": reused,
-        "acceptance_length": acceptance["acceptance_length"] or 0.0,
-        "acceptance_per_position": {"raw_value": acceptance["acceptance_per_position"], "type": "json"},
+        **acceptance_metadata(report),
         "tpot_speedup_synchronous": speedup,
-        "throughput_ratio_synchronous": synchronous["speedup"].get("output_tokens_per_s", 0.0),
+        "throughput_ratio_synchronous": synchronous.speedup.output_tokens_per_s,
         "outputs_identical": identical,
         "outputs_lossless": lossless,
         "greedy_outputs": compared,
         "report": md((out / "report.md").read_text()),
-        "plots": md("\n\n".join(image_markdown(out / name, name) for name in plots if (out / name).is_file())),
+        "plots": md("\n\n".join(image_markdown(out / name, name) for name in PLOTS if (out / name).is_file())),
         "path": path_value(out),
     }
-    if "synchronous" in report["profiles"]:
-        fixed = report.get("acceptance_fixed_length") or acceptance
-        metadata["acceptance_length_fixed"] = fixed["acceptance_length"] or 0.0
-    natural = report["profiles"].get("synchronous-natural")
-    if natural:
-        metadata["tpot_speedup_natural"] = natural["speedup"].get("tpot_ms", 0.0)
-        metadata["output_tokens_natural"] = natural["speculator"]["output_tokens_mean"]
-    if "mt_bench" in report:
-        metadata.update(mt_bench_metadata(report["mt_bench"], report["settings"]["num_speculative_tokens"]))
+    metadata.update(profile_metadata(report))
+    if report.mt_bench is not None:
+        metadata.update(mt_bench_metadata(report.mt_bench, report.settings.num_speculative_tokens))
     return metadata, key
 
 
-def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:
+PLOTS = ("acceptance.png", "latency.png", "throughput.png")
+
+
+def acceptance_metadata(report: BenchReport) -> Metadata:
+    """The served acceptance of the eval prompts: the headline length and the rate per draft position."""
+    acceptance = report.acceptance
+    return {
+        "acceptance_length": acceptance.acceptance_length or 0.0,
+        "acceptance_per_position": {"raw_value": acceptance.acceptance_per_position, "type": "json"},
+    }
+
+
+def profile_metadata(report: BenchReport) -> Metadata:
+    """What the fixed-length and natural-length profiles add where they ran: the fixed-length acceptance,
+    the natural-length TPOT speed-up and answer length."""
+    metadata: Metadata = {}
+    if "synchronous" in report.profiles:
+        fixed = report.acceptance_fixed_length or report.acceptance
+        metadata["acceptance_length_fixed"] = fixed.acceptance_length or 0.0
+    natural = report.profiles.get("synchronous-natural")
+    if natural:
+        metadata["tpot_speedup_natural"] = natural.speedup.tpot_ms
+        metadata["output_tokens_natural"] = natural.speculator.output_tokens_mean
+    return metadata
+
+
+def mt_bench_metadata(mt_bench: MtBenchReport, k: int) -> Metadata:
     """MT-Bench beside the eval prompts (the variant's `benchmark.mt_bench` questions, both turns): the
     headline acceptance and TPOT speed-up of its synchronous profile, acceptance per category, and the
     EAGLE / SpecForge-style table."""
     from speculators.eval.evaluate import category_table
 
-    (profile,) = mt_bench["profiles"].values()
-    columns = mt_bench["per_category"]["columns"]
+    (profile,) = mt_bench.profiles.values()
+    columns = mt_bench.per_category.columns if mt_bench.per_category is not None else {}
     return {
-        "mt_bench_questions": mt_bench["prompts"]["questions"],
-        "mt_bench_acceptance_length": mt_bench["acceptance"]["acceptance_length"] or 0.0,
+        "mt_bench_questions": mt_bench.prompts.questions,
+        "mt_bench_acceptance_length": mt_bench.acceptance.acceptance_length or 0.0,
         "mt_bench_acceptance_per_position": {
-            "raw_value": mt_bench["acceptance"]["acceptance_per_position"],
+            "raw_value": mt_bench.acceptance.acceptance_per_position,
             "type": "json",
         },
-        "mt_bench_tpot_speedup": profile["speedup"].get("tpot_ms", 0.0),
+        "mt_bench_tpot_speedup": profile.speedup.tpot_ms,
         "mt_bench_per_category": {
             "raw_value": {name: column["acceptance_length"] for name, column in columns.items()},
             "type": "json",
@@ -807,19 +919,16 @@ def mt_bench_metadata(mt_bench: dict[str, Any], k: int) -> Metadata:
     }
 
 
-def step_functions() -> dict[str, Any]:
-    """Each step steps.py describes -> the function of the same name here (`(Step) -> (metadata, data
-    version)`); a missing one fails the import."""
-    from speculators_assets.steps import NAMES
-
-    found = {name: globals().get(name) for name in NAMES}
-    missing = [name for name, function in found.items() if not callable(function)]
+def check_registry() -> None:
+    """Every step steps.py describes has its registered function, in the lineage's order; else the import fails."""
+    missing = [name for name in NAMES if name not in REGISTRY]
     if missing:
-        raise ImportError(f"speculators_assets.workload has no function for the steps {missing} (steps.py)")
-    return found
+        raise ImportError(f"speculators_assets.workload registers no function for the steps {missing} (steps.py)")
+    if list(REGISTRY) != list(NAMES):
+        raise ImportError(f"the workload registers its steps as {list(REGISTRY)}, not upstream first {list(NAMES)}")
 
 
-STEP_FUNCTIONS = step_functions()
+check_registry()
 
 
 def main() -> None:
@@ -834,7 +943,7 @@ def main() -> None:
         )
         pipes.log.info(f"{name} for variant {step.variant.name} under {step.root}")
         try:
-            metadata, version = STEP_FUNCTIONS[name](step)
+            metadata, version = REGISTRY[name].run(step)
         finally:
             release_followers(step.variant, name)
         for check in step.checks:

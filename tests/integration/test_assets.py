@@ -13,8 +13,9 @@ import dagster as dg
 import pytest
 
 from speculators_assets.environment import K8S_STORAGE_ROOT, Settings
+from speculators_assets.records import AcceptedDrafter, CurrentDrafter, PromptsStamp
 from speculators_assets.resources import PipelineRunner
-from speculators_assets.steps import BY_NAME, NAMES, STEPS
+from speculators_assets.steps import BY_NAME, NAMES, SPECULATOR_CHECKPOINT, STEPS, TRAINED_DRAFTER
 from speculators_assets.variants import VariantError, load_variant, load_variants
 from tests.conftest import built_node_pods
 from tests.paths import ROOT_DIR
@@ -265,6 +266,10 @@ def training_summary(best_validation: dict | None, final_train: dict):
     )
 
 
+def accepted(acceptance_length: float) -> AcceptedDrafter:
+    return AcceptedDrafter(key="0123456789ab", acceptance_length=acceptance_length)
+
+
 def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     from speculators_assets.workload import drafter_gates
 
@@ -273,8 +278,8 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
     best = {"acceptance_length": 2.4, "replayed_acceptance_length": 1.9}
     summary = training_summary(best, {"acceptance_length": 2.5})
     assert all(g["passed"] for g in drafter_gates(variant, summary, None))
-    assert all(g["passed"] for g in drafter_gates(variant, summary, {"acceptance_length": 1.94}))
-    gates = {g["name"]: g for g in drafter_gates(variant, summary, {"acceptance_length": 2.0})}
+    assert all(g["passed"] for g in drafter_gates(variant, summary, accepted(1.94)))
+    gates = {g["name"]: g for g in drafter_gates(variant, summary, accepted(2.0))}
     assert gates["acceptance_floor"]["passed"] and not gates["no_regression"]["passed"]
     assert "1.900 against the previous drafter's 2.000" in gates["no_regression"]["description"]
     assert "1.900 (replayed on validation samples) against the floor 1.3" in gates["acceptance_floor"]["description"]
@@ -285,34 +290,28 @@ def test_drafter_gates_hold_the_floor_and_the_previous_drafter():
 def test_keys_and_links_read_back_from_the_storage_root_name_nothing_outside_it(tmp_path):
     """current.json and the `latest` link lie on a volume others may write: a key must be an artifact key, a
     link must point at a checkpoint folder beside it, or the step fails before it copies or reads anything."""
-    from speculators_assets.workload import (
-        Step,
-        StepFailed,
-        benchmark_report,
-        previous_accepted,
-        speculator_checkpoint,
-        write_json,
-    )
+    from speculators_assets.records import write_json
+    from speculators_assets.workload import Step, StepFailed, benchmark_report, previous_accepted, speculator_checkpoint
 
     step = Step(load_variants()["smollm2_135m"], tmp_path / "root")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "config.json").write_text("{}")
     (outside / "model.safetensors").write_bytes(b"not the storage root's")
-    current = step.dir("trained_drafter") / "current.json"
+    current = step.dir(TRAINED_DRAFTER) / CurrentDrafter.FILE
     for key in ("../../../../outside", str(outside), 12, "0123456789ab/../x"):
         write_json(current, {"key": key, "drafter": str(outside)})
         with pytest.raises(StepFailed, match=r"current.json records the drafter key .*, not an artifact key \(12 hex"):
             speculator_checkpoint(step)
     # A key of the right form: its drafter is the key's own folder in the root, whatever the record says.
     write_json(current, {"key": "0123456789ab", "drafter": str(outside)})
-    drafter = step.dir("trained_drafter") / "0123456789ab" / "drafter"
+    drafter = step.dir(TRAINED_DRAFTER) / "0123456789ab" / "drafter"
     with pytest.raises(StepFailed, match=rf"no trained drafter at {drafter}; materialize trained_drafter again"):
         speculator_checkpoint(step)
-    assert not step.dir("speculator_checkpoint").exists()  # nothing copied from outside
+    assert not step.dir(SPECULATOR_CHECKPOINT).exists()  # nothing copied from outside
     # `latest` pointing out of its folder is refused by every step that follows it.
     write_json(outside / "accepted.json", {"key": "0123456789ab", "acceptance_length": 9.0})
-    latest = step.dir("speculator_checkpoint") / "latest"
+    latest = step.dir(SPECULATOR_CHECKPOINT) / "latest"
     latest.parent.mkdir(parents=True)
     latest.symlink_to(outside)
     for read in (previous_accepted, benchmark_report):
@@ -323,7 +322,7 @@ def test_keys_and_links_read_back_from_the_storage_root_name_nothing_outside_it(
     published.mkdir()
     write_json(published / "accepted.json", {"key": "0123456789ab", "acceptance_length": 1.5})
     latest.symlink_to(published.name)
-    assert previous_accepted(step)["acceptance_length"] == 1.5
+    assert previous_accepted(step) == accepted(1.5)
 
 
 @pytest.mark.parametrize("set_root", [None, "/mnt/speculators"])
@@ -393,9 +392,7 @@ def reported_check_names() -> dict[str, set[str]]:
     variant = load_variants()["smollm2_135m"]
     summary = training_summary({"acceptance_length": 2.0}, {"acceptance_length": 2.0})
     gates = {
-        g["name"]
-        for previous in (None, {"acceptance_length": 1.0})
-        for g in workload.drafter_gates(variant, summary, previous)
+        g["name"] for previous in (None, accepted(1.0)) for g in workload.drafter_gates(variant, summary, previous)
     }
     tree = ast.parse(Path(workload.__file__).read_text())
     reported: dict[str, set[str]] = {}
@@ -416,13 +413,34 @@ def reported_check_names() -> dict[str, set[str]]:
 
 
 def test_every_check_the_workload_reports_is_declared_for_its_step():
-    from speculators_assets.workload import STEP_FUNCTIONS
+    from speculators_assets.workload import REGISTRY
 
-    assert list(STEP_FUNCTIONS) == ASSETS and all(f.__name__ == name for name, f in STEP_FUNCTIONS.items())
+    assert list(REGISTRY) == ASSETS
+    assert all(entry.run.__name__ == name and entry.spec is BY_NAME[name] for name, entry in REGISTRY.items())
     reported = reported_check_names()
     assert set(reported) <= set(ASSETS), "only step functions report checks"
     for step in STEPS:
         assert reported.get(step.name, set()) == {check.name for check in step.checks}, step.name
+
+
+def test_every_record_a_step_reads_or_writes_keeps_keys_it_does_not_name(tmp_path):
+    """Files of older and newer versions read alike: each record keeps unknown keys; each one the workload
+    reads by its own name (`FILE`) reads back what the workload writes, byte for byte."""
+    from speculators_assets.records import read_record, write_record
+    from speculators_assets.workload import REGISTRY
+
+    records = {model for entry in REGISTRY.values() for model in (*entry.reads, *entry.writes)}
+    assert all(model.model_config.get("extra") == "allow" for model in records), records
+    for record in (
+        PromptsStamp(key="0123456789ab", source_fingerprint=None),
+        CurrentDrafter(key="0123456789ab", drafter="/x/drafter", source_fingerprint="f" * 12),
+        AcceptedDrafter(key="0123456789ab", acceptance_length=1.5, verifier="v", accepted_at=1.25),
+    ):
+        write_record(record, tmp_path)
+        path = tmp_path / record.FILE
+        assert path.read_text() == json.dumps(record.model_dump(), indent=2) + "\n"
+        path.write_text(path.read_text().replace("{", '{\n  "added_later": 1,', 1))
+        assert read_record(type(record), tmp_path).model_extra == {"added_later": 1}
 
 
 def test_a_variants_source_weights_reach_prepare_and_its_key(tmp_path):

@@ -1,0 +1,50 @@
+"""The keys of the shipped variants' artifacts, pinned: a change to how a step derives its key (or to a
+variant's settings) re-keys artifacts that exist under every storage root, so it must show here, on
+purpose. Each key from fixed inputs where it hashes content (prompt sources, conversations, the store,
+the published drafter), so only the variant and the derivation decide it."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculators_assets.variants import load_variants
+from speculators_assets.workload import benchmark_key, hidden_states_key, raw_prompts_key, trained_drafter_key
+
+FINGERPRINT, CONVERSATIONS, STORE, DRAFTER = "f" * 16, "c" * 64, "0123456789ab", "ba9876543210"
+
+# variant -> keys of raw_prompts, verifier_hidden_states, trained_drafter and benchmark_report
+# (speculator_checkpoint's is the drafter's)
+KEYS = {
+    "gpt_oss_120b": ("88b1ad0e7cf0", "aee7cd69f7c8", "8d0fee525ba5", "7f806b07c5c5"),
+    "gpt_oss_20b": ("88b1ad0e7cf0", "82c39c788e7d", "613a159680b7", "7f806b07c5c5"),
+    "llama3_1_8b": ("88b1ad0e7cf0", "66c21202f85d", "6c64ade51fb3", "7f806b07c5c5"),
+    "llama3_3_70b": ("88b1ad0e7cf0", "2db3eda263b1", "23ad77fc6df9", "7f806b07c5c5"),
+    "llama3_3_70b_fp8": ("88b1ad0e7cf0", "d0b1fbd46f25", "23ad77fc6df9", "064fbe8800d0"),
+    "mistral_large_3": ("88b1ad0e7cf0", "ea632d659ea7", "7557595d7ea0", "7f806b07c5c5"),
+    "qwen3_14b": ("88b1ad0e7cf0", "6335a9dc3878", "b94a4aa6f746", "7f806b07c5c5"),
+    "qwen3_235b_a22b": ("88b1ad0e7cf0", "12a7bee48696", "7f667d610697", "7f806b07c5c5"),
+    "qwen3_30b_a3b": ("88b1ad0e7cf0", "86a3a30def87", "a6807c9ff15a", "7f806b07c5c5"),
+    "qwen3_32b": ("88b1ad0e7cf0", "7e026fd31ab4", "d8c6a4195e0a", "7f806b07c5c5"),
+    "qwen3_8b": ("88b1ad0e7cf0", "9f9e9430f751", "31538243df5a", "7f806b07c5c5"),
+    "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "7f806b07c5c5"),
+    "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "7f806b07c5c5"),
+    "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "5de701319670"),
+    "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "e4e56e04a89d"),
+}
+
+
+def test_every_shipped_variant_has_its_keys_pinned():
+    assert sorted(load_variants()) == sorted(KEYS)
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_a_shipped_variant_keeps_its_artifact_keys(name):
+    v = load_variants()[name]
+    fingerprints = {source: FINGERPRINT for source in [*v.prompts.validation_sources, *v.prompts.sources]}
+    keys = (
+        raw_prompts_key(v, fingerprints),
+        hidden_states_key(v, CONVERSATIONS, v.verifier),
+        trained_drafter_key(v, STORE),
+        benchmark_key(v, DRAFTER),
+    )
+    assert keys == KEYS[name]
