@@ -136,17 +136,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     s: InitSettings = from_args(InitSettings, args)
     verifier = load_verifier(s.verifier, dtype="float32")
-    config = draft_config_for_verifier(
-        verifier.config,
-        checkpoint_verifier_name(s.verifier, verifier.name_or_path, s.verifier_name),
-        draft_vocab_size=s.draft_vocab_size,
-        aux_layer_ids=s.aux_layer_ids,
-        draft_layer_type=s.layer_type,
-        num_draft_layers=s.num_layers,
-        speculative_tokens=s.speculative_tokens,
-        dtype=s.dtype,
-        **s.norm_overrides(),
-    )
+    name = checkpoint_verifier_name(s.verifier, verifier.name_or_path, s.verifier_name)
+    config = draft_config_for_verifier(verifier.config, name, s.drafter_shape())
     drafter = Eagle3Drafter(config)
     drafter.reset_parameters(seed=s.seed)
     # Without token statistics the draft vocab is the lowest ids; `speculators vocab` picks better ones.
