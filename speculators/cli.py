@@ -86,18 +86,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     s: ConvertSettings = from_args(ConvertSettings, args)
-    result = convert_checkpoint(
-        s.source,
-        s.verifier,
-        s.output,
-        aux_layer_ids=s.aux_layer_ids,
-        speculative_tokens=s.speculative_tokens,
-        dtype=s.dtype,
-        keep_embeddings=s.keep_embeddings,
-        verifier_name=s.verifier_name,
-        overwrite=s.overwrite,
-        **s.norm_overrides(),
-    )
+    result = convert_checkpoint(s)
     for note in result.notes:
         print(f"note: {note}")
     print(f"converted {result.source_layout} checkpoint {s.source} -> {result.output} (validated)")
