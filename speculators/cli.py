@@ -21,7 +21,7 @@ from speculators.eval.bench import run_bench
 from speculators.eval.evaluate import run_evaluation
 from speculators.flags import add_flags, from_args
 from speculators.models.eagle3 import Eagle3Drafter
-from speculators.precision import resolve_dtype
+from speculators.precision import compute_dtype
 from speculators.serving.multinode import follow
 from speculators.serving.serve import ServerSettings, serve_forever
 from speculators.settings import (
@@ -52,7 +52,6 @@ from speculators.verifier.loading import (
     load_verifier_config,
     require_chat_template,
 )
-from speculators.verifier.quantization import vllm_dtype
 from speculators.verifier.tiny import make_tiny_mistral_verifier, make_tiny_verifier
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
@@ -338,11 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_output_folder(args)
         if args.command in COMPUTE_COMMANDS:  # (convert and init: --dtype is the checkpoint's file format)
-            quantization = getattr(args, "quantization", None)
-            if quantization and runs_vllm(args):  # vLLM's FP8 verifiers compute in bf16 (or fp16)
-                args.dtype = vllm_dtype(args.dtype, quantization)
-            else:
-                args.dtype = resolve_dtype(args.dtype, compute_device(args))
+            args.dtype = compute_dtype(args.dtype, compute_device(args), getattr(args, "quantization", None))
         return args.func(args)
     except Exception as error:  # a user's mistake, or what only a user's input raises: one line; a bug: its traceback
         line = user_error_line(error, vars(args))
