@@ -18,6 +18,7 @@ from cpu_dtypes import best_seconds, matmul_gflops  # (this script's folder is o
 
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.precision import cpu_has_bf16
+from speculators.settings import DrafterShape
 from speculators.train.muon import NS_STEPS, Muon
 from speculators.verifier.loading import draft_config_for_verifier, load_verifier_config
 
@@ -38,7 +39,9 @@ def main() -> None:
     args = parser.parse_args()
 
     verifier_config, name = load_verifier_config(args.verifier)
-    drafter = Eagle3Drafter(draft_config_for_verifier(verifier_config, name, draft_vocab_size=args.draft_vocab_size))
+    drafter = Eagle3Drafter(
+        draft_config_for_verifier(verifier_config, name, DrafterShape(draft_vocab_size=args.draft_vocab_size))
+    )
     drafter.lm_head.weight.requires_grad_(False)  # frozen, as training keeps it
     trainable = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad and not n.startswith("embed")]
     matrices = [p for _, p in trainable if p.dim() == 2]

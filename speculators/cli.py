@@ -21,7 +21,7 @@ from speculators.eval.bench import run_bench
 from speculators.eval.evaluate import run_evaluation
 from speculators.flags import add_flags, from_args
 from speculators.models.eagle3 import Eagle3Drafter
-from speculators.precision import resolve_dtype
+from speculators.precision import compute_dtype
 from speculators.serving.multinode import follow
 from speculators.serving.serve import ServerSettings, serve_forever
 from speculators.settings import (
@@ -52,7 +52,6 @@ from speculators.verifier.loading import (
     load_verifier_config,
     require_chat_template,
 )
-from speculators.verifier.quantization import vllm_dtype
 from speculators.verifier.tiny import make_tiny_mistral_verifier, make_tiny_verifier
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
@@ -86,18 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     s: ConvertSettings = from_args(ConvertSettings, args)
-    result = convert_checkpoint(
-        s.source,
-        s.verifier,
-        s.output,
-        aux_layer_ids=s.aux_layer_ids,
-        speculative_tokens=s.speculative_tokens,
-        dtype=s.dtype,
-        keep_embeddings=s.keep_embeddings,
-        verifier_name=s.verifier_name,
-        overwrite=s.overwrite,
-        **s.norm_overrides(),
-    )
+    result = convert_checkpoint(s)
     for note in result.notes:
         print(f"note: {note}")
     print(f"converted {result.source_layout} checkpoint {s.source} -> {result.output} (validated)")
@@ -136,17 +124,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     s: InitSettings = from_args(InitSettings, args)
     verifier = load_verifier(s.verifier, dtype="float32")
-    config = draft_config_for_verifier(
-        verifier.config,
-        checkpoint_verifier_name(s.verifier, verifier.name_or_path, s.verifier_name),
-        draft_vocab_size=s.draft_vocab_size,
-        aux_layer_ids=s.aux_layer_ids,
-        draft_layer_type=s.layer_type,
-        num_draft_layers=s.num_layers,
-        speculative_tokens=s.speculative_tokens,
-        dtype=s.dtype,
-        **s.norm_overrides(),
-    )
+    name = checkpoint_verifier_name(s.verifier, verifier.name_or_path, s.verifier_name)
+    config = draft_config_for_verifier(verifier.config, name, s.drafter_shape())
     drafter = Eagle3Drafter(config)
     drafter.reset_parameters(seed=s.seed)
     # Without token statistics the draft vocab is the lowest ids; `speculators vocab` picks better ones.
@@ -358,11 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_output_folder(args)
         if args.command in COMPUTE_COMMANDS:  # (convert and init: --dtype is the checkpoint's file format)
-            quantization = getattr(args, "quantization", None)
-            if quantization and runs_vllm(args):  # vLLM's FP8 verifiers compute in bf16 (or fp16)
-                args.dtype = vllm_dtype(args.dtype, quantization)
-            else:
-                args.dtype = resolve_dtype(args.dtype, compute_device(args))
+            args.dtype = compute_dtype(args.dtype, compute_device(args), getattr(args, "quantization", None))
         return args.func(args)
     except Exception as error:  # a user's mistake, or what only a user's input raises: one line; a bug: its traceback
         line = user_error_line(error, vars(args))

@@ -5,6 +5,15 @@ with AVX-512 BF16 or AMX), and is a trap where it does not: on an AVX2-only AMD 
 torch's bf16 matrix product ran at 0.9 GFLOP/s against 118 in fp32, and vLLM's CPU build generated
 23 against 128 tokens/s (benchmarks/cpu_dtypes.py, BENCHMARKS.md). So `auto` is bf16 only where it
 is native, else fp32; an explicit `bfloat16` on such a CPU is kept, with a warning.
+
+`compute_dtype` is the one rule for a command's `--dtype`: `resolve_dtype` on the device the command
+computes on, and vLLM's online FP8 verifiers computing in bf16 or fp16 only. It is not a validator of the
+settings models: what `auto` means depends on the machine that runs the command (its CPU flags, its GPU,
+the installed vLLM build), which a settings model does not know where it is built (a variant file read by
+Dagster's code location on another machine; resolving there would also change the commands and the asset
+keys derived from them). The command line calls it once for its compute commands (speculators.cli.main);
+the library's vLLM engines, servers and the benchmark's lossless judge call it again (through
+verifier.quantization.vllm_dtype) for callers of the Python API: a concrete dtype stays what it is.
 """
 
 from __future__ import annotations
@@ -17,9 +26,10 @@ from functools import cache
 from pathlib import Path
 
 from speculators.errors import SpeculatorsError
-from speculators.settings import ComputeDtype
+from speculators.settings import ComputeDtype, HalfDtype
 
 COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
+VLLM_DTYPES: tuple[str, ...] = typing.get_args(HalfDtype)  # what vLLM's online FP8 methods compute the rest in
 
 
 @cache
@@ -53,6 +63,24 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     if name == "bfloat16" and not native_bf16(device):
         warn_slow_bf16()
     return name
+
+
+def compute_dtype(dtype: str, device: str, quantization: str | None = None) -> str:
+    """The dtype a verifier computes in for `--dtype dtype` on `device` (cpu, cuda, cuda:N, auto, or vllm:
+    where the installed vLLM computes): `auto` as resolve_dtype, except that vLLM's online FP8 methods
+    (`quantization`) compute in bfloat16 or float16 only, so an FP8 verifier's `auto` under vLLM is
+    bfloat16. (The transformers side's FP8 arithmetic computes in any of them.)"""
+
+    if quantization is None or device != "vllm":
+        return resolve_dtype(dtype, device)
+    if dtype == "auto":
+        return "bfloat16"
+    if dtype not in VLLM_DTYPES:
+        raise SpeculatorsError(
+            f"--dtype {dtype} with --quantization {quantization}: vLLM's FP8 verifiers compute in "
+            f"{' or '.join(VLLM_DTYPES)}; pass --dtype bfloat16 (or auto)"
+        )
+    return dtype
 
 
 @cache

@@ -25,6 +25,9 @@ the GPUs, the start-up timeout) + QuantizedVerifier + what it serves, where it l
 is `serve`'s flags and speculators.serving.serve.ServerSettings; bench's two servers take its profile
 and launch settings.
 
+A new drafter's shape is one record, `DrafterShape` (a plain dataclass: no flags of its own), that
+init's and train's settings hand down (`drafter_shape()`) to the checkpoint's config.json.
+
 A field with `PARSE_CHECK` in its json_schema_extra has its bounds checked as the flag is parsed
 (`argument --port: 70000 must be in 0..65535`, speculators/flags.py); the others are checked by the
 model (`--ttt-steps 0: input should be greater than or equal to 1`).
@@ -33,6 +36,7 @@ model (`--ttt-steps 0: input should be greater than or equal to 1`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from os import PathLike
 from typing import Annotated, Any, Literal
 
@@ -448,6 +452,18 @@ class TrainConfig(TrainRecipe):
         "resumes it, and a setting that would change that run is refused)",
     )
 
+    def drafter_shape(self, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterShape:
+        """The new drafter this run trains, over the store's draft vocabulary and aux layers."""
+        return DrafterShape(
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=aux_layer_ids,
+            draft_layer_type=self.draft_layer_type,
+            num_draft_layers=self.num_draft_layers,
+            speculative_tokens=self.speculative_tokens or self.ttt_steps,
+            norm_before_fc=not self.fc_norm,  # one of the two aux norms (the format allows either)
+            fc_norm=self.fc_norm,
+        )
+
 
 # ----- vLLM servers: serve, bench ----------------------------------------------------------------
 
@@ -651,6 +667,27 @@ class DrafterNorms(Settings):
         return {name: value for name in DrafterNorms.model_fields if (value := getattr(self, name)) is not None}
 
 
+@dataclass(frozen=True)
+class DrafterShape:
+    """What a new drafter is: one record from the settings of `init` and `train` (their `drafter_shape`)
+    down to its config.json (speculators.verifier.loading.draft_config_for_verifier sizes the rest from the
+    verifier). None takes the verifier's own (its whole vocabulary, its aux layers [2, N//2, N-3], its
+    family's layer type, its width) or, for a norm placement, the reference library's for new drafters.
+    Not checked here: the settings bound each value, the verifier and the checkpoint format the rest."""
+
+    draft_vocab_size: int | None = None
+    aux_layer_ids: list[int] | None = field(default=None, hash=False)
+    draft_layer_type: DraftLayerType | None = None
+    num_draft_layers: int = 1
+    hidden_size: int | None = None  # (narrower than the verifier's: the checkpoint records target_hidden_size)
+    speculative_tokens: int = 3
+    norm_before_residual: bool | None = None
+    norm_before_fc: bool | None = None
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
+    dtype: CheckpointDtype = "bfloat16"
+
+
 # convert's and init's --aux-layer-ids (checked where the verifier's depth is known)
 AUX_LAYER_IDS_FLAG: dict[str, Any] = {"example": "2,15,27", "what": "layer ids"}
 
@@ -726,6 +763,21 @@ class InitSettings(DrafterNorms, OverwriteOutput):
     )
     dtype: CheckpointDtype = Field("bfloat16", description="dtype of the checkpoint's weights")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="initialisation of the weights")
+
+    def drafter_shape(self) -> DrafterShape:
+        """The drafter these flags ask for."""
+        return DrafterShape(
+            draft_vocab_size=self.draft_vocab_size,
+            aux_layer_ids=self.aux_layer_ids,
+            draft_layer_type=self.layer_type,
+            num_draft_layers=self.num_layers,
+            speculative_tokens=self.speculative_tokens,
+            norm_before_residual=self.norm_before_residual,
+            norm_before_fc=self.norm_before_fc,
+            fc_norm=self.fc_norm,
+            norm_output=self.norm_output,
+            dtype=self.dtype,
+        )
 
 
 class TinyVerifierSettings(OverwriteOutput):

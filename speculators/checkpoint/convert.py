@@ -8,11 +8,12 @@ Sources understood:
 
 The research config cannot tell the aux layer ids or the norm placement; they come from flags,
 defaulting to what the research code does (raw residual, no fc norm, un-normed output) and the
-verifier's default aux ids.
+verifier's default aux ids. The command's settings come whole: `convert_checkpoint(ConvertSettings)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from speculators.models.config import (
 )
 from speculators.models.eagle3 import TORCH_DTYPES, is_speculator_checkpoint
 from speculators.models.weights import TRAINING_ONLY_TENSORS, nonfinite_problem, read_safetensors
+from speculators.settings import ConvertSettings
 from speculators.verifier.architectures import text_config_of
 from speculators.verifier.loading import checkpoint_verifier_name, default_aux_layer_ids, load_verifier_config
 
@@ -129,65 +131,21 @@ def research_tensor_name(name: str) -> str:
     return name
 
 
-def convert_checkpoint(
-    source: str | Path,
-    verifier: str,
-    output: str | Path,
-    *,
-    aux_layer_ids: list[int] | None = None,
-    norm_before_residual: bool | None = None,
-    norm_before_fc: bool | None = None,
-    fc_norm: bool | None = None,
-    norm_output: bool | None = None,
-    speculative_tokens: int | None = None,
-    dtype: str | None = None,
-    keep_embeddings: bool = False,
-    verifier_name: str | None = None,
-    overwrite: bool = False,
-) -> ConversionResult:
-    """Convert `source` to a validated speculators-format checkpoint at `output` (an existing checkpoint
-    there is replaced; any other non-empty folder only with `overwrite`)."""
-    import torch
-    from safetensors.torch import save_file
-
-    source = Path(source)
-    if not (source / "config.json").exists():
-        raise SpeculatorsError(f"no config.json in {source}; pass the checkpoint directory to convert")
-    try:
-        raw_config = read_json_object(source / "config.json")
-    except CheckpointFormatError as error:
-        raise CheckpointFormatError(error.problems, str(source)) from None
-    tensors = read_source_tensors(source)
+def convert_checkpoint(settings: ConvertSettings) -> ConversionResult:
+    """Convert `settings.source` to a validated speculators-format checkpoint at `settings.output` (an
+    existing checkpoint there is replaced; any other non-empty folder only with `overwrite`)."""
+    source = Path(settings.source)
+    raw_config, tensors = read_source(source)
     layout = detect_layout(raw_config, tensors)
-    verifier_config, verifier_location = load_verifier_config(verifier)
+    verifier_config, verifier_location = load_verifier_config(settings.verifier)
     notes: list[str] = []
-
-    overrides = {
-        "norm_before_residual": norm_before_residual,
-        "norm_before_fc": norm_before_fc,
-        "fc_norm": fc_norm,
-        "norm_output": norm_output,
-    }
     if layout == "speculators":
-        config, parse_notes = parse_eagle3_config(raw_config, str(source / "config.json"))
-        notes += parse_notes
-        values = config.model_dump()
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        if aux_layer_ids is not None:
-            values["eagle_aux_hidden_state_layer_ids"] = aux_layer_ids
-        if speculative_tokens is not None:
-            values["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = speculative_tokens
+        values = speculators_config_values(raw_config, source, settings, notes)
     else:
-        values = research_config_values(raw_config, tensors, overrides, speculative_tokens or 3)
-        eagle_config = raw_config.get("eagle_config")
-        values["eagle_aux_hidden_state_layer_ids"] = (
-            aux_layer_ids
-            or (eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None)
-            or default_aux_layer_ids(text_config_of(verifier_config).num_hidden_layers)
-        )
+        values = research_values(raw_config, tensors, settings, text_config_of(verifier_config).num_hidden_layers)
         tensors = {research_tensor_name(name): tensor for name, tensor in tensors.items()}
     values["speculators_config"]["verifier"] = {
-        "name_or_path": checkpoint_verifier_name(verifier, verifier_location, verifier_name),
+        "name_or_path": checkpoint_verifier_name(settings.verifier, verifier_location, settings.verifier_name),
         "architectures": list(verifier_config.architectures or []),
     }
     if values.get("eagle_aux_hidden_state_layer_ids") is None:
@@ -195,6 +153,64 @@ def convert_checkpoint(
         values["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(layers)
         notes.append(f"aux layer ids set to the verifier default {values['eagle_aux_hidden_state_layer_ids']}")
 
+    tensors = served_tensors(tensors, settings.keep_embeddings, notes)
+    float_dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    values["dtype"] = settings.dtype or (float_dtypes.pop() if len(float_dtypes) == 1 else "bfloat16")
+    config = converted_config(values, source)
+    problems = check_against_verifier(config, verifier_config, "embed_tokens.weight" in tensors)
+    if problems:
+        raise SpeculatorsError(f"{source} does not fit verifier {settings.verifier}: {'; '.join(problems)}")
+    output = Path(settings.output)
+    write_converted(config, tensors, output, settings.overwrite, source)
+    return ConversionResult(output=output, source_layout=layout, notes=notes)
+
+
+def read_source(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The source checkpoint's config.json and tensors."""
+    if not (source / "config.json").exists():
+        raise SpeculatorsError(f"no config.json in {source}; pass the checkpoint directory to convert")
+    try:
+        raw_config = read_json_object(source / "config.json")
+    except CheckpointFormatError as error:
+        raise CheckpointFormatError(error.problems, str(source)) from None
+    return raw_config, read_source_tensors(source)
+
+
+def speculators_config_values(
+    raw_config: dict[str, Any], source: Path, settings: ConvertSettings, notes: list[str]
+) -> dict[str, Any]:
+    """A speculators-format source's config values (parsed leniently, its notes kept), with the flags given
+    over them."""
+    config, parse_notes = parse_eagle3_config(raw_config, str(source / "config.json"))
+    notes += parse_notes
+    values = config.model_dump()
+    values.update(settings.norm_overrides())
+    if settings.aux_layer_ids is not None:
+        values["eagle_aux_hidden_state_layer_ids"] = settings.aux_layer_ids
+    if settings.speculative_tokens is not None:
+        values["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = settings.speculative_tokens
+    return values
+
+
+def research_values(
+    raw_config: dict[str, Any], tensors: dict[str, torch.Tensor], settings: ConvertSettings, verifier_layers: int
+) -> dict[str, Any]:
+    """A research source's config values with the flags given, its aux layer ids the flag's, else its
+    `eagle_config`'s, else the verifier's default."""
+    values = research_config_values(raw_config, tensors, settings.norm_overrides(), settings.speculative_tokens or 3)
+    eagle_config = raw_config.get("eagle_config")
+    values["eagle_aux_hidden_state_layer_ids"] = (
+        settings.aux_layer_ids
+        or (eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None)
+        or default_aux_layer_ids(verifier_layers)
+    )
+    return values
+
+
+def served_tensors(
+    tensors: dict[str, torch.Tensor], keep_embeddings: bool, notes: list[str]
+) -> dict[str, torch.Tensor]:
+    """The tensors vLLM serves: training-only ones dropped, and the embeddings unless `keep_embeddings`."""
     training_only = sorted(name for name in tensors if name in TRAINING_ONLY_TENSORS)
     if training_only:
         tensors = {name: t for name, t in tensors.items() if name not in training_only}
@@ -207,17 +223,26 @@ def convert_checkpoint(
             notes.append(
                 "embed_tokens.weight dropped (vLLM shares the verifier's embeddings); --keep-embeddings keeps it"
             )
-    float_dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
-    values["dtype"] = dtype or (float_dtypes.pop() if len(float_dtypes) == 1 else "bfloat16")
+    return tensors
+
+
+def converted_config(values: dict[str, Any], source: Path) -> Eagle3Config:
+    """The converted checkpoint's config; values the format refuses are one CheckpointFormatError."""
     try:
-        config = Eagle3Config(**values)
+        return Eagle3Config(**values)
     except ValidationError as error:
         raise CheckpointFormatError(format_validation_error(error), str(source)) from None
     except Exception as error:  # anything else building the config raises
         raise CheckpointFormatError([str(error)], str(source)) from None
-    problems = check_against_verifier(config, verifier_config, "embed_tokens.weight" in tensors)
-    if problems:
-        raise SpeculatorsError(f"{source} does not fit verifier {verifier}: {'; '.join(problems)}")
+
+
+def write_converted(
+    config: Eagle3Config, tensors: dict[str, torch.Tensor], output: Path, overwrite: bool, source: Path
+) -> None:
+    """The tensors in the config's dtype (the vocabulary maps as vLLM reads them) and the config, written
+    and validated in a temporary folder that becomes `output` only when valid."""
+    import torch
+    from safetensors.torch import save_file
 
     torch_dtype = TORCH_DTYPES[config.dtype]
     out_tensors = {
@@ -227,18 +252,16 @@ def convert_checkpoint(
         out_tensors["d2t"] = out_tensors["d2t"].to(torch.long)
     if "t2d" in out_tensors:
         out_tensors["t2d"] = out_tensors["t2d"].to(torch.bool)
-    output = Path(output)
     with atomic_directory(output, is_speculator_checkpoint, overwrite) as tmp:
         save_file(out_tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save(tmp)
         report = validate_checkpoint(tmp)
         if not report.ok:
             raise CheckpointFormatError(report.problems, str(source))
-    return ConversionResult(output=output, source_layout=layout, notes=notes)
 
 
 def research_config_values(
-    raw: dict[str, Any], tensors: dict[str, torch.Tensor], overrides: dict[str, bool | None], speculative_tokens: int
+    raw: dict[str, Any], tensors: dict[str, torch.Tensor], overrides: Mapping[str, bool | None], speculative_tokens: int
 ) -> dict[str, Any]:
     """Speculators config values from a research EAGLE-3 config (Llama-style, with draft_vocab_size)."""
     names = {research_tensor_name(name) for name in tensors}

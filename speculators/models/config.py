@@ -26,6 +26,7 @@ from speculators.settings import (
     MAX_VOCAB_SIZE,
     MAX_WIDTH,
     CheckpointDtype,
+    DrafterShape,
     DraftLayerType,
 )
 
@@ -599,62 +600,65 @@ class Eagle3Config(BaseModel):
         return path
 
 
-def build_eagle3_config(
-    *,
-    verifier_name_or_path: str,
-    verifier_architectures: list[str],
-    verifier_hidden_size: int,
-    verifier_vocab_size: int,
-    aux_layer_ids: list[int],
-    draft_vocab_size: int,
-    intermediate_size: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int,
-    rms_norm_eps: float = 1e-6,
-    max_position_embeddings: int = 4096,
-    rope_parameters: dict[str, Any] | None = None,
-    draft_layer_type: DraftLayerType = "llama",
-    num_draft_layers: int = 1,
-    hidden_size: int | None = None,
-    speculative_tokens: int = 3,
-    norm_before_residual: bool = True,
-    norm_before_fc: bool = True,
-    fc_norm: bool = False,
-    norm_output: bool = True,
-    dtype: str = "bfloat16",
-) -> Eagle3Config:
-    """A new drafter's config; defaults follow the reference library's for new drafters."""
-    hidden = hidden_size or verifier_hidden_size
+@dataclass(frozen=True)
+class VerifierShape:
+    """What a new drafter copies from its verifier: the name and architectures its checkpoint records, the
+    verifier's width and vocabulary, and the draft layers' MLP width, attention shape, norm epsilon,
+    positions and rope (speculators.verifier.loading.draft_config_for_verifier reads them from the
+    verifier's config)."""
+
+    name_or_path: str
+    architectures: list[str] = field(hash=False)
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] | None = field(default=None, hash=False)
+
+
+# A new drafter's norm placements where its shape leaves them open: the reference library's for new drafters.
+NEW_DRAFTER_NORMS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
+
+
+def build_eagle3_config(verifier: VerifierShape, shape: DrafterShape) -> Eagle3Config:
+    """A new drafter's config: `shape` over the sizes it copies from `verifier`. The shape names its aux
+    layer ids (draft_config_for_verifier gives the verifier's default); its draft vocabulary defaults to
+    the verifier's whole vocabulary, its layer type to llama, its width to the verifier's."""
+    hidden = shape.hidden_size or verifier.hidden_size
     layer: dict[str, Any] = {
-        "model_type": draft_layer_type,
+        "model_type": shape.draft_layer_type or "llama",
         "hidden_size": hidden,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_draft_layers,
-        "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": num_key_value_heads,
-        "head_dim": head_dim,
+        "intermediate_size": verifier.intermediate_size,
+        "num_hidden_layers": shape.num_draft_layers,
+        "num_attention_heads": verifier.num_attention_heads,
+        "num_key_value_heads": verifier.num_key_value_heads,
+        "head_dim": verifier.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": rms_norm_eps,
-        "max_position_embeddings": max_position_embeddings,
-        "vocab_size": verifier_vocab_size,
+        "rms_norm_eps": verifier.rms_norm_eps,
+        "max_position_embeddings": verifier.max_position_embeddings,
+        "vocab_size": verifier.vocab_size,
     }
-    if rope_parameters:
-        layer["rope_parameters"] = dict(rope_parameters)
+    if verifier.rope_parameters:
+        layer["rope_parameters"] = dict(verifier.rope_parameters)
+    norms: dict[str, Any] = {
+        flag: default if (given := getattr(shape, flag)) is None else given
+        for flag, default in NEW_DRAFTER_NORMS.items()
+    }
     return Eagle3Config(
         transformer_layer_config=layer,
-        draft_vocab_size=draft_vocab_size,
-        target_hidden_size=None if verifier_hidden_size == hidden else verifier_hidden_size,
-        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
-        norm_before_residual=norm_before_residual,
-        norm_before_fc=norm_before_fc,
-        fc_norm=fc_norm,
-        norm_output=norm_output,
-        dtype=dtype,
+        draft_vocab_size=shape.draft_vocab_size or verifier.vocab_size,
+        target_hidden_size=None if verifier.hidden_size == hidden else verifier.hidden_size,
+        eagle_aux_hidden_state_layer_ids=list(shape.aux_layer_ids or []),
+        **norms,
+        dtype=shape.dtype,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
-            proposal_methods=[ProposalMethod(speculative_tokens=speculative_tokens)],
-            verifier=VerifierInfo(name_or_path=verifier_name_or_path, architectures=verifier_architectures),
+            proposal_methods=[ProposalMethod(speculative_tokens=shape.speculative_tokens)],
+            verifier=VerifierInfo(name_or_path=verifier.name_or_path, architectures=list(verifier.architectures)),
         ),
     )
 

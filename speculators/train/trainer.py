@@ -223,13 +223,7 @@ def build_drafter(
         draft_config = draft_config_for_verifier(
             verifier.config,
             checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
-            draft_vocab_size=selected.numel(),
-            aux_layer_ids=manifest.aux_layer_ids,
-            draft_layer_type=config.draft_layer_type,
-            num_draft_layers=config.num_draft_layers,
-            speculative_tokens=config.speculative_tokens or config.ttt_steps,
-            norm_before_fc=not config.fc_norm,  # one of the two aux norms (the format allows either)
-            fc_norm=config.fc_norm,
+            config.drafter_shape(selected.numel(), manifest.aux_layer_ids),
         )
         drafter = Eagle3Drafter(draft_config)
         drafter.reset_parameters(seed=config.seed)

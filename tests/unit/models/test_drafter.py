@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -10,28 +11,32 @@ import torch
 from safetensors import safe_open
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
-from speculators.models.config import build_eagle3_config
+from speculators.models.config import VerifierShape, build_eagle3_config
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter, ttt_attention_mask
+from speculators.settings import DrafterShape
 
 H, V, D = 64, 512, 128
 
 
+VERIFIER = VerifierShape(
+    name_or_path="tiny/llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=H,
+    vocab_size=V,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
+VERIFIER_FIELDS = {f.name for f in dataclasses.fields(VerifierShape)}
+
+
 def tiny_config(**overrides):
-    options = dict(
-        verifier_name_or_path="tiny/llama",
-        verifier_architectures=["LlamaForCausalLM"],
-        verifier_hidden_size=H,
-        verifier_vocab_size=V,
-        aux_layer_ids=[1, 4, 8],
-        draft_vocab_size=D,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        dtype="float32",
-    )
-    options.update(overrides)
-    return build_eagle3_config(**options)
+    """The tiny drafter's config; `overrides` set fields of its shape or of what it copies from the verifier."""
+    verifier = dataclasses.replace(VERIFIER, **{k: v for k, v in overrides.items() if k in VERIFIER_FIELDS})
+    shape = {"aux_layer_ids": [1, 4, 8], "draft_vocab_size": D, "dtype": "float32"}
+    shape.update({k: v for k, v in overrides.items() if k not in VERIFIER_FIELDS})
+    return build_eagle3_config(verifier, DrafterShape(**shape))
 
 
 def make_drafter(seed=0, **overrides) -> Eagle3Drafter:

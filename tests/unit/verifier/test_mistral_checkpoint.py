@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
+from speculators.settings import DrafterShape
 from speculators.verifier.loading import (
     VerifierHead,
     draft_config_for_verifier,
@@ -133,7 +134,7 @@ def test_tekken_tokenizer_renders_mistrals_instruct_format_and_masks_the_answers
 
 
 def test_the_draft_config_and_vllm_engine_arguments(mistral_dir, verifier, tmp_path):
-    draft = draft_config_for_verifier(verifier.config, str(mistral_dir), draft_vocab_size=128)
+    draft = draft_config_for_verifier(verifier.config, str(mistral_dir), DrafterShape(draft_vocab_size=128))
     layer = draft.transformer_layer_config
     assert draft.speculators_config.verifier.architectures == ["MistralLarge3ForCausalLM"]
     assert (layer["model_type"], layer["num_attention_heads"], layer["head_dim"], layer["intermediate_size"]) == (

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
+from speculators.settings import DrafterShape
 from speculators.verifier.architectures import adapter_for
 from speculators.verifier.loading import (
     default_aux_layer_ids,
@@ -85,7 +86,7 @@ def test_draft_defaults_per_family():
         intermediate_size=6144,
         moe_intermediate_size=768,
     )
-    config = draft_config_for_verifier(moe, "Qwen/Qwen3-30B-A3B", draft_vocab_size=32000)
+    config = draft_config_for_verifier(moe, "Qwen/Qwen3-30B-A3B", DrafterShape(draft_vocab_size=32000))
     assert config.transformer_layer_config["intermediate_size"] == 3 * 2048
     assert config.eagle_aux_hidden_state_layer_ids == [2, 24, 45]
     llama = LlamaConfig(
@@ -96,7 +97,7 @@ def test_draft_defaults_per_family():
         intermediate_size=14336,
         vocab_size=128256,
     )
-    config = draft_config_for_verifier(llama, "meta-llama/Llama-3.1-8B-Instruct", draft_vocab_size=32000)
+    config = draft_config_for_verifier(llama, "meta-llama/Llama-3.1-8B-Instruct", DrafterShape(draft_vocab_size=32000))
     assert config.eagle_aux_hidden_state_layer_ids == [2, 16, 29]
     assert config.transformer_layer_config["head_dim"] == 128
     assert config.transformer_layer_config["intermediate_size"] == 14336
