@@ -240,7 +240,8 @@ def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_stor
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.settings import TrainConfig
     from speculators.train.data import PackedStore
-    from speculators.train.trainer import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.train.distributed import wrap_model
+    from speculators.train.validation import greedy_in_draft_vocab, run_validation
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import VerifierHead
 

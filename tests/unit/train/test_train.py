@@ -165,7 +165,7 @@ def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_ver
 TRAIN_SCRIPT = """
 import sys
 from speculators.train.trainer import TrainConfig, train
-import speculators.train.trainer as module
+import speculators.train.checkpoints as module
 original = module.save_checkpoint
 def slow_save(*args, **kwargs):
     original(*args, **kwargs)
@@ -182,9 +182,9 @@ class Interrupted(Exception):
 def interrupt_at_checkpoint(config: TrainConfig, step: int) -> None:
     """Train `config` until checkpoints/last holds step `step`, and stop there: what a kill just after
     that checkpoint leaves (the real save_checkpoint wrote it; nothing after it is written)."""
-    import speculators.train.trainer as trainer
+    import speculators.train.checkpoints as checkpoints
 
-    save = trainer.save_checkpoint
+    save = checkpoints.save_checkpoint
 
     def save_then_stop(directory, drafter, optimizer_states, state):
         save(directory, drafter, optimizer_states, state)
@@ -192,7 +192,7 @@ def interrupt_at_checkpoint(config: TrainConfig, step: int) -> None:
             raise Interrupted
 
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Interrupted):
-        patch.setattr(trainer, "save_checkpoint", save_then_stop)
+        patch.setattr(checkpoints, "save_checkpoint", save_then_stop)
         train(config)
 
 
@@ -527,8 +527,7 @@ def test_the_trained_drafter_step_resumes_a_killed_attempt_and_restarts_a_forced
 
 
 def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
-    from speculators.train.data import Pack
-    from speculators.train.trainer import with_aux_noise
+    from speculators.train.data import Pack, with_aux_noise
 
     scales = torch.tensor([0.01, 1.0, 100.0]).view(1, 1, 3, 1)  # aux layers of very different sizes
     aux = torch.randn(1, 400, 3, 64) * scales
@@ -568,7 +567,7 @@ def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_ver
     scored = sum(int(answers.load_pack(i).loss_mask.sum()) for i in plan)
     assert 0 < scored < sum(every.load_pack(i).num_tokens for i in plan)  # the store's prompts were unscored
 
-    from speculators.train.trainer import packed_stores
+    from speculators.train.run import packed_stores
 
     train_packs, val_packs = packed_stores(config_for(store, peaked_verifier, tmp_path, loss_positions="all"))
     assert train_packs.score_all and not val_packs.score_all and val_packs.entries
@@ -693,7 +692,7 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
 
 def test_muon_steps_as_torch_muon_does_and_iterates_in_the_dtype_training_computes_in(store, peaked_verifier):
     from speculators.train.muon import Muon, orthogonalize
-    from speculators.train.trainer import build_optimizer
+    from speculators.train.optim import build_optimizer
 
     torch.manual_seed(0)
     shapes = [(48, 80), (80, 48), (32, 32)]  # wide, tall (iterated transposed), square
@@ -819,7 +818,8 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
     from speculators.data.tokenization import turn_end_ids
     from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate
     from speculators.train.data import PackedStore
-    from speculators.train.trainer import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.train.distributed import wrap_model
+    from speculators.train.validation import greedy_in_draft_vocab, run_validation
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import VerifierHead, load_verifier
 
