@@ -1,6 +1,6 @@
 """Where each process of a training run computes: the process group under torchrun, its device and
-compute dtype (bf16 autocast where the device has it), the TTT forward wrapped for DDP or FSDP2 (and a
-pack through it), and sums all-reduced over the ranks."""
+compute dtype (bf16 autocast where the device has it), the model wrapped for DDP or FSDP2, and sums
+all-reduced over the ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from speculators.models.eagle3 import Eagle3Drafter
-    from speculators.train.data import Pack
 
 
 def init_distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
@@ -62,34 +61,15 @@ def training_device(config: TrainConfig) -> torch.device:
     return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if config.device == "cuda" else config.device)
 
 
-def wrap_model(drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: bool) -> nn.Module:
-    """The module the loop calls: TTT forward (normed outputs), wrapped for DDP or FSDP2.
+def wrap_model(forward: nn.Module, drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: bool) -> nn.Module:
+    """The module the loop calls: the objective's `forward` over `drafter`, wrapped for DDP or FSDP2.
 
     Under FSDP2 each decoder layer and the lm_head are their own units (the lm_head is applied
-    outside the forward, where the loss looks) and this wrapper is the root, so the fc and norms
-    stay gathered for the whole TTT forward.
+    outside the forward, where the loss looks) and the forward module is the root, so the fc and
+    norms stay gathered for the whole forward.
     """
-    import torch
-
-    class TTTForward(torch.nn.Module):
-        def __init__(self, drafter: Eagle3Drafter):
-            super().__init__()
-            self.drafter = drafter
-
-        def forward(
-            self,
-            input_ids: torch.Tensor,
-            aux: torch.Tensor,
-            steps: int,
-            positions: torch.Tensor,
-            documents: torch.Tensor,
-            loss_mask: torch.Tensor,
-        ) -> list[torch.Tensor]:
-            return self.drafter.ttt_forward(input_ids, aux, steps, positions, documents, True, loss_mask)
-
-    model = TTTForward(drafter)
     if world == 1:
-        return model
+        return forward
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -98,16 +78,11 @@ def wrap_model(drafter: Eagle3Drafter, world: int, device: torch.device, fsdp: b
         for layer in drafter.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(drafter.lm_head, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # in place: the same module, now an FSDPModule too
-        return model
+        fully_shard(forward, mesh=mesh)  # in place: the same module, now an FSDPModule too
+        return forward
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def forward_pack(model: torch.nn.Module, pack: Pack, steps: int) -> list[torch.Tensor]:
-    """The TTT forward (normed outputs of every step) of one pack, through the wrapped model."""
-    return model(pack.input_ids, pack.aux_hidden_states, steps, pack.position_ids, pack.document_ids, pack.loss_mask)
+    return DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:

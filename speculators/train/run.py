@@ -1,6 +1,6 @@
 """A training run's set-up and what the loop and its helpers share (`Run`): the processes, the packed
-store, the verifier's head (the targets), the drafter built for the verifier or warm-started, the
-wrapped model and its optimizers, and the step counts."""
+store, the verifier's head (the targets), the drafter built for the verifier or warm-started, its
+objective, the wrapped model and its optimizers, and the step counts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from speculators.models.eagle3 import Eagle3Drafter
 from speculators.settings import TrainConfig
 from speculators.train.data import PackedStore
 from speculators.train.distributed import init_distributed, uses_bf16, wrap_model
+from speculators.train.objectives import objective_for
 from speculators.train.optim import build_optimizer
 from speculators.train.validation import greedy_in_draft_vocab
 from speculators.train.vocab import load_draft_vocab
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from speculators.data.store import StoreManifest
+    from speculators.train.objectives import Objective
     from speculators.verifier.loading import VerifierFacts
 
 
@@ -35,9 +37,9 @@ class Run:
     world: int
     device: torch.device
     drafter: Eagle3Drafter  # the plain drafter: its config, lm_head and parameters
-    model: nn.Module  # the TTT forward the loop calls, wrapped for DDP / FSDP2
+    objective: Objective  # the drafter's forward, loss and validation replay (built from its algorithm)
+    model: nn.Module  # the objective's forward the loop calls, wrapped for DDP / FSDP2
     optimizers: list[torch.optim.Optimizer]
-    head: tuple[nn.Module, torch.Tensor]  # the verifier's final norm and lm_head rows of the draft vocab: the targets
     train_packs: PackedStore
     val_packs: PackedStore
     in_vocab: dict[int, torch.Tensor]  # per validation pack: the verifier's greedy token is in the draft vocab
@@ -71,7 +73,7 @@ def steps_of_epochs(epochs: float, steps_per_epoch: int) -> int:
 
 
 def start_run(config: TrainConfig) -> Run:
-    """Processes, data, verifier head, drafter, optimizers; the verifier's weights are let go."""
+    """Processes, data, verifier head, drafter, its objective, optimizers; the verifier's weights are let go."""
     import torch
 
     rank, world, device = init_distributed(config)
@@ -87,7 +89,8 @@ def start_run(config: TrainConfig) -> Run:
     head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
     in_vocab = greedy_in_draft_vocab(val_packs, verifier, vocab["selected_ids"], device, rank, world)
     del verifier
-    model = wrap_model(drafter, world, device, config.fsdp)
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, world, device, config.fsdp)
     packs_per_step = world * config.grad_accumulation
     steps_per_epoch = len(train_packs.pack_plan(0)) // packs_per_step
     if steps_per_epoch == 0:
@@ -102,9 +105,9 @@ def start_run(config: TrainConfig) -> Run:
         world,
         device,
         drafter,
+        objective,
         model,
         build_optimizer(drafter, config, device),
-        head,
         train_packs,
         val_packs,
         in_vocab,

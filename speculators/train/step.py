@@ -1,5 +1,5 @@
 """One optimizer step of a training run: the packs each rank takes at the step (aux noise added), their
-TTT loss, the gradient clipped and applied at the step's learning rate, and the
+loss through the run's objective, the gradient clipped and applied at the step's learning rate, and the
 stop at a step whose loss or gradient is not finite."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from speculators.errors import SpeculatorsError
-from speculators.models.ttt import ttt_loss, verifier_target_logits
 from speculators.train.data import to_device, with_aux_noise
-from speculators.train.distributed import autocast_context, forward_pack
+from speculators.train.distributed import autocast_context
 from speculators.train.optim import lr_at, set_lr
 
 if TYPE_CHECKING:
@@ -41,20 +40,7 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
         sync = micro == config.grad_accumulation - 1 or world == 1
         no_sync = getattr(model, "no_sync", None)  # DDP's
         with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
-            normed = forward_pack(model, pack, config.ttt_steps)
-            # first-step: step 0 (computed on every position anyway) scores them all; later steps the answers
-            first = torch.ones_like(pack.loss_mask) if config.loss_positions == "first-step" else None
-            needed = pack.loss_mask if first is None else first
-            targets = verifier_target_logits(pack.target_hidden_states[needed], *run.head)
-            loss, sums = ttt_loss(
-                normed,
-                targets,
-                pack.loss_mask,
-                pack.document_ids,
-                config.step_decay,
-                lm_head=run.drafter.lm_head,
-                first_step_mask=first,
-            )
+            loss, sums = run.objective.loss(model, pack)
             (loss / config.grad_accumulation).backward()
         window.add(sums, pack.num_tokens)
         losses.append((loss.detach(), entries, pack))

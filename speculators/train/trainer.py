@@ -1,9 +1,10 @@
-"""`speculators train`: EAGLE-3 drafter training with training-time test, from a hidden-state store.
+"""`speculators train`: drafter training from a hidden-state store (EAGLE-3 with training-time test today).
 
 The loop (`train_run`), readable top to bottom: the run set up or resumed, then per optimizer step the
 step, a log line every --log-every steps, validation and checkpoints; the final drafter and the summary
 at the end. What it calls lives beside it: run.py (the set-up and what the loop shares), step.py (one
-optimizer step), distributed.py (processes, device, precision, DDP / FSDP2), optim.py, checkpoints.py,
+optimizer step), objectives.py (the drafter's forward, loss and validation replay: where another
+drafter plugs in), distributed.py (processes, device, precision, DDP / FSDP2), optim.py, checkpoints.py,
 validation.py, metrics.py, resume.py. Launch with `torchrun --nproc-per-node N speculators train ...`
 for DDP (gloo on CPU, NCCL on GPUs), or add `--fsdp` for FSDP2 sharding.
 
@@ -137,16 +138,7 @@ def validate(run: Run, state: TrainingState, log: MetricsLog, clock: WallClock) 
     """A validation pass, logged; whether its loss is the best so far (then kept in `state`)."""
     k = run.drafter.config.speculative_tokens
     metrics = run_validation(
-        run.model,
-        run.drafter.lm_head,
-        run.val_packs,
-        run.head,
-        run.config,
-        run.device,
-        run.rank,
-        run.world,
-        run.in_vocab,
-        k,
+        run.model, run.objective, run.val_packs, run.config, run.device, run.rank, run.world, run.in_vocab
     )
     if metrics is None:
         return False

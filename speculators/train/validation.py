@@ -1,20 +1,21 @@
 """Validation during training: each rank's share of the validation packs, the verifier's greedy token
 in the draft vocabulary (what decoding can accept), and the metrics of a pass over them, with decoding
-replayed."""
+replayed, through the run's objective."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from speculators.models.ttt import replay_decoding, row_chunks, summarize, ttt_loss, verifier_target_logits
+from speculators.models.ttt import row_chunks, summarize
 from speculators.settings import TrainConfig
 from speculators.train.data import PackedStore, to_device
-from speculators.train.distributed import all_reduce_sums, autocast_context, forward_pack
+from speculators.train.distributed import all_reduce_sums, autocast_context
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from speculators.train.objectives import Objective
     from speculators.verifier.loading import VerifierHead
 
 
@@ -54,17 +55,15 @@ def greedy_in_draft_vocab(
 
 def run_validation(
     model: nn.Module,
-    lm_head: nn.Module,
+    objective: Objective,
     packs: PackedStore,
-    head: tuple[nn.Module, torch.Tensor],
     config: TrainConfig,
     device: torch.device,
     rank: int,
     world: int,
     in_vocab: dict[int, torch.Tensor],
-    num_tokens: int,
 ) -> dict[str, Any] | None:
-    """Validation metrics, with decoding replayed at K = `num_tokens`; every rank scores its share of
+    """Validation metrics, with decoding replayed at the drafter's K; every rank scores its share of
     the packs (collective)."""
     import torch
 
@@ -73,24 +72,13 @@ def run_validation(
         return None
     # DDP's forward broadcasts buffers (a collective); validation needs none, so use the inner module.
     forward = getattr(model, "module", model)
-    sums = {
-        k: torch.zeros(config.ttt_steps, dtype=torch.float64, device=device)
-        for k in ("kl", "count", "correct", "cond_correct", "cond_count")
-    }
-    sums["replay_rounds"] = torch.zeros(1, dtype=torch.float64, device=device)
-    sums["replay_accepted"] = torch.zeros(num_tokens, dtype=torch.float64, device=device)
+    sums = objective.validation_sums(device)
     model.eval()
     with torch.no_grad(), autocast_context(config, device):
         for index in validation_share_of(plan, rank, world):
             pack = to_device(packs.load_pack(plan[index if index is not None else 0]), device)
-            normed = forward_pack(forward, pack, config.ttt_steps)
-            targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *head)
-            hits: list[torch.Tensor] = []
-            _, step_sums = ttt_loss(
-                normed, targets, pack.loss_mask, pack.document_ids, config.step_decay, lm_head=lm_head, hits=hits
-            )
+            step_sums = objective.validate_pack(forward, pack, in_vocab[index] if index is not None else None)
             if index is not None:
-                step_sums.update(replay_decoding(hits, pack.loss_mask, pack.document_ids, num_tokens, in_vocab[index]))
                 sums = {k: sums[k] + v.to(device) for k, v in step_sums.items()}
     model.train()
     return summarize(all_reduce_sums(sums, world))

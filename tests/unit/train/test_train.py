@@ -819,6 +819,7 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
     from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate
     from speculators.train.data import PackedStore
     from speculators.train.distributed import wrap_model
+    from speculators.train.objectives import objective_for
     from speculators.train.validation import greedy_in_draft_vocab, run_validation
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import VerifierHead, load_verifier
@@ -846,9 +847,9 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
         < sum(int(p.loss_mask.sum()) for p in map(packs.load_pack, packs.pack_plan(0)))
     )  # some greedy tokens lie outside the 128-token draft vocab
     config = config_for(store, peaked_verifier, tmp_path, ttt_steps=k)
-    metrics = run_validation(
-        wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1, in_vocab, k
-    )
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, 1, cpu, False)
+    metrics = run_validation(model, objective, packs, config, cpu, 0, 1, in_vocab)
 
     # Decoding: the same prompts (the stored tokens before each answer), with a budget one token past
     # the longest stored answer (an answer cut at the budget ends in the template's end-of-turn token).
@@ -873,3 +874,27 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
         assert totals["acceptance_length"] > 2.0
         # The per-token estimate assumes every position starts a chain; replay differs from it.
         assert metrics["acceptance_length"] != pytest.approx(metrics["replayed_acceptance_length"])
+
+
+def test_the_loop_reaches_the_drafter_through_its_objective(store, peaked_verifier, tmp_path, monkeypatch):
+    """Training and validation go through the objective the drafter's algorithm names (where a parallel
+    drafter plugs in); an algorithm without one is refused in one line."""
+    from speculators.train import objectives
+
+    calls = {"loss": 0, "validate_pack": 0}
+
+    class Counted(objectives.TTTObjective):
+        def loss(self, model, pack):
+            calls["loss"] += 1
+            return super().loss(model, pack)
+
+        def validate_pack(self, model, pack, in_vocab):
+            calls["validate_pack"] += 1
+            return super().validate_pack(model, pack, in_vocab)
+
+    monkeypatch.setitem(objectives.OBJECTIVES, "eagle3", Counted)
+    train(config_for(store, peaked_verifier, tmp_path / "counted", max_steps=4))
+    assert calls["loss"] == 4 and calls["validate_pack"] > 0
+    monkeypatch.delitem(objectives.OBJECTIVES, "eagle3")
+    with pytest.raises(SpeculatorsError, match="no training objective for algorithm 'eagle3'"):
+        train(config_for(store, peaked_verifier, tmp_path / "unknown", max_steps=4))
