@@ -164,7 +164,7 @@ def install_cpu_shims(spec, stats):
     class CpuTrainer(trainer_module.Trainer):
         def __init__(self, model, config, train_loader, val_loader=None):
             super().__init__(model, config, train_loader, val_loader)
-            # Schedule matching (not a CPU fix): our schedule (speculators/train/trainer.py, lr_at) over the
+            # Schedule matching (not a CPU fix): our schedule (speculators/train/optim.py, lr_at) over the
             # reference's own step count: linear warm-up over max(1, ceil(share x total)) steps starting
             # at lr / warmup, then linear decay to 0. The reference's HF schedule (trainer.py:418, 432)
             # warms up over floor(total / 100) steps (trainer.py:206) starting at 0.
@@ -904,7 +904,7 @@ def main() -> None:
 
     from speculators.data.prompt_set import load_prompts
     from speculators.precision import native_bf16
-    from speculators.train.trainer import check_store_fits_verifier
+    from speculators.train.run import check_store_fits_verifier
     from speculators.verifier.loading import VerifierFacts
 
     started = time.perf_counter()

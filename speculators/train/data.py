@@ -5,7 +5,8 @@ loss_mask = mask[1:], positions 1..T-1 (with images: the stored drafter position
 one). Samples are packed in a seeded, per-epoch order into
 sequences of at most `token_budget` tokens (batch dimension 1); document ids keep attention and
 step targets inside their own sample. The train/validation split is a hash of the sample id, so
-it never changes when the store grows.
+it never changes when the store grows. A pack is moved to its device, and noised for training
+(--aux-noise), by the functions beside its record.
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ class Pack:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+
+def with_aux_noise(pack: Pack, scale: float, seed: int, draw: int) -> Pack:
+    """The pack with Gaussian noise on its aux states, `scale` x each state's RMS (per token and layer:
+    the layers' scales differ by orders of magnitude). Seeded per draw, so a resumed run adds the same."""
+    from dataclasses import replace
+
+    import torch
+
+    aux = pack.aux_hidden_states.float()
+    generator = torch.Generator(device=aux.device).manual_seed(seed * 1_000_003 + draw)
+    noise = torch.randn(aux.shape, generator=generator, device=aux.device, dtype=aux.dtype)
+    rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
+    noisy = aux + noise.mul_(rms * scale)
+    return replace(pack, aux_hidden_states=noisy.to(pack.aux_hidden_states.dtype))
+
+
+def to_device(pack: Pack, device: torch.device) -> Pack:
+    from dataclasses import fields, replace
+
+    return replace(pack, **{f.name: getattr(pack, f.name).to(device) for f in fields(pack)})
 
 
 def is_validation(sample_id: str, share: float) -> bool:

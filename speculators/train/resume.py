@@ -1,4 +1,5 @@
-"""Honest resumes: what a resumable checkpoint records of its run, and what a resume may change.
+"""Honest resumes: what a resumable checkpoint records of its run, what a resume may change, and the line
+that announces a resume.
 
 `speculators train` resumes from <output>/checkpoints/last. A resume continues one run; it must never
 mix two, so the checkpoint records what shaped its run (records.RunRecord) and a resume compares its
@@ -15,7 +16,7 @@ class below (tests/unit/train/test_train.py fails on a field that is in none):
 - NOT_COMPARED: the run folder itself, and --restart.
 
 Beside the fields, the number of processes (WORLD_SIZE) shapes the run with --grad-accumulation: step s
-takes packs (s x accumulation + micro) x world + rank (trainer.optimizer_step), and draws its aux noise
+takes packs (s x accumulation + micro) x world + rank (step.optimizer_step), and draws its aux noise
 by the same index, so what a step sees depends on their product alone (N processes train as one with
 --grad-accumulation N, tested). Another product is refused; the same product over other processes is
 a change that may be made (a run started on 2 GPUs resumes on 1 with --grad-accumulation doubled).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +230,18 @@ def check_resume(last: Path, recorded: RunRecord, current: RunRecord, output: st
 def changes_text(changes: dict[str, list[Any]]) -> str:
     """`--log-every 10 -> 5, --no-progress`-style notes of the changes a resume made."""
     return ", ".join(f"{flag} {value_text(old)} -> {value_text(new)}" for flag, (old, new) in changes.items())
+
+
+def announce_resume(last: Path, step: int, changes: dict[str, list[Any]], checked: bool) -> None:
+    """The resume's progress line: its step and the settings changed since (or that none could be checked)."""
+    if not checked:
+        print(
+            f"warning: {last} was written before checkpoints recorded their run's settings; resuming at step {step} "
+            "without checking that the settings, the store's data, the warm start and WORLD_SIZE are the ones it "
+            "was trained with (pass --restart to train afresh if any changed)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    since = f"; changed since: {changes_text(changes)}" if changes else ""
+    print(f"resuming from {last} at step {step}{since}", flush=True)

@@ -240,7 +240,9 @@ def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_stor
     from speculators.models.eagle3 import Eagle3Drafter
     from speculators.settings import TrainConfig
     from speculators.train.data import PackedStore
-    from speculators.train.trainer import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.train.distributed import wrap_model
+    from speculators.train.objectives import objective_for
+    from speculators.train.validation import greedy_in_draft_vocab, run_validation
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import VerifierHead
 
@@ -258,9 +260,9 @@ def test_training_replay_equals_speculative_decoding_with_images(loaded, vl_stor
     config = TrainConfig(
         store=str(vl_store["dir"]), verifier=str(vl_verifier), output=str(tmp_path), precision="fp32", ttt_steps=k
     )
-    metrics = run_validation(
-        wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1, in_vocab, k
-    )
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, 1, cpu, False)
+    metrics = run_validation(model, objective, packs, config, cpu, 0, 1, in_vocab)
     by_id = {s.id: s for s in vl_store["samples"]}
     prompts, budget = [], 0
     for entry in packs.entries:

@@ -165,7 +165,7 @@ def test_a_tiny_drafter_overfits_and_writes_a_valid_checkpoint(store, peaked_ver
 TRAIN_SCRIPT = """
 import sys
 from speculators.train.trainer import TrainConfig, train
-import speculators.train.trainer as module
+import speculators.train.checkpoints as module
 original = module.save_checkpoint
 def slow_save(*args, **kwargs):
     original(*args, **kwargs)
@@ -182,9 +182,9 @@ class Interrupted(Exception):
 def interrupt_at_checkpoint(config: TrainConfig, step: int) -> None:
     """Train `config` until checkpoints/last holds step `step`, and stop there: what a kill just after
     that checkpoint leaves (the real save_checkpoint wrote it; nothing after it is written)."""
-    import speculators.train.trainer as trainer
+    import speculators.train.checkpoints as checkpoints
 
-    save = trainer.save_checkpoint
+    save = checkpoints.save_checkpoint
 
     def save_then_stop(directory, drafter, optimizer_states, state):
         save(directory, drafter, optimizer_states, state)
@@ -192,7 +192,7 @@ def interrupt_at_checkpoint(config: TrainConfig, step: int) -> None:
             raise Interrupted
 
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Interrupted):
-        patch.setattr(trainer, "save_checkpoint", save_then_stop)
+        patch.setattr(checkpoints, "save_checkpoint", save_then_stop)
         train(config)
 
 
@@ -527,8 +527,7 @@ def test_the_trained_drafter_step_resumes_a_killed_attempt_and_restarts_a_forced
 
 
 def test_aux_noise_is_relative_to_each_state_and_seeded_by_draw():
-    from speculators.train.data import Pack
-    from speculators.train.trainer import with_aux_noise
+    from speculators.train.data import Pack, with_aux_noise
 
     scales = torch.tensor([0.01, 1.0, 100.0]).view(1, 1, 3, 1)  # aux layers of very different sizes
     aux = torch.randn(1, 400, 3, 64) * scales
@@ -568,7 +567,7 @@ def test_loss_on_all_positions_scores_prompts_in_training_only(store, peaked_ver
     scored = sum(int(answers.load_pack(i).loss_mask.sum()) for i in plan)
     assert 0 < scored < sum(every.load_pack(i).num_tokens for i in plan)  # the store's prompts were unscored
 
-    from speculators.train.trainer import packed_stores
+    from speculators.train.run import packed_stores
 
     train_packs, val_packs = packed_stores(config_for(store, peaked_verifier, tmp_path, loss_positions="all"))
     assert train_packs.score_all and not val_packs.score_all and val_packs.entries
@@ -693,7 +692,7 @@ def test_clear_errors(store, peaked_verifier, tmp_path):
 
 def test_muon_steps_as_torch_muon_does_and_iterates_in_the_dtype_training_computes_in(store, peaked_verifier):
     from speculators.train.muon import Muon, orthogonalize
-    from speculators.train.trainer import build_optimizer
+    from speculators.train.optim import build_optimizer
 
     torch.manual_seed(0)
     shapes = [(48, 80), (80, 48), (32, 32)]  # wide, tall (iterated transposed), square
@@ -819,7 +818,9 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
     from speculators.data.tokenization import turn_end_ids
     from speculators.eval.evaluate import DrafterProposer, evaluate, greedy_generate
     from speculators.train.data import PackedStore
-    from speculators.train.trainer import greedy_in_draft_vocab, run_validation, wrap_model
+    from speculators.train.distributed import wrap_model
+    from speculators.train.objectives import objective_for
+    from speculators.train.validation import greedy_in_draft_vocab, run_validation
     from speculators.train.vocab import load_draft_vocab
     from speculators.verifier.loading import VerifierHead, load_verifier
 
@@ -846,9 +847,9 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
         < sum(int(p.loss_mask.sum()) for p in map(packs.load_pack, packs.pack_plan(0)))
     )  # some greedy tokens lie outside the 128-token draft vocab
     config = config_for(store, peaked_verifier, tmp_path, ttt_steps=k)
-    metrics = run_validation(
-        wrap_model(drafter, 1, cpu, False), drafter.lm_head, packs, head, config, cpu, 0, 1, in_vocab, k
-    )
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, 1, cpu, False)
+    metrics = run_validation(model, objective, packs, config, cpu, 0, 1, in_vocab)
 
     # Decoding: the same prompts (the stored tokens before each answer), with a budget one token past
     # the longest stored answer (an answer cut at the budget ends in the template's end-of-turn token).
@@ -873,3 +874,27 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
         assert totals["acceptance_length"] > 2.0
         # The per-token estimate assumes every position starts a chain; replay differs from it.
         assert metrics["acceptance_length"] != pytest.approx(metrics["replayed_acceptance_length"])
+
+
+def test_the_loop_reaches_the_drafter_through_its_objective(store, peaked_verifier, tmp_path, monkeypatch):
+    """Training and validation go through the objective the drafter's algorithm names (where a parallel
+    drafter plugs in); an algorithm without one is refused in one line."""
+    from speculators.train import objectives
+
+    calls = {"loss": 0, "validate_pack": 0}
+
+    class Counted(objectives.TTTObjective):
+        def loss(self, model, pack):
+            calls["loss"] += 1
+            return super().loss(model, pack)
+
+        def validate_pack(self, model, pack, in_vocab):
+            calls["validate_pack"] += 1
+            return super().validate_pack(model, pack, in_vocab)
+
+    monkeypatch.setitem(objectives.OBJECTIVES, "eagle3", Counted)
+    train(config_for(store, peaked_verifier, tmp_path / "counted", max_steps=4))
+    assert calls["loss"] == 4 and calls["validate_pack"] > 0
+    monkeypatch.delitem(objectives.OBJECTIVES, "eagle3")
+    with pytest.raises(SpeculatorsError, match="no training objective for algorithm 'eagle3'"):
+        train(config_for(store, peaked_verifier, tmp_path / "unknown", max_steps=4))

@@ -1,0 +1,173 @@
+"""A training run's set-up and what the loop and its helpers share (`Run`): the processes, the packed
+store, the verifier's head (the targets), the drafter built for the verifier or warm-started, its
+objective, the wrapped model and its optimizers, and the step counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from speculators.errors import INT64_MAX, SpeculatorsError
+from speculators.models.eagle3 import Eagle3Drafter
+from speculators.settings import TrainConfig
+from speculators.train.data import PackedStore
+from speculators.train.distributed import init_distributed, uses_bf16, wrap_model
+from speculators.train.objectives import objective_for
+from speculators.train.optim import build_optimizer
+from speculators.train.validation import greedy_in_draft_vocab
+from speculators.train.vocab import load_draft_vocab
+from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, draft_config_for_verifier
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from speculators.data.store import StoreManifest
+    from speculators.train.objectives import Objective
+    from speculators.verifier.loading import VerifierFacts
+
+
+@dataclass
+class Run:
+    """What the loop and its helpers share: settings, the distributed layout, the model, the data."""
+
+    config: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    drafter: Eagle3Drafter  # the plain drafter: its config, lm_head and parameters
+    objective: Objective  # the drafter's forward, loss and validation replay (built from its algorithm)
+    model: nn.Module  # the objective's forward the loop calls, wrapped for DDP / FSDP2
+    optimizers: list[torch.optim.Optimizer]
+    train_packs: PackedStore
+    val_packs: PackedStore
+    in_vocab: dict[int, torch.Tensor]  # per validation pack: the verifier's greedy token is in the draft vocab
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def output(self) -> Path:
+        return Path(self.config.output)
+
+
+def packed_stores(config: TrainConfig) -> tuple[PackedStore, PackedStore]:
+    """The training packs (scoring `loss_positions`) and the validation packs (answers only: the
+    replay measures decoding, which drafts answers)."""
+
+    store, budget, share = config.store, config.token_budget, config.validation_share
+    train_packs = PackedStore(store, budget, "train", share, config.seed, loss_positions=config.loss_positions)
+    return train_packs, PackedStore(store, budget, "validation", share, seed=-1)
+
+
+def steps_of_epochs(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of `epochs` passes: at least 1, and a count a step counter holds (--epochs 1e308
+    would otherwise overflow, or train for ever)."""
+    steps = epochs * steps_per_epoch
+    if not steps < INT64_MAX:  # (also inf)
+        raise SpeculatorsError(
+            f"--epochs {epochs:g} makes {steps:g} optimizer steps ({steps_per_epoch} per epoch), more than a step "
+            f"counter holds; give fewer --epochs, or --max-steps"
+        )
+    return max(1, int(steps))
+
+
+def start_run(config: TrainConfig) -> Run:
+    """Processes, data, verifier head, drafter, its objective, optimizers; the verifier's weights are let go."""
+    import torch
+
+    rank, world, device = init_distributed(config)
+    torch.manual_seed(config.seed)
+    train_packs, val_packs = packed_stores(config)
+    manifest = train_packs.manifest
+    vocab = load_draft_vocab(config.store)
+    verifier = VerifierHead.from_source(config.verifier, dtype=manifest.verifier.dtype)
+    check_store_fits_verifier(manifest, verifier, config.store)
+    drafter = build_drafter(config, verifier, manifest, vocab).to(device)
+    if uses_bf16(config, device) and not config.train_lm_head:
+        drafter.lm_head.to(torch.bfloat16)  # frozen: autocast would re-cast it on every call
+    head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
+    in_vocab = greedy_in_draft_vocab(val_packs, verifier, vocab["selected_ids"], device, rank, world)
+    del verifier
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, world, device, config.fsdp)
+    packs_per_step = world * config.grad_accumulation
+    steps_per_epoch = len(train_packs.pack_plan(0)) // packs_per_step
+    if steps_per_epoch == 0:
+        raise SpeculatorsError(
+            f"the store has fewer training packs ({len(train_packs.pack_plan(0))}) than one optimizer step uses "
+            f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
+        )
+    total_steps = config.max_steps or steps_of_epochs(config.epochs, steps_per_epoch)
+    return Run(
+        config,
+        rank,
+        world,
+        device,
+        drafter,
+        objective,
+        model,
+        build_optimizer(drafter, config, device),
+        train_packs,
+        val_packs,
+        in_vocab,
+        steps_per_epoch,
+        total_steps,
+    )
+
+
+def build_drafter(
+    config: TrainConfig, verifier: VerifierHead, manifest: StoreManifest, vocab: dict[str, torch.Tensor]
+) -> Eagle3Drafter:
+
+    selected = vocab["selected_ids"]
+    if config.warm_start:
+        drafter = Eagle3Drafter.from_pretrained(config.warm_start, dtype="float32")
+        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
+            raise SpeculatorsError(
+                f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
+                f"but the store holds {manifest.aux_layer_ids}"
+            )
+        if drafter.config.draft_vocab_size != selected.numel():
+            raise SpeculatorsError(
+                f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
+                f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
+            )
+        if config.fc_norm and not drafter.config.fc_norm:
+            raise SpeculatorsError(
+                f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
+                "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
+            )
+        drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
+    else:
+        draft_config = draft_config_for_verifier(
+            verifier.config,
+            checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
+            config.drafter_shape(selected.numel(), manifest.aux_layer_ids),
+        )
+        drafter = Eagle3Drafter(draft_config)
+        drafter.reset_parameters(seed=config.seed)
+        drafter.init_draft_vocab(selected, verifier.lm_head_weight)
+    drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
+    drafter.lm_head.weight.requires_grad_(config.train_lm_head)
+    return drafter
+
+
+def check_store_fits_verifier(manifest: StoreManifest, verifier: VerifierFacts, store: str) -> None:
+    stored = manifest.verifier
+    if max(manifest.aux_layer_ids) > verifier.num_layers:
+        raise SpeculatorsError(
+            f"store {store} holds aux layers {manifest.aux_layer_ids} but the verifier has {verifier.num_layers} "
+            f"layers; pass the store's verifier ({stored.name_or_path})"
+        )
+    if stored.hidden_size != verifier.hidden_size or stored.vocab_size != verifier.vocab_size:
+        raise SpeculatorsError(
+            f"store {store} was captured from a verifier with hidden {stored.hidden_size} / vocab "
+            f"{stored.vocab_size}, not {verifier.hidden_size} / {verifier.vocab_size}; pass the store's verifier "
+            f"({stored.name_or_path})"
+        )
+    if stored.fingerprint != verifier.fingerprint:
+        raise SpeculatorsError(
+            f"store {store} was captured from verifier {stored.name_or_path} (fingerprint {stored.fingerprint}), "
+            f"whose weights differ from {verifier.name_or_path}; pass the same verifier or re-run datagen"
+        )
