@@ -230,8 +230,8 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
     from speculators.data.prompts import load_prompts
     from speculators.data.regenerate import transformers_generate_fn
     from speculators.data.store import HiddenStateStore
-    from speculators.eval.bench import OutputJudge, compare_served_outputs
     from speculators.eval.evaluate import tokenize_prompts
+    from speculators.eval.output_judge import OutputJudge, compare_served_outputs
     from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
     from speculators.settings import CaptureSettings, PrepareSettings
     from speculators.train.vocab import build_store_vocab
