@@ -55,7 +55,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import write_text_atomic
 from speculators.data.prompts import MT_BENCH, mt_bench_questions
@@ -96,6 +96,9 @@ from speculators.serving.multinode import refuse_node_flags
 from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters, check_vision_serving
 from speculators.settings import BenchSettings, node_group_of
 from speculators.verifier.quantization import vllm_quantization_args
+
+if TYPE_CHECKING:
+    from speculators.data.prompts import Conversation
 
 
 def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> ServerSettings:
@@ -229,31 +232,7 @@ def measure_prompts(
             paths["html"],
             settings.natural_max_tokens if natural else None,
         )
-        for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
-            wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
-            # The baseline has answered MT-Bench's first turns (complete_mt_bench) and every server its
-            # earlier runs' prompts: cached prefixes would cut one server's TTFT (and GuideLLM's TPOT,
-            # which counts it) for prompts the other prefills.
-            server.reset_prefix_cache()
-            before, load_before = server.metrics(), load_snapshot(server.process_groups())
-            run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
-            load = other_load(load_before, load_snapshot(server.process_groups()))
-            summary = read_guidellm_report(paths["json"])
-            after = server.metrics()
-            summary["spec_decode"] = acceptance_from_counters(before, after)
-            summary["prefix_cache"] = {
-                "query_tokens": after["prefix_cache_queries"] - before["prefix_cache_queries"],
-                "hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
-            }
-            summary["machine_load"] = load
-            recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
-            if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
-                break
-            # GuideLLM 0.8.1 now and then ends a run with its last request still in flight (its
-            # scheduler's end state: 3 processed of 4 created, 1 processing); the run is taken again.
-            print(
-                f"[{label}] {name}: GuideLLM recorded {recorded} of {requests} requests; running it again", flush=True
-            )
+        summary = run_profile(server, command, paths, requests, folder, settings, f"[{label}] {name}")
         if summary["requests"].get("errored"):
             raise SpeculatorsError(
                 f"{summary['requests']['errored']} GuideLLM requests failed against the "
@@ -271,17 +250,65 @@ def measure_prompts(
             flush=True,
         )
     if prompt_groups(prompts.conversations):
-        started_groups = time.perf_counter()
-        server.reset_prefix_cache()
-        results["categories"] = category_pass(server, prompts.conversations, settings)
-        print(
-            f"[{label}] per-category pass: {sum(g['prompts'] for g in results['categories']['groups'])} prompts in "
-            f"{len(results['categories']['groups'])} groups (category, turn), "
-            f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
-            f"{answer_cap(settings)} tokens) ({time.perf_counter() - started_groups:.0f} s)",
-            flush=True,
-        )
+        results["categories"] = measure_categories(server, prompts.conversations, settings, label)
     return results
+
+
+def run_profile(
+    server: VllmServer,
+    command: list[str],
+    paths: dict[str, Path],
+    requests: int,
+    folder: Path,
+    settings: BenchSettings,
+    label: str,
+) -> dict[str, Any]:
+    """One GuideLLM run of a profile against the server (read_guidellm_report's summary), with what moved
+    around it: the spec-decode counters, the prefix cache and the machine's load. Taken again, up to
+    GUIDELLM_ATTEMPTS times, when GuideLLM recorded fewer requests than it was given."""
+
+    for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
+        wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
+        # The baseline has answered MT-Bench's first turns (complete_mt_bench) and every server its
+        # earlier runs' prompts: cached prefixes would cut one server's TTFT (and GuideLLM's TPOT,
+        # which counts it) for prompts the other prefills.
+        server.reset_prefix_cache()
+        before, load_before = server.metrics(), load_snapshot(server.process_groups())
+        run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+        load = other_load(load_before, load_snapshot(server.process_groups()))
+        summary = read_guidellm_report(paths["json"])
+        after = server.metrics()
+        summary["spec_decode"] = acceptance_from_counters(before, after)
+        summary["prefix_cache"] = {
+            "query_tokens": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+            "hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        }
+        summary["machine_load"] = load
+        recorded = summary["requests"].get("successful", 0) + summary["requests"].get("errored", 0)
+        if recorded >= requests or attempt == GUIDELLM_ATTEMPTS:
+            break
+        # GuideLLM 0.8.1 now and then ends a run with its last request still in flight (its
+        # scheduler's end state: 3 processed of 4 created, 1 processing); the run is taken again.
+        print(f"{label}: GuideLLM recorded {recorded} of {requests} requests; running it again", flush=True)
+    return summary
+
+
+def measure_categories(
+    server: VllmServer, conversations: list[Conversation], settings: BenchSettings, label: str
+) -> dict[str, Any]:
+    """The per-category pass (category_pass) from an empty prefix cache, with its progress line."""
+
+    started = time.perf_counter()
+    server.reset_prefix_cache()
+    categories = category_pass(server, conversations, settings)
+    print(
+        f"[{label}] per-category pass: {sum(g['prompts'] for g in categories['groups'])} prompts in "
+        f"{len(categories['groups'])} groups (category, turn), "
+        f"{CATEGORY_STREAMS} requests in flight, answers of natural length (at most "
+        f"{answer_cap(settings)} tokens) ({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
+    return categories
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
