@@ -224,26 +224,45 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", *profile_table(report["profiles"])]
     beside = report.get("mt_bench")
     if beside:
-        headline = beside["acceptance"]
-        rates = " / ".join(f"{r:.3f}" for r in headline["acceptance_per_position"])
-        (name, profile), *_ = beside["profiles"].items()
-        tpot = profile["speedup"].get("tpot_ms")
-        lines += [
-            "",
-            "## MT-Bench beside the main prompts",
-            "",
-            f"{beside['prompts']['questions']} MT-Bench questions in two turns ({beside['prompts']['count']} "
-            f"prompts; turn 2 after the verifier's own greedy turn-1 answer of at most "
-            f"{beside['prompts']['turn_1_answer_max_tokens']} tokens), on the same servers after the main prompts. "
-            f"**Acceptance length {headline['acceptance_length'] or 0:.3f}** ({headline.get('length', 'fixed')} "
-            f"length, per position {rates}) over {headline['drafts']} drafts; {name} TPOT speed-up "
-            f"**{'-' if tpot is None else f'{tpot:.3f}x'}**.",
-            *category_lines(beside.get("per_category"), s["num_speculative_tokens"]),
-            "",
-            *profile_table(beside["profiles"]),
-        ]
-    outputs = report["outputs"]
+        lines += mt_bench_lines(beside, s["num_speculative_tokens"])
+    lines += outputs_lines(report["outputs"])
+    lines += ["", load_line(report.get("machine_load"))]
+    hw = report["hardware"]
     lines += [
+        "",
+        f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
+        + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "")
+        + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def mt_bench_lines(beside: dict[str, Any], k: int) -> list[str]:
+    """report.md's last section, MT-Bench beside the main prompts: its headline, category table and profiles."""
+    headline = beside["acceptance"]
+    rates = " / ".join(f"{r:.3f}" for r in headline["acceptance_per_position"])
+    (name, profile), *_ = beside["profiles"].items()
+    tpot = profile["speedup"].get("tpot_ms")
+    return [
+        "",
+        "## MT-Bench beside the main prompts",
+        "",
+        f"{beside['prompts']['questions']} MT-Bench questions in two turns ({beside['prompts']['count']} "
+        f"prompts; turn 2 after the verifier's own greedy turn-1 answer of at most "
+        f"{beside['prompts']['turn_1_answer_max_tokens']} tokens), on the same servers after the main prompts. "
+        f"**Acceptance length {headline['acceptance_length'] or 0:.3f}** ({headline.get('length', 'fixed')} "
+        f"length, per position {rates}) over {headline['drafts']} drafts; {name} TPOT speed-up "
+        f"**{'-' if tpot is None else f'{tpot:.3f}x'}**.",
+        *category_lines(beside.get("per_category"), k),
+        "",
+        *profile_table(beside["profiles"]),
+    ]
+
+
+def outputs_lines(outputs: dict[str, Any]) -> list[str]:
+    """report.md's greedy outputs: how many were identical, near-ties or diverged, and each difference."""
+    lines = [
         "",
         f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "
         f"{outputs['compared']} identical, {outputs['near_tie']} parted at a numerical near-tie of the verifier, "
@@ -259,16 +278,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             below = ", ".join(f"{b:.4g}" for b in d.get("below_top", []))
             tolerance = f"{d['tolerance']:.4g}" if "tolerance" in d else ""
             lines.append(f"| {d['prompt']} | {d['status']} | {d.get('position', '')} | {below} | {tolerance} |")
-    lines += ["", load_line(report.get("machine_load"))]
-    hw = report["hardware"]
-    lines += [
-        "",
-        f"Hardware: {hw.get('cpu', hw['machine'])}, {hw['cpus']} CPUs"
-        + (f", GPUs {', '.join(hw['gpus'])}" if hw.get("gpus") else "")
-        + ".",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def load_text(load: dict[str, Any] | None, markdown: bool = False) -> str:
