@@ -546,44 +546,17 @@ def evaluate(
     )
     noise = 0.0  # an FP8 verifier's: the most the two decoders' logits differed where they agreed
 
-    for index, (prompt_id, prompt_ids, *with_images) in enumerate(prompts):
-        images = [load_image(part) for part in (with_images[0] if with_images else [])]
-        # K extra reference tokens let an oracle draft past the budget; they are not timed.
-        baseline = greedy_generate(
-            verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens, images=images
-        )
-        speculative = speculative_generate(
-            verifier,
-            prompt_ids,
-            proposer,
-            num_speculative_tokens,
-            max_new_tokens,
-            stop_ids,
-            reference=baseline.tokens,
-            images=images,
-        )
-        baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
-        result = PromptResult(
-            id=prompt_id,
-            prompt_tokens=len(prompt_ids),
-            generated=len(speculative.tokens),
-            steps=speculative.steps,
-            drafts=speculative.drafts,
-            accepted=sum(speculative.accepted_per_position),
-            baseline_seconds=baseline.seconds,
-            speculative_seconds=speculative.seconds,
-            accepted_per_position=speculative.accepted_per_position,
-            comparison=compare_outputs(baseline, speculative, dtype, tie_tolerance),
-            greedy_ids=list(baseline.tokens),
-            prompt_ids=list(prompt_ids),
+    for index, prompt in enumerate(prompts):
+        result, prompt_noise = evaluate_prompt(
+            verifier, prompt, proposer, num_speculative_tokens, max_new_tokens, stop_ids, tie_tolerance
         )
         report.results.append(result)
-        if verifier.quantization:
-            noise = max(noise, order_noise(baseline, speculative))
+        if prompt_noise is not None:
+            noise = max(noise, prompt_noise)
         if progress:
             acceptance = 1 + result.accepted / result.drafts if result.drafts else 0.0
             print(
-                f"  [{index + 1}/{len(prompts)}] {prompt_id}: {result.generated} tokens, acceptance "
+                f"  [{index + 1}/{len(prompts)}] {result.id}: {result.generated} tokens, acceptance "
                 f"{acceptance:.2f}, {result.comparison.status}",
                 flush=True,
             )
@@ -597,6 +570,52 @@ def evaluate(
                 flush=True,
             )
     return report
+
+
+def evaluate_prompt(
+    verifier: Verifier,
+    prompt: EvalPrompt,
+    proposer: Proposer,
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    tie_tolerance: float | None,
+) -> tuple[PromptResult, float | None]:
+    """One (id, prompt ids[, image parts]): the verifier's greedy answer, the speculative one, compared;
+    with an FP8 verifier also the two decoders' evaluation-order noise on it (order_noise), else None."""
+
+    prompt_id, prompt_ids, *with_images = prompt
+    images = [load_image(part) for part in (with_images[0] if with_images else [])]
+    # K extra reference tokens let an oracle draft past the budget; they are not timed.
+    baseline = greedy_generate(
+        verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens, images=images
+    )
+    speculative = speculative_generate(
+        verifier,
+        prompt_ids,
+        proposer,
+        num_speculative_tokens,
+        max_new_tokens,
+        stop_ids,
+        reference=baseline.tokens,
+        images=images,
+    )
+    baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
+    result = PromptResult(
+        id=prompt_id,
+        prompt_tokens=len(prompt_ids),
+        generated=len(speculative.tokens),
+        steps=speculative.steps,
+        drafts=speculative.drafts,
+        accepted=sum(speculative.accepted_per_position),
+        baseline_seconds=baseline.seconds,
+        speculative_seconds=speculative.seconds,
+        accepted_per_position=speculative.accepted_per_position,
+        comparison=compare_outputs(baseline, speculative, verifier.model.dtype, tie_tolerance),
+        greedy_ids=list(baseline.tokens),
+        prompt_ids=list(prompt_ids),
+    )
+    return result, order_noise(baseline, speculative) if verifier.quantization else None
 
 
 def order_noise(baseline: Generation, speculative: Generation) -> float:
