@@ -770,63 +770,65 @@ def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: 
     return DrafterProposer(drafter.eval())
 
 
-def run_evaluation(
-    verifier_source: str,
-    prompts_source: str,
-    speculator: str | None = None,
-    proposer_kind: str = DEFAULTS["proposer"],
-    num_speculative_tokens: int | None = None,
-    max_prompts: int | None = DEFAULTS["max_prompts"],
-    max_new_tokens: int = DEFAULTS["max_new_tokens"],
-    dtype: str = DEFAULTS["dtype"],
-    stop_at_eos: bool = DEFAULTS["stop_at_eos"],
-    tie_tolerance: float | None = None,
-    output: str | Path | None = None,
-    quantization: str | None = None,
-) -> EvaluationReport:
-    """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point. With
+def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:
+    """Load everything, evaluate, write the report JSON (if `output`): the `evaluate` command. With
     `quantization`, both decoders run the same FP8 verifier (speculators/verifier/quantization.py). With
-    `prompts_source` `mt-bench`, `max_prompts` counts questions, each asked in two turns
-    (evaluate_mt_bench)."""
+    prompts `mt-bench`, `max_prompts` counts questions, each asked in two turns (evaluate_mt_bench)."""
 
-    verifier = load_verifier(verifier_source, dtype=dtype, quantization=quantization)
-    require_chat_template(verifier.tokenizer, verifier_source)  # (before the drafter loads: prompts are rendered)
-    proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
+    s = settings
+    verifier = load_verifier(s.verifier, dtype=s.dtype, quantization=s.quantization)
+    require_chat_template(verifier.tokenizer, s.verifier)  # (before the drafter loads: prompts are rendered)
+    proposer = load_proposer(s.proposer, verifier, s.speculator, s.dtype)
+    num_speculative_tokens = s.num_speculative_tokens
     if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
         num_speculative_tokens = 3
         if isinstance(proposer, DrafterProposer):
             num_speculative_tokens = proposer.drafter.config.speculative_tokens
-    settings = {
-        "verifier": verifier_source,
-        "speculator": speculator,
-        "prompts": prompts_source,
-        "quantization": quantization,
+    recorded = {
+        "verifier": s.verifier,
+        "speculator": s.speculator,
+        "prompts": s.prompts,
+        "quantization": s.quantization,
     }
-    arithmetic = f"verifier in {dtype}" + (f" with {quantization} FP8 projections" if quantization else "")
-    if prompts_source == MT_BENCH:
-        questions = mt_bench_questions(max_prompts)
+    arithmetic = f"verifier in {s.dtype}" + (f" with {s.quantization} FP8 projections" if s.quantization else "")
+    if s.prompts == MT_BENCH:
+        questions = mt_bench_questions(s.max_prompts)
         print(
             f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(questions)} MT-Bench questions, two "
-            f"turns each, at most {max_new_tokens} new tokens per turn, {arithmetic}",
+            f"turns each, at most {s.max_new_tokens} new tokens per turn, {arithmetic}",
             flush=True,
         )
         report = evaluate_mt_bench(
-            verifier, questions, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+            verifier,
+            questions,
+            proposer,
+            num_speculative_tokens,
+            s.max_new_tokens,
+            s.stop_at_eos,
+            s.tie_tolerance,
+            recorded,
         )
     else:
-        conversations = load_prompts(prompts_source, max_prompts)
+        conversations = load_prompts(s.prompts, s.max_prompts)
         prompts = tokenize_prompts(verifier.tokenizer, conversations, verifier)
         print(
             f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from "
-            f"{prompts_source}, {max_new_tokens} new tokens each, {arithmetic}",
+            f"{s.prompts}, {s.max_new_tokens} new tokens each, {arithmetic}",
             flush=True,
         )
         report = evaluate(
-            verifier, prompts, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+            verifier,
+            prompts,
+            proposer,
+            num_speculative_tokens,
+            s.max_new_tokens,
+            s.stop_at_eos,
+            s.tie_tolerance,
+            recorded,
         )
         label_results(report, conversations)
-    if output is not None:
+    if s.output is not None:
         import json
 
-        write_text_atomic(Path(output), json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text_atomic(Path(s.output), json.dumps(report.to_dict(), indent=2) + "\n")
     return report

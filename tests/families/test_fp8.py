@@ -152,10 +152,14 @@ def test_evaluate_decodes_losslessly_against_the_same_fp8_verifier(peaked_verifi
     differed where they agreed (evaluate.order_noise), a near-tie, never a divergence. The drafter
     trained on that verifier's states accepts as one trained on an unquantized verifier does."""
     from speculators.eval.evaluate import run_evaluation
+    from speculators.settings import EvaluateSettings
 
     prompts = str(write_peaked_prompts(tmp_path / "p.jsonl"))
     common = dict(speculator=str(fp8_drafter), max_new_tokens=32, stop_at_eos=False, max_prompts=8)
-    report = run_evaluation(str(peaked_verifier), prompts, quantization=SCHEME, output=tmp_path / "r.json", **common)
+    settings = EvaluateSettings(
+        verifier=str(peaked_verifier), prompts=prompts, quantization=SCHEME, output=tmp_path / "r.json", **common
+    )
+    report = run_evaluation(settings)
     lossless = report.totals()["lossless"]
     assert lossless["diverged"] == 0 and lossless["identical"] >= 6, lossless
     noise = report.settings["fp8_order_noise"]
