@@ -16,9 +16,8 @@ from speculators.verifier.vision import request_images
 if TYPE_CHECKING:
     from speculators.verifier.loading import Verifier
 
+# The baseline server's largest logits per output position that the judge reads (greedy_outputs' top_logits).
 JUDGE_TOP_LOGITS = 20  # vLLM's default --max-logprobs
-
-
 SERVED_TIE_ULPS = 8  # two implementations (vLLM's kernels, transformers') each round by up to ~4 ulps
 
 
