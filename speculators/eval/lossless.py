@@ -9,7 +9,7 @@ that close may swap); anything else diverged, which is a bug. The tolerance is a
 
 Where the logits at the split come from is each caller's own: evaluate reads both decoders' top two
 at that position (evaluate.compare_outputs), bench (compare_served_outputs) the baseline server's reported logits or a
-transformers re-score (bench.OutputJudge), and an FP8 verifier's evaluation-order noise may widen the
+transformers re-score (output_judge.OutputJudge), and an FP8 verifier's evaluation-order noise may widen the
 tolerance (quantization.path_noise).
 """
 

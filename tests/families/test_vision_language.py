@@ -294,6 +294,7 @@ def test_the_lineage_materializes_for_a_tiny_qwen3_vl_through_dagster(vl_verifie
 
     from speculators.data.demo_images import demo_image_rows
     from speculators.eval.evaluate import run_evaluation
+    from speculators.settings import EvaluateSettings
     from speculators.verifier.vision import vllm_vision_support
 
     prompts = write_image_prompts(tmp_path / "train.jsonl", demo_image_rows("train")[:8])
@@ -348,7 +349,10 @@ gates: {{min_acceptance_length: 1.2, min_vocab_coverage: 0.5}}
     closed = [e for e in events if "closed with exception" in (e.message or "")]
     error = closed[0].event_specific_data.error.message
     assert "`speculators bench` failed with exit code 2: cannot serve" in error and "torchvision" in error
-    report = run_evaluation(str(vl_verifier), str(held_out), speculator=checkpoint["latest"], max_new_tokens=24)
+    held_out_settings = EvaluateSettings(
+        verifier=str(vl_verifier), prompts=str(held_out), speculator=checkpoint["latest"], max_new_tokens=24
+    )
+    report = run_evaluation(held_out_settings)
     totals = report.totals()
     assert totals["lossless"]["identical"] == totals["prompts"] == 4
     assert totals["acceptance_length"] > 1.0

@@ -23,6 +23,7 @@ from speculators.eval.evaluate import (
     run_evaluation,
     tokenize_prompts,
 )
+from speculators.settings import EvaluateSettings
 from speculators.verifier.loading import load_verifier
 from tests.conftest import write_peaked_prompts
 
@@ -79,13 +80,15 @@ def test_lossless_for_a_trained_and_a_random_drafter_whose_acceptance_differs(
     reports = {}
     for name, speculator in (("trained", trained_drafter), ("random", random_drafter)):
         reports[name] = run_evaluation(
-            str(peaked_verifier),
-            str(prompts_file),
-            speculator=str(speculator),
-            num_speculative_tokens=K,
-            max_new_tokens=40,
-            dtype="float32",
-            output=tmp_path / f"{name}.json",
+            EvaluateSettings(
+                verifier=str(peaked_verifier),
+                prompts=str(prompts_file),
+                speculator=str(speculator),
+                num_speculative_tokens=K,
+                max_new_tokens=40,
+                dtype="float32",
+                output=tmp_path / f"{name}.json",
+            )
         )
         # fp32: every prompt exactly as plain greedy decoding.
         assert reports[name].totals()["lossless"]["identical"] == 8, reports[name].render()
@@ -102,12 +105,14 @@ def test_lossless_for_a_trained_and_a_random_drafter_whose_acceptance_differs(
 
 def test_bf16_divergences_are_only_near_ties(peaked_verifier, trained_drafter, prompts_file):
     report = run_evaluation(
-        str(peaked_verifier),
-        str(prompts_file),
-        speculator=str(trained_drafter),
-        num_speculative_tokens=K,
-        max_new_tokens=40,
-        dtype="bfloat16",
+        EvaluateSettings(
+            verifier=str(peaked_verifier),
+            prompts=str(prompts_file),
+            speculator=str(trained_drafter),
+            num_speculative_tokens=K,
+            max_new_tokens=40,
+            dtype="bfloat16",
+        )
     )
     for result in report.results:
         assert result.comparison.status in ("identical", "near_tie"), report.render()
@@ -121,12 +126,14 @@ def test_a_reference_library_checkpoint_evaluates(tiny_verifier_dir, tmp_path):
 
     source = write_reference_library_checkpoint(tmp_path / "reference", research_tensors(seed=2))
     report = run_evaluation(
-        str(tiny_verifier_dir("llama")),
-        "demo:eval",
-        speculator=str(source),
-        max_prompts=2,
-        max_new_tokens=12,
-        dtype="float32",
+        EvaluateSettings(
+            verifier=str(tiny_verifier_dir("llama")),
+            prompts="demo:eval",
+            speculator=str(source),
+            max_prompts=2,
+            max_new_tokens=12,
+            dtype="float32",
+        )
     )
     assert report.settings["num_speculative_tokens"] == 5  # the checkpoint's own K
     assert report.totals()["lossless"]["identical"] == 2 and report.totals()["drafts"] > 0

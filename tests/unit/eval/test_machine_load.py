@@ -56,7 +56,7 @@ def test_a_busy_process_counts_as_other_load_unless_its_group_is_measured():
 
 
 def test_bench_reports_whether_every_speed_figure_was_measured_on_a_quiet_machine():
-    from speculators.eval.bench import load_line, load_text, machine_load_summary
+    from speculators.eval.bench_report import load_line, load_text, machine_load_summary
 
     quiet = {"seconds": 60.0, "cores": 2, "other_cores": 0.02, "steal_cores": 0.0, "quiet": True}
     busy = {"seconds": 80.0, "cores": 2, "other_cores": 0.83, "steal_cores": 0.01, "quiet": False}

@@ -18,7 +18,7 @@ from speculators.data.packaged import PackagedData
 from speculators.data.prompt_set import load_prompts, prepare_conversations
 from speculators.data.rows import TRUNCATED_JSON
 from speculators.errors import SpeculatorsError
-from speculators.eval import bench
+from speculators.eval import bench_report, served
 from speculators.eval.evaluate import Comparison, EvaluationReport, PromptResult, category_table
 
 K = 3
@@ -275,7 +275,7 @@ def test_bench_category_summary_is_exact_on_hand_made_groups():
         group("stem", 2, 200, 2.0, drafts=100, accepted=(50, 20, 10)),
         group("coding", 1, 100, 0.5, drafts=40, accepted=(40, 40, 40)),
     ]
-    columns = bench.category_summary(baseline, speculator)
+    columns = bench_report.category_summary(baseline, speculator)
     assert list(columns) == ["stem", "coding", "overall"]
     stem, coding, overall = columns["stem"], columns["coding"], columns["overall"]
     assert stem["acceptance_length"] == 1 + 260 / 200 and stem["drafts"] == 200 and stem["prompts"] == 6
@@ -290,7 +290,7 @@ def test_bench_category_summary_is_exact_on_hand_made_groups():
     table = category_table(columns, K, "speed-up (output tokens/s)")
     assert "| acceptance length | 2.30 | 4.00 | 2.58 |" in table
     with pytest.raises(SpeculatorsError, match="different groups"):
-        bench.category_summary(baseline, speculator[::-1])
+        bench_report.category_summary(baseline, speculator[::-1])
 
 
 class FakeServer:
@@ -324,14 +324,14 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
             "metrics": {"speculative_decoding": own},
         }
 
-    monkeypatch.setattr(bench, "post_chat", post_chat)
-    monkeypatch.setattr(bench, "wait_until_idle", lambda url: None)
+    monkeypatch.setattr(served, "post_chat", post_chat)
+    monkeypatch.setattr(served, "wait_until_idle", lambda url: None)
     settings = BenchSettings(
         verifier="v", speculator="s", output=tmp_path, prompts="mt-bench", requests=3, natural_max_tokens=40
     )
-    plan = bench.bench_prompts(settings, tmp_path)
+    plan = served.bench_prompts(settings, tmp_path)
     assert len(plan.questions) == 3 and not plan.conversations and not (tmp_path / "prompts.jsonl").exists()
-    bench.complete_mt_bench(plan, server, settings, tmp_path)
+    served.complete_mt_bench(plan, server, settings, tmp_path)
     assert [b["max_tokens"] for b in sent] == [40] * 3 and all(b["temperature"] == 0 for b in sent)
     assert [c.id for c in plan.conversations] == [
         "mt-bench-81-turn1", "mt-bench-81-turn2", "mt-bench-91-turn1", "mt-bench-91-turn2",
@@ -349,11 +349,11 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
     answers = [json.loads(line) for line in (tmp_path / "mt-bench-answers.jsonl").read_text().splitlines()]
     assert [a["id"] for a in answers] == ["mt-bench-81", "mt-bench-91", "mt-bench-101"]
 
-    groups = bench.prompt_groups(plan.conversations)
+    groups = served.prompt_groups(plan.conversations)
     assert list(groups) == [("writing", 1), ("writing", 2), ("roleplay", 1), ("roleplay", 2), ("reasoning", 1),
                             ("reasoning", 2)]  # fmt: skip
     sent.clear()
-    passed = bench.category_pass(server, plan.conversations, settings)
+    passed = served.category_pass(server, plan.conversations, settings)
     measured = passed["groups"]
     assert [(g["category"], g["turn"], g["prompts"], g["output_tokens"]) for g in measured][:2] == [
         ("writing", 1, 1, 7),
@@ -367,10 +367,10 @@ def test_bench_builds_mt_bench_turn_2_from_the_baseline_answers_and_groups_by_ca
     assert passed["counters"]["drafts"] == 12 and passed["counters"]["accepted_tokens"] == 24
     assert len(sent) == 6 and all(b["max_tokens"] == 40 and "ignore_eos" not in b for b in sent)
     # A speculator server whose replies lack their statistics (a vLLM without the flag): one clear error.
-    monkeypatch.setattr(bench, "post_chat", lambda url, body: {"choices": [], "usage": {"completion_tokens": 1}})
+    monkeypatch.setattr(served, "post_chat", lambda url, body: {"choices": [], "usage": {"completion_tokens": 1}})
     with pytest.raises(SpeculatorsError, match="without their spec-decode statistics"):
-        bench.category_pass(server, plan.conversations, settings)
-    assert bench.prompt_groups([Conversation("x", [{"role": "user", "content": "hi"}])]) == {}
+        served.category_pass(server, plan.conversations, settings)
+    assert served.prompt_groups([Conversation("x", [{"role": "user", "content": "hi"}])]) == {}
 
 
 def test_mt_bench_beside_the_eval_prompts_reaches_bench_and_the_report_key(tmp_path, capsys):
@@ -416,7 +416,7 @@ def test_no_fixed_length_runs_the_natural_profile_alone_and_changes_the_report_k
     alone, reaches `speculators bench` from a variant and changes its report key; with the natural
     profile off as well nothing would be measured, which is one line before any server starts."""
     from speculators.cli import build_parser, main
-    from speculators.eval.bench import headline_acceptance
+    from speculators.eval.bench_report import headline_acceptance
     from speculators.settings import BenchSettings
     from speculators_assets.variants import load_variants
     from speculators_assets.workload import bench_command, benchmark_key

@@ -247,7 +247,8 @@ def test_every_node_of_an_offline_engine_gets_rank_0s_arguments(local_variant, c
 def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda_build, serve_parser, tmp_path):
     """Both servers of the benchmark (baseline; speculator, with its speculative config) on node rank 0 and
     their headless workers on node rank 1: the same EngineArgs but for the node rank."""
-    from speculators.eval.bench import ROLES, role_server_settings
+    from speculators.eval.bench import role_server_settings
+    from speculators.eval.served import ROLES
     from speculators.serving.serve import VllmServer
 
     speculator = tmp_path / "speculator"

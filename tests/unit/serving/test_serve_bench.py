@@ -385,8 +385,8 @@ def test_differing_served_outputs_are_judged_near_tie_or_diverged(peaked_verifie
     import torch
 
     from speculators.data.tokenization import render_ids
-    from speculators.eval.bench import OutputJudge, compare_served_outputs
     from speculators.eval.lossless import top_two
+    from speculators.eval.output_judge import OutputJudge, compare_served_outputs
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
@@ -440,8 +440,8 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
     import torch
 
     from speculators.data.tokenization import render_ids
-    from speculators.eval import bench
-    from speculators.eval.bench import OutputJudge
+    from speculators.eval import output_judge
+    from speculators.eval.output_judge import OutputJudge
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
@@ -450,7 +450,7 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
     position = 3
     with torch.inference_mode():
         logits = verifier.model(input_ids=torch.tensor([prompt + answer[:position]])).logits[0, -1].float()
-    values, ids = logits.topk(bench.JUDGE_TOP_LOGITS)
+    values, ids = logits.topk(output_judge.JUDGE_TOP_LOGITS)
     top = [[int(i), float(v)] for i, v in zip(ids, values, strict=True)]
     served_top = [[[t, 0.0]] for t in answer[:position]] + [top]  # earlier positions: their greedy tokens
     first = [*answer[:position], top[0][0]]
@@ -458,7 +458,7 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
     outside = [*answer[:position], int(logits.argmin())]
     margin, fifth_below = top[0][1] - top[1][1], top[0][1] - top[4][1]
     loads = []  # the judge's loads of the verifier (when it re-scores)
-    monkeypatch.setattr(bench, "load_verifier", lambda *a, **k: loads.append(a) or load_verifier(*a, **k))
+    monkeypatch.setattr(output_judge, "load_verifier", lambda *a, **k: loads.append(a) or load_verifier(*a, **k))
     for tolerance, other in ((margin + 1e-3, runner_up), (margin / 2, runner_up), (fifth_below + 1e-3, fifth)):
         judge = OutputJudge(str(peaked_verifier), "float32", tie_tolerance=tolerance)
         served = judge(prompt, first, other, served_top=served_top)
@@ -482,7 +482,8 @@ def test_the_judge_reads_the_baseline_servers_logits_and_agrees_with_a_re_score(
 def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_path):
     """Fixed-length profiles send an exact budget per row (GuideLLM adds ignore_eos); the natural-length
     profile's rows carry none and its requests are capped by max_tokens, so answers end at end of turn."""
-    from speculators.eval.bench import BenchSettings, guidellm_command, guidellm_profile, profile_name
+    from speculators.eval.guidellm import guidellm_command, guidellm_profile, profile_name
+    from speculators.settings import BenchSettings
 
     settings = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[2], natural_max_tokens=300)
     profiles = settings.profiles()
