@@ -117,3 +117,49 @@ def test_the_readme_links_resolve():
         if fragment:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
             assert fragment in {anchor(h) for h in headings}, f"README links to {link}: no such heading"
+
+
+MAX_FUNCTION_LINES = 80  # a function a reader follows in one go (issue: no function over 80 lines)
+
+
+def test_no_function_of_the_library_or_the_code_location_is_over_80_lines():
+    """Every function and method in speculators/ and speculators_assets/, from its `def` line to its last
+    line (decorators left out), fits MAX_FUNCTION_LINES; a longer one is split along its seams."""
+    import ast
+
+    long = []
+    for package in ("speculators", "speculators_assets"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
+
+
+def test_the_readme_module_map_names_every_module_of_the_tree():
+    """README.md's module map matches the tree: each module of the library and the code location is named
+    in it (by its file name, under its package's line), and each file name it lists exists."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Module map", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}  # package folder -> the text of its entry (the first line and its continuations)
+    package = ""
+    for line in block.splitlines():
+        if line and not line.startswith(" "):
+            package = line.split()[0]
+            package = package if package.endswith("/") else package.rsplit("/", 1)[0] + "/"
+        entries[package] = entries.get(package, "") + " " + line
+    for root in ("speculators", "speculators_assets"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            folder = path.parent.relative_to(ROOT).as_posix() + "/"
+            assert re.search(rf"\b{re.escape(path.name)}\b", entries.get(folder, "")), (
+                f"README's module map does not name {path.relative_to(ROOT)} under {folder}"
+            )
+    for folder, text in entries.items():
+        for name in re.findall(r"\b(\w+\.py)\b", text):
+            assert (ROOT / folder / name).is_file(), f"README's module map names {folder}{name}, which does not exist"
