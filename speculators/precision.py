@@ -25,8 +25,12 @@ import typing
 from functools import cache
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from speculators.errors import SpeculatorsError
 from speculators.settings import ComputeDtype, HalfDtype
+
+SettingsT = typing.TypeVar("SettingsT", bound=BaseModel)
 
 COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
 VLLM_DTYPES: tuple[str, ...] = typing.get_args(HalfDtype)  # what vLLM's online FP8 methods compute the rest in
@@ -81,6 +85,18 @@ def compute_dtype(dtype: str, device: str, quantization: str | None = None) -> s
             f"{' or '.join(VLLM_DTYPES)}; pass --dtype bfloat16 (or auto)"
         )
     return dtype
+
+
+def with_compute_dtype(settings: SettingsT, on_vllm: bool) -> SettingsT:
+    """`settings` (a command's settings model with a `dtype`, and perhaps `device` and `quantization`) with
+    `dtype` "auto" resolved by compute_dtype where the command computes (`on_vllm`: the installed vLLM, else
+    its `device`), as the command line resolves it before a command runs, so that a Python caller may leave
+    the dtype at its default; a concrete dtype is kept as it is."""
+    if getattr(settings, "dtype", None) != "auto":
+        return settings
+    device = "vllm" if on_vllm else getattr(settings, "device", None) or "auto"
+    dtype = compute_dtype("auto", device, getattr(settings, "quantization", None))
+    return settings.model_copy(update={"dtype": dtype})
 
 
 @cache

@@ -38,6 +38,7 @@ from speculators.data.store import (
 from speculators.data.tokenization import TokenizedSample, read_samples
 from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
+from speculators.precision import with_compute_dtype
 from speculators.serving.engine import cpu_core_lists, gpu_count, vllm_log
 from speculators.settings import CaptureSettings, MultiNode, node_group_of
 from speculators.verifier.loading import Verifier, VerifierFacts, load_verifier
@@ -500,6 +501,7 @@ def run_capture(settings: CaptureSettings, replica: tuple[int, int] | None = Non
     The store's lock is held throughout: a second datagen into the same store waits, then finds every
     shard written and computes none (replicas run under their parent's lock)."""
 
+    settings = with_compute_dtype(settings, on_vllm=settings.backend == "vllm")  # (the CLI resolved it already)
     if replica is not None:
         return capture_into_store(settings, replica)
     with exclusive_lock(settings.output, "hidden-state store"):

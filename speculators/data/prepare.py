@@ -47,6 +47,7 @@ from speculators.data.tokenization import (
 )
 from speculators.errors import SpeculatorsError, shorten
 from speculators.flags import to_argv
+from speculators.precision import with_compute_dtype
 from speculators.serving.engine import decoding_enforce_eager, vllm_log
 from speculators.serving.serve import ServerSettings, VllmServer
 from speculators.settings import PrepareSettings, node_group_of
@@ -72,6 +73,7 @@ def run_prepare(settings: PrepareSettings) -> dict[str, Any]:
     """Conversations, then (with a verifier) samples; returns prepare_report.json's content. The output
     folder's lock is held throughout: a second prepare into it waits, then reuses the first's answers."""
 
+    settings = with_compute_dtype(settings, on_vllm=settings.backend == "vllm")  # (the CLI resolved it already)
     with exclusive_lock(settings.output, "prepared data"):
         return prepare_into(settings)
 

@@ -93,6 +93,7 @@ from speculators.eval.served import (
     warm_up,
 )
 from speculators.models.weights import read_checkpoint
+from speculators.precision import with_compute_dtype
 from speculators.serving.multinode import refuse_node_flags
 from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters, check_vision_serving
 from speculators.settings import BenchSettings, node_group_of
@@ -314,6 +315,7 @@ def measure_categories(
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Both servers, every profile, the report folder; returns report.json's content."""
+    settings = with_compute_dtype(settings, on_vllm=True)  # (the CLI resolved it already)
 
     if settings.prompts == MT_BENCH and settings.mt_bench:
         raise SpeculatorsError(

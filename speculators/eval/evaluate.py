@@ -34,6 +34,7 @@ from speculators.errors import SpeculatorsError
 from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.models.weights import read_checkpoint
+from speculators.precision import with_compute_dtype
 from speculators.settings import EvaluateSettings
 from speculators.verifier.loading import has_chat_template, load_verifier, require_chat_template
 from speculators.verifier.quantization import path_noise
@@ -778,7 +779,7 @@ def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:
     `quantization`, both decoders run the same FP8 verifier (speculators/verifier/quantization.py). With
     prompts `mt-bench`, `max_prompts` counts questions, each asked in two turns (evaluate_mt_bench)."""
 
-    s = settings
+    s = with_compute_dtype(settings, on_vllm=False)  # (the CLI resolved it already)
     verifier = load_verifier(s.verifier, dtype=s.dtype, quantization=s.quantization)
     require_chat_template(verifier.tokenizer, s.verifier)  # (before the drafter loads: prompts are rendered)
     proposer = load_proposer(s.proposer, verifier, s.speculator, s.dtype)

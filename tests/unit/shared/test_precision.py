@@ -60,3 +60,49 @@ def test_the_server_is_started_with_a_concrete_dtype(cpu_bf16, peaked_verifier):
     cpu_bf16(True)
     command = VllmServer(ServerSettings(verifier=str(peaked_verifier), port=0, dtype="auto")).command()
     assert command[command.index("--dtype") + 1] == "bfloat16"
+
+
+def test_settings_resolve_auto_where_their_command_computes(cpu_bf16, monkeypatch):
+    from speculators.settings import BenchSettings, CaptureSettings, EvaluateSettings
+
+    cpu_bf16(False)
+    capture = CaptureSettings(data="s.jsonl", verifier="v", output="o")
+    assert capture.dtype == "auto" and precision.with_compute_dtype(capture, on_vllm=False).dtype == "float32"
+    cpu_bf16(True)
+    assert precision.with_compute_dtype(capture, on_vllm=False).dtype == "bfloat16"
+    # a concrete dtype is kept, the same object
+    fixed = capture.model_copy(update={"dtype": "float16"})
+    assert precision.with_compute_dtype(fixed, on_vllm=False) is fixed
+    # vLLM's FP8 verifiers compute in bf16 whatever the machine; evaluate (transformers) as the CPU does
+    cpu_bf16(False)
+    bench = BenchSettings(verifier="v", speculator="s", output="o", quantization="fp8_per_channel")
+    assert precision.with_compute_dtype(bench, on_vllm=True).dtype == "bfloat16"
+    evaluate = EvaluateSettings(verifier="v", dtype="auto")
+    assert precision.with_compute_dtype(evaluate, on_vllm=False).dtype == "float32"
+
+
+def test_the_python_api_takes_the_default_dtype_as_the_command_line_does(cpu_bf16, peaked_verifier, tmp_path):
+    """run_prepare and run_capture called with their settings' default `--dtype auto` (as docs/python-api.md
+    shows) compute in what the command line would resolve it to, instead of refusing 'auto'."""
+    import json
+
+    from speculators.data.capture import run_capture
+    from speculators.data.prepare import run_prepare
+    from speculators.settings import CaptureSettings, PrepareSettings
+    from tests.conftest import write_peaked_prompts
+
+    cpu_bf16(False)
+    prompts = write_peaked_prompts(tmp_path / "prompts.jsonl")
+    data, store = tmp_path / "data", tmp_path / "store"
+    run_prepare(
+        PrepareSettings(
+            sources=[str(prompts)],
+            output=str(data),
+            verifier=str(peaked_verifier),
+            regenerate=True,
+            max_samples=2,
+            max_new_tokens=8,
+        )
+    )
+    run_capture(CaptureSettings(data=str(data / "samples.jsonl"), verifier=str(peaked_verifier), output=str(store)))
+    assert json.loads((store / "manifest.json").read_text())["verifier"]["dtype"] == "float32"
