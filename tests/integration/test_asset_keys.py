@@ -33,6 +33,13 @@ KEYS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def shipped_variants_only(monkeypatch):
+    """The package's variants alone: a session fixture of the same worker (conftest's `lineage`) may have
+    pointed SPECULATORS_VARIANTS_DIR at tiny test variants."""
+    monkeypatch.delenv("SPECULATORS_VARIANTS_DIR", raising=False)
+
+
 def test_every_shipped_variant_has_its_keys_pinned():
     assert sorted(load_variants()) == sorted(KEYS)
 
