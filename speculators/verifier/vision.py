@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, shorten
 
 if TYPE_CHECKING:
     import torch
@@ -204,7 +204,7 @@ def load_image(part: dict[str, str]) -> Image.Image:
     """The RGB image of a normalised image part, re-checked (the file may have changed since prepare) with
     prepare's file, size and pixel checks (its folder was checked then); one SpeculatorsError if unusable."""
     reference = part["image"]
-    label = reference[:80]
+    label = shorten(reference, 200)  # (a path whole, as the battery names it; a data URL cut)
     try:
         data = image_bytes(reference)
         if hashlib.sha256(data).hexdigest()[:16] != part.get("sha256"):
