@@ -25,7 +25,6 @@ class RunRecord(BaseModel):
     world_size: int  # processes it trained on (WORLD_SIZE): each takes its share of every step's packs
     compute_dtype: str  # "bf16" or "fp32": --precision as resolved on the device it ran on
     store_content: str  # identity of the store's data: its samples' keys and checksums, the draft vocabulary
-    verifier_fingerprint: str  # the verifier whose states the store holds
     warm_start_content: str | None  # identity of the --warm-start drafter's config and weights, None without one
 
 

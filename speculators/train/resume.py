@@ -96,8 +96,8 @@ def flag_phrase(name: str, value: Any) -> str:
     return f"{flag} {value_text(value)}"
 
 
-def store_content(store: str | Path) -> tuple[str, str]:
-    """(identity of a store's data, its verifier's fingerprint): the samples in data order (ids, content
+def store_content(store: str | Path) -> str:
+    """Identity of a store's data: its verifier's fingerprint, the samples in data order (ids, content
     keys, shard checksums), the aux layers and storage, and the draft vocabulary's bytes. A store moved
     elsewhere keeps its identity; one with a sample more, less or recomputed, or a rebuilt vocabulary,
     does not."""
@@ -110,7 +110,7 @@ def store_content(store: str | Path) -> tuple[str, str]:
         digest.update(f"\n{entry.id}|{entry.key}|{entry.checksum}".encode())
     vocab = folder / "draft_vocab.safetensors"
     digest.update(f"\nvocab:{file_sha256(vocab) if vocab.is_file() else 'none'}".encode())
-    return digest.hexdigest()[:24], manifest.verifier.fingerprint
+    return digest.hexdigest()[:24]
 
 
 def drafter_content(folder: str | Path) -> str:
@@ -125,14 +125,12 @@ def drafter_content(folder: str | Path) -> str:
 
 def run_record(config: TrainConfig, world_size: int, compute_dtype: str) -> RunRecord:
     """The record of the run `config` starts on `world_size` processes computing in `compute_dtype`."""
-    content, fingerprint = store_content(config.store)
     warm = config.warm_start
     return RunRecord(
         settings=config.model_dump(mode="json", exclude=set(NOT_COMPARED)),
         world_size=world_size,
         compute_dtype=compute_dtype,
-        store_content=content,
-        verifier_fingerprint=fingerprint,
+        store_content=store_content(config.store),
         warm_start_content=drafter_content(warm) if warm and Path(warm).is_dir() else None,
     )
 
