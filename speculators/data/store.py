@@ -23,6 +23,7 @@ import json
 import re
 import typing
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
@@ -220,6 +221,12 @@ class HiddenStateStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
+    @cached_property
+    def resolved_root(self) -> Path:
+        """The store folder with its links resolved, once (first asked when a shard is read, so the folder
+        exists): every shard must resolve inside it."""
+        return self.root.resolve()
+
     @property
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
@@ -289,7 +296,7 @@ class HiddenStateStore:
         the store: a symlinked shard (or `shards` folder) is followed only within the store."""
         path = self.root / shard
         resolved = path.resolve()
-        if not resolved.is_relative_to(self.root.resolve()):
+        if not resolved.is_relative_to(self.resolved_root):
             raise SpeculatorsError(
                 f"shard {path} of sample {sample_id} resolves to {resolved}, outside the store {self.root} (a "
                 f"symlink out of it); nothing outside a store is read: {FRESH_STORE}, or link the whole store "
