@@ -51,6 +51,8 @@ ComputeDtype = Literal["auto", CheckpointDtype]
 StorageFormat = Literal["bfloat16", "float32", "fp8_e4m3"]
 # The decoder layer of an EAGLE-3 drafter (speculators/models/config.py).
 DraftLayerType = Literal["llama", "qwen3"]
+# The drafting algorithms (speculators_model_type); speculators.models.algorithms holds each one's parts.
+DrafterAlgorithm = Literal["eagle3", "peagle", "dflash"]
 # The families `speculators tiny-verifier` writes (speculators/verifier/tiny.py).
 TinyFamily = Literal[
     "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3"
@@ -439,6 +441,11 @@ class TrainConfig(TrainRecipe):
     output: PathText = Field(description="run folder: drafter/, checkpoints/, train_log.jsonl, summary.json")
     verifier_name: str | None = Field(None, description="hub id the checkpoint names (default: the source's)")
     warm_start: PathText | None = Field(None, description="start from an earlier drafter (retraining on new data)")
+    algorithm: DrafterAlgorithm = Field(
+        "eagle3",
+        description="the drafter trained: eagle3 (one draft token per drafter forward), peagle or dflash (all K "
+        "draft tokens in one forward)",
+    )
     num_draft_layers: int = Field(1, ge=1, le=MAX_DRAFT_LAYERS, description="decoder layers of the drafter")
     draft_layer_type: DraftLayerType | None = Field(None, description="default: the verifier's family")
     speculative_tokens: int | None = Field(
@@ -455,6 +462,7 @@ class TrainConfig(TrainRecipe):
     def drafter_shape(self, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterShape:
         """The new drafter this run trains, over the store's draft vocabulary and aux layers."""
         return DrafterShape(
+            algorithm=self.algorithm,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=aux_layer_ids,
             draft_layer_type=self.draft_layer_type,
@@ -675,6 +683,7 @@ class DrafterShape:
     family's layer type, its width) or, for a norm placement, the reference library's for new drafters.
     Not checked here: the settings bound each value, the verifier and the checkpoint format the rest."""
 
+    algorithm: DrafterAlgorithm = "eagle3"
     draft_vocab_size: int | None = None
     aux_layer_ids: list[int] | None = field(default=None, hash=False)
     draft_layer_type: DraftLayerType | None = None

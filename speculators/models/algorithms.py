@@ -1,0 +1,76 @@
+"""The drafting algorithms, and where every stage finds an algorithm's parts: one registry.
+
+A drafting algorithm (EAGLE-3, P-EAGLE, DFlash) is a model module under `speculators/models/` (its
+config, its drafter, the names and shapes of its checkpoint) plus what the higher stages need of it: the
+training objective the loop runs (`speculators.train`), the proposer the offline evaluator drafts with
+(`speculators.eval`). The trainer, the evaluator, `validate`, `convert` and the bench reach a drafter only
+through `algorithm_named` / `algorithm_of_checkpoint`, so a new algorithm is its modules and one entry
+here, not a branch in each stage.
+
+The parts are named by import path ("module:attribute") and imported on first use: the CLI and Dagster
+start without torch, and a lower layer never imports a higher one (the trainer asks for its objective
+from `speculators.train`, which is where the objective's module lives).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_args
+
+from speculators.errors import SpeculatorsError
+from speculators.settings import DrafterAlgorithm
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One drafting algorithm: its name in config.json (`speculators_model_type`) and its parts."""
+
+    name: DrafterAlgorithm
+    summary: str
+    parallel: bool  # drafts its K tokens in one drafter forward (P-EAGLE, DFlash), not K forwards (EAGLE-3)
+    drafter: str  # the drafter class: from_pretrained(directory, dtype=..., verifier_embeddings=...)
+    objective: str  # the training objective class (speculators.train.objectives.Objective)
+    proposer: str  # the offline evaluator's proposer class (speculators.eval.evaluate.Proposer)
+
+    def part(self, which: str) -> Any:
+        """The part named by field `which` ("drafter", "objective", "proposer"), imported now."""
+        module_name, _, attribute = getattr(self, which).partition(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "eagle3": Algorithm(
+        name="eagle3",
+        summary="EAGLE-3: decoder layers over three verifier states, one draft token per drafter forward",
+        parallel=False,
+        drafter="speculators.models.eagle3:Eagle3Drafter",
+        objective="speculators.train.objectives:TTTObjective",
+        proposer="speculators.eval.evaluate:DrafterProposer",
+    ),
+}
+
+
+def algorithm_named(name: str) -> Algorithm:
+    """The registered algorithm `name`; one sentence naming the ones there are otherwise."""
+    if name not in ALGORITHMS:
+        later = " (not built yet)" if name in get_args(DrafterAlgorithm) else ""
+        raise SpeculatorsError(f"unknown drafting algorithm '{name}'{later}; use one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def algorithm_of_checkpoint(directory: str | Path) -> Algorithm:
+    """The algorithm of the speculators checkpoint in `directory` (its config.json's speculators_model_type)."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SpeculatorsError(
+            f"{path} is not a readable JSON config ({error}); pass a speculator checkpoint folder"
+        ) from None
+    name = raw.get("speculators_model_type") if isinstance(raw, dict) else None
+    if not isinstance(name, str):
+        raise SpeculatorsError(f"{path} names no speculators_model_type; pass a speculator checkpoint folder") from None
+    return algorithm_named(name)
