@@ -7,6 +7,7 @@ pydantic, yaml and the library's settings models.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -26,6 +27,7 @@ from speculators.settings import (
     MAX_VOCAB_SIZE,
     VLLM_MASTER_PORT,
     BenchProfile,
+    DrafterAlgorithm,
     PromptSources,
     RegenerationSettings,
     StoreFormat,
@@ -282,7 +284,8 @@ class DatagenSettings(RegenerationSettings, StoreFormat, Strict):
 
 
 class DrafterSettings(Strict):
-    algorithm: Literal["eagle3"] = "eagle3"
+    # eagle3: one draft token per drafter forward; peagle, dflash: all K in one forward (docs/training.md)
+    algorithm: DrafterAlgorithm = "eagle3"
     # (the verifier's own vocabulary bounds it too, checked once the verifier is loaded: a variant names
     # its verifier, not its vocabulary size)
     draft_vocab_size: int = Field(gt=0, le=MAX_VOCAB_SIZE)
@@ -334,6 +337,10 @@ class Variant(Strict):
     benchmark: BenchmarkSettings = Field(default_factory=BenchmarkSettings)
     gates: GateSettings = Field(default_factory=GateSettings)
     compute: dict[str, ComputeProfile] = Field(default_factory=dict)  # per step; missing = CPU defaults
+    # Another partition whose prompts and hidden-state store this one trains on (capture once, train several
+    # algorithms): its raw_prompts and verifier_hidden_states folders are that partition's. Keys of the data
+    # (SHARED_DATA_KEYS) this file leaves out are taken from there; any it states must be the same.
+    data_from: str | None = Field(None, pattern=r"^[a-z0-9_]+$")
 
     @field_validator("verifier")
     @classmethod
@@ -532,7 +539,20 @@ def read_variant_text(path: Path) -> str:
 
 
 def load_variant(path: str | Path) -> Variant:
+    """One variant file on its own (a `data_from` variant needs its partner: load_variants)."""
     path = Path(path)
+    return validated(path, read_variant_file(path))
+
+
+def validated(path: Path, raw: dict[str, Any]) -> Variant:
+    try:
+        return Variant.model_validate(raw)
+    except ValidationError as error:
+        raise VariantError(describe_error(path, error)) from None
+
+
+def read_variant_file(path: Path) -> dict[str, Any]:
+    """A variant file's settings as a mapping, read within the limits above, named after its file."""
     try:
         raw = yaml.load(read_variant_text(path), Loader=VariantLoader)  # (a SafeLoader)
     except YamlLimitExceeded as error:
@@ -549,10 +569,7 @@ def load_variant(path: str | Path) -> Variant:
         raise VariantError(
             f"variant file {path} names variant '{one_line(str(raw['name']), 60)}'; the name must equal the file name"
         )
-    try:
-        return Variant.model_validate(raw)
-    except ValidationError as error:
-        raise VariantError(describe_error(path, error)) from None
+    return raw
 
 
 def variant_folders(settings: Settings | None = None) -> list[Path]:
@@ -568,11 +585,52 @@ def variant_folders(settings: Settings | None = None) -> list[Path]:
 
 
 def load_variants(settings: Settings | None = None) -> dict[str, Variant]:
-    variants: dict[str, Variant] = {}
+    raws: dict[str, tuple[Path, dict[str, Any]]] = {}
     for folder in variant_folders(settings):
         for path in sorted(folder.glob("*.yaml")):
-            variant = load_variant(path)
-            if variant.name in variants:
-                raise VariantError(f"variant '{variant.name}' is defined twice (again in {path}); rename one")
-            variants[variant.name] = variant
-    return variants
+            raw = read_variant_file(path)
+            if raw["name"] in raws:
+                raise VariantError(f"variant '{raw['name']}' is defined twice (again in {path}); rename one")
+            raws[raw["name"]] = (path, raw)
+    for path, raw in raws.values():
+        inherit_shared_data(path, raw, raws)
+    return {name: validated(path, raw) for name, (path, raw) in raws.items()}
+
+
+# What a variant with `data_from` shares with that partition: the data (verifier, prompts, datagen) and
+# what the store was built for (the drafter's aux layers and draft vocabulary).
+SHARED_DATA_KEYS = ("verifier", "verifier_quantization", "family", "prompts", "datagen")
+SHARED_DRAFTER_KEYS = ("aux_layer_ids", "draft_vocab_size")
+
+
+def inherit_shared_data(path: Path, raw: dict[str, Any], raws: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    """Fill a `data_from` variant's data keys from the partition it names, and refuse one that states
+    them differently: the two share one store, so what built it must be the same."""
+    owner_name = raw.get("data_from")
+    if owner_name is None:
+        return
+    if not isinstance(owner_name, str) or owner_name not in raws or owner_name == raw["name"]:
+        raise VariantError(
+            f"variant file {path}: data_from {one_line(repr(owner_name), 60)} is not another partition; name one "
+            f"of {', '.join(sorted(n for n in raws if n != raw['name']))}"
+        )
+    owner_path, owner = raws[owner_name]
+    if owner.get("data_from") is not None:
+        raise VariantError(
+            f"variant file {path}: data_from '{owner_name}' takes its own data from '{owner['data_from']}'; "
+            f"name that one"
+        )
+    pairs = [(key, raw, owner) for key in SHARED_DATA_KEYS]
+    drafter, owner_drafter = raw.get("drafter"), owner.get("drafter")
+    if isinstance(drafter, dict) and isinstance(owner_drafter, dict):
+        pairs += [(key, drafter, owner_drafter) for key in SHARED_DRAFTER_KEYS]
+    for key, mine, theirs in pairs:
+        if key not in theirs:
+            continue
+        if key not in mine:
+            mine[key] = copy.deepcopy(theirs[key])
+        elif mine[key] != theirs[key]:
+            raise VariantError(
+                f"variant file {path}: {key} differs from data_from '{owner_name}' ({owner_path}), whose store it "
+                f"shares; leave {key} out (it is taken from there) or drop data_from"
+            )

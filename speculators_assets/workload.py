@@ -207,6 +207,10 @@ def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subpro
     return done
 
 
+# The assets a `data_from` variant shares with the partition it names.
+SHARED_DATA_ASSETS = (RAW_PROMPTS, VERIFIER_HIDDEN_STATES)
+
+
 class Step:
     """One step's context: variant, paths, upstream artifacts, and what goes back through Pipes."""
 
@@ -217,7 +221,9 @@ class Step:
         self.checks: list[dict[str, Any]] = []
 
     def dir(self, asset: str) -> Path:
-        return self.root / self.variant.name / asset
+        """The asset's folder; a variant with `data_from` keeps its prompts and store in that partition's."""
+        owner = self.variant.data_from if asset in SHARED_DATA_ASSETS and self.variant.data_from else self.variant.name
+        return self.root / owner / asset
 
     def check(self, name: str, passed: bool, description: str, severity: str = "ERROR", **metadata: Any) -> None:
         """Record an asset check result for Pipes (a failed ERROR check of a blocking spec stops the run)."""
@@ -595,6 +601,7 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None, r
         verifier=v.verifier,
         output=str(out),
         warm_start=str(warm_start) if warm_start else None,
+        algorithm=d.algorithm,
         speculative_tokens=d.speculative_tokens,
         num_draft_layers=d.num_draft_layers,
         draft_layer_type=d.draft_layer_type,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import time
@@ -127,6 +128,36 @@ def test_a_bad_variant_file_is_one_clear_error(tmp_path, change, message):
     with pytest.raises(VariantError) as error:
         load_variant(path)
     assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_a_data_from_variant_trains_on_the_named_partitions_prompts_and_store(tmp_path, monkeypatch):
+    from speculators_assets.environment import Settings
+    from speculators_assets.workload import Step
+
+    owner = {"description": "d", "verifier": "v", "family": "llama", "prompts": {"sources": ["demo:train"]},
+             "datagen": {"max_length": 512}, "drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 2, 3]}}  # fmt: skip
+    (tmp_path / "owner.yaml").write_text(json.dumps(owner))
+    sharer = {"description": "d", "data_from": "owner", "drafter": {"algorithm": "dflash", "speculative_tokens": 7}}
+    (tmp_path / "sharer.yaml").write_text(json.dumps(sharer))
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(tmp_path))
+    variants = load_variants(Settings.from_env())
+    shared = variants["sharer"]
+    assert shared.verifier == "v" and shared.datagen.max_length == 512 and shared.prompts.sources == ["demo:train"]
+    assert shared.drafter.aux_layer_ids == [1, 2, 3] and shared.drafter.draft_vocab_size == 64
+    assert shared.drafter.algorithm == "dflash" and variants["owner"].drafter.algorithm == "eagle3"
+    step = Step(shared, tmp_path / "root")
+    assert step.dir("verifier_hidden_states") == tmp_path / "root" / "owner" / "verifier_hidden_states"
+    assert step.dir("raw_prompts") == tmp_path / "root" / "owner" / "raw_prompts"
+    assert step.dir("trained_drafter") == tmp_path / "root" / "sharer" / "trained_drafter"
+
+    for change, message in [
+        ({"datagen": {"max_length": 1024}}, "datagen differs from data_from 'owner'"),
+        ({"drafter": {"algorithm": "dflash", "aux_layer_ids": [1, 2, 4]}}, "aux_layer_ids differs from data_from"),
+        ({"data_from": "nobody"}, "data_from 'nobody' is not another partition; name one of gpt_oss_120b"),
+    ]:
+        (tmp_path / "sharer.yaml").write_text(json.dumps({**sharer, **change}))
+        with pytest.raises(VariantError, match=re.escape(message)):
+            load_variants(Settings.from_env())
 
 
 def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():
