@@ -31,6 +31,7 @@ from torch import nn
 from speculators.errors import SpeculatorsError
 from speculators.models.config import Eagle3Config
 from speculators.models.eagle3 import Eagle3Drafter, TTTMask
+from speculators.settings import TrainConfig
 
 # The hidden state of a mask slot is fc(mask_hidden); its scale before input_norm matters not, so a unit
 # Gaussian draw (the reference library's) starts it as a typical normalised aux state.
@@ -50,7 +51,7 @@ class PEagleConfig(Eagle3Config):
         if self.fc_norm:
             raise ValueError(
                 "fc_norm is true, but vLLM's P-EAGLE reader (update_peagle) drops it and would serve the drafter "
-                "without its per-state norms; train the P-EAGLE drafter without --fc-norm"
+                "without its per-state norms; train P-EAGLE without --fc-norm (and from a warm start without fc_norm)"
             )
         if self.mask_token_id >= self.verifier_vocab_size:
             raise ValueError(
@@ -87,10 +88,22 @@ def peagle_config_from(base: Eagle3Config, mask_token_id: int) -> PEagleConfig:
         raise SpeculatorsError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
 
+def default_mask_token_id(verifier_config: Any) -> int:
+    """The verifier's pad token when it is neither BOS nor EOS (Qwen3: <|endoftext|>), else token 0 (SmolLM2:
+    <|endoftext|>, whose pad token is its EOS <|im_end|>): a special token chat text never holds. The choice
+    matters little, as a mask slot's hidden state, fc(mask_hidden), is learned and tells it apart anyway."""
+    text = getattr(verifier_config, "text_config", None) or verifier_config
+    pad = getattr(text, "pad_token_id", None)
+    taken = {getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None)}
+    if isinstance(pad, int) and pad not in taken and 0 <= pad < text.vocab_size:
+        return pad
+    return 0
+
+
 class PEagleDrafter(Eagle3Drafter):
     """EAGLE-3's layers plus `mask_hidden`; `parallel_draft` is vLLM's one forward, `cod_forward` training's."""
 
-    config_class = PEagleConfig
+    config_class: type[Eagle3Config] = PEagleConfig
     config: PEagleConfig
 
     def __init__(self, config: PEagleConfig):
@@ -116,11 +129,6 @@ class PEagleDrafter(Eagle3Drafter):
     def from_eagle3(cls, eagle3: Eagle3Drafter, mask_token_id: int, seed: int = 0) -> PEagleDrafter:
         """A P-EAGLE drafter starting from EAGLE-3 drafter `eagle3`'s weights (same layers, vocab and aux
         layers), with a fresh mask_hidden: a warm start for parallel drafting."""
-        if eagle3.config.fc_norm:
-            raise SpeculatorsError(
-                "the EAGLE-3 drafter has fc_norm, which vLLM's P-EAGLE reader drops; warm-start from a drafter "
-                "trained without --fc-norm, or train P-EAGLE anew"
-            )
         drafter = cls(peagle_config_from(eagle3.config, mask_token_id))
         drafter.reset_parameters(seed=seed)
         state = {k: v for k, v in eagle3.state_dict().items() if not k.startswith("embed_tokens.")}
@@ -130,6 +138,17 @@ class PEagleDrafter(Eagle3Drafter):
         if eagle3.embed_tokens is not None:
             drafter.attach_verifier_embeddings(eagle3.embed_tokens.weight, save=eagle3.save_embeddings)
         return drafter.to(eagle3.fc.weight.dtype)
+
+    @classmethod
+    def for_training(cls, drafter: Eagle3Drafter, config: TrainConfig, verifier_config: Any) -> Eagle3Drafter:
+        """A P-EAGLE warm start as it is; an EAGLE-3 drafter (new, or a warm start) with mask_hidden added and
+        the mask token `config.mask_token_id` (default: `default_mask_token_id` of the verifier)."""
+        if isinstance(drafter, cls):
+            return drafter
+        mask_token_id = config.mask_token_id
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(verifier_config)
+        return cls.from_eagle3(drafter, mask_token_id, seed=config.seed)
 
     # ----- the mask slots' inputs ---------------------------------------------------------------
 
