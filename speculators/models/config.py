@@ -559,6 +559,11 @@ class Eagle3Config(BaseModel):
         default = [m for m in methods if m.proposal_type == self.speculators_config.default_proposal_method]
         return (default or methods)[0].speculative_tokens
 
+    def vllm_method(self) -> dict[str, Any]:
+        """The method keys of vLLM's --speculative-config that serve this checkpoint (vLLM's own mapping of
+        speculators_model_type, transformers_utils/configs/speculators/base.py)."""
+        return {"method": self.speculators_model_type}
+
     def extra_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Tensors an algorithm adds to the EAGLE-3 set, name -> (shape, kind) (P-EAGLE: mask_hidden)."""
         return {}

@@ -68,6 +68,9 @@ class PEagleConfig(Eagle3Config):
         """Tensors beyond EAGLE-3's: mask_hidden, stored [1, 1, n*Ht] as the reference library does."""
         return {"mask_hidden": ((1, 1, self.num_aux_states * self.verifier_hidden_size), "float")}
 
+    def vllm_method(self) -> dict[str, Any]:
+        return {"method": "eagle3", "parallel_drafting": True}  # vLLM's reading of "peagle"
+
     def to_json_dict(self) -> dict[str, Any]:
         return {**super().to_json_dict(), "mask_token_id": self.mask_token_id}
 

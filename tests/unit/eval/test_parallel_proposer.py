@@ -10,14 +10,12 @@ from speculators.models.peagle import PEagleDrafter
 from speculators.train.trainer import TrainConfig, train
 
 
-@pytest.fixture(scope="module")
-def trained_peagle(store, peaked_verifier, tmp_path_factory):
+def train_peaked_peagle(store, verifier, output):
     """A tiny P-EAGLE drafter (K = 3) overfit to the peaked verifier's answers, every chain trained."""
-    output = tmp_path_factory.mktemp("peagle")
     train(
         TrainConfig(
             store=str(store),
-            verifier=str(peaked_verifier),
+            verifier=str(verifier),
             output=str(output),
             algorithm="peagle",
             ttt_steps=3,
@@ -36,6 +34,11 @@ def trained_peagle(store, peaked_verifier, tmp_path_factory):
         )
     )
     return output / "drafter"
+
+
+@pytest.fixture(scope="module")
+def trained_peagle(store, peaked_verifier, tmp_path_factory):
+    return train_peaked_peagle(store, peaked_verifier, tmp_path_factory.mktemp("peagle"))
 
 
 def test_peagle_drafts_losslessly_with_the_replayed_acceptance(store, peaked_verifier, trained_peagle, tmp_path):
