@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from speculators.checkpoint.validation import validate_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.models.peagle import PEagleDrafter
 from speculators.train.trainer import train
@@ -26,6 +27,8 @@ def test_peagle_trains_validates_and_writes_a_peagle_checkpoint(store, peaked_ve
     assert drafter.mask_hidden.shape == (1, 1, 3 * 64)
     config = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle"
+    report = validate_checkpoint(tmp_path / "run" / "drafter", verifier=str(peaked_verifier))
+    assert report.ok, report
     rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     validations = [row for row in rows if row["event"] == "validation"]
     assert validations and len(validations[-1]["replayed_acceptance_per_position"]) == 3
