@@ -97,7 +97,10 @@ def default_mask_token_id(verifier_config: Any) -> int:
     matters little, as a mask slot's hidden state, fc(mask_hidden), is learned and tells it apart anyway."""
     text = getattr(verifier_config, "text_config", None) or verifier_config
     pad = getattr(text, "pad_token_id", None)
-    taken = {getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None)}
+    taken: set[Any] = set()
+    for name in ("bos_token_id", "eos_token_id"):  # (an EOS may be a list of ids)
+        value = getattr(text, name, None)
+        taken.update(value if isinstance(value, list) else [value])
     if isinstance(pad, int) and pad not in taken and 0 <= pad < text.vocab_size:
         return pad
     return 0

@@ -156,3 +156,15 @@ def test_cod_mask_sees_its_document_up_to_the_anchor_and_its_own_chain():
         [0, 0, 0, 1, 1, 0, 0, 1, 0],
         [1, 1, 0, 0, 0, 0, 1, 0, 1],
     ]
+
+
+def test_default_mask_token_is_a_pad_token_apart_from_bos_and_eos_else_zero():
+    from types import SimpleNamespace
+
+    from speculators.models.peagle import default_mask_token_id
+
+    qwen3 = SimpleNamespace(pad_token_id=151643, bos_token_id=None, eos_token_id=151645, vocab_size=151936)
+    smollm2 = SimpleNamespace(pad_token_id=2, bos_token_id=1, eos_token_id=2, vocab_size=49152)
+    llama = SimpleNamespace(pad_token_id=None, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
+    padded = SimpleNamespace(pad_token_id=128009, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
+    assert [default_mask_token_id(c) for c in (qwen3, smollm2, llama, padded)] == [151643, 0, 0, 0]
