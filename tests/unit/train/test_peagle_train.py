@@ -78,3 +78,40 @@ def test_peagle_refuses_fc_norm_and_a_peagle_warm_start_for_eagle3(store, peaked
         train(
             config_for(store, peaked_verifier, tmp_path / "e", max_steps=1, warm_start=str(tmp_path / "p" / "drafter"))
         )
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_cpu_processes_train_peagle_as_one_process_does(store, peaked_verifier, tmp_path, sharding):
+    """torchrun with 2 ranks (gloo), DDP or FSDP2, draws the same chains per pack and trains the same drafter
+    as one process with the same global batch (`speculators train --algorithm peagle` on the command line)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.paths import ROOT_DIR
+
+    options = dict(max_steps=6, grad_accumulation=2, cod_ratio=0.5, cod_ratio_min=0.25)
+    train(peagle_config(store, peaked_verifier, tmp_path / "single", **options))
+    flags = ["--store", str(store), "--verifier", str(peaked_verifier), "--output", str(tmp_path / sharding)]
+    flags += ["--algorithm", "peagle", "--ttt-steps", "3", "--cod-ratio", "0.5", "--cod-ratio-min", "0.25"]
+    flags += ["--mask-token-id", "5", "--token-budget", "128", "--lr", "2e-3", "--precision", "fp32"]
+    flags += ["--max-steps", "6", "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4"]
+    flags += ["--validation-share", "0.15", "--no-progress", *(["--fsdp"] if sharding == "fsdp" else [])]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT_DIR), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    multi = json.loads((tmp_path / sharding / "summary.json").read_text())
+    assert multi["world_size"] == 2 and multi["train_tokens"] == single["train_tokens"]
+    a = PEagleDrafter.from_pretrained(tmp_path / "single" / "checkpoints" / "last" / "drafter").state_dict()
+    b = PEagleDrafter.from_pretrained(tmp_path / sharding / "checkpoints" / "last" / "drafter").state_dict()
+    assert "mask_hidden" in a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
