@@ -95,3 +95,20 @@ def test_a_peagle_checkpoint_names_its_proposer(trained_peagle):
 
     algorithm = algorithm_of_checkpoint(trained_peagle)
     assert algorithm.parallel and algorithm.part("drafter") is PEagleDrafter
+
+
+def test_speculators_evaluate_drafts_with_a_peagle_checkpoint(peaked_verifier, trained_peagle, tmp_path, capsys):
+    """The command line: the checkpoint's algorithm picks the proposer; the report has K positions."""
+    import json
+
+    from speculators.cli import main
+    from tests.conftest import write_peaked_prompts
+
+    prompts = write_peaked_prompts(tmp_path / "prompts.jsonl")
+    argv = ["evaluate", "--verifier", str(peaked_verifier), "--speculator", str(trained_peagle)]
+    argv += ["--prompts", str(prompts), "--max-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32"]
+    assert main([*argv, "--output", str(tmp_path / "report.json")]) == 0
+    assert "evaluating peagle (K=3)" in capsys.readouterr().out
+    totals = json.loads((tmp_path / "report.json").read_text())
+    assert totals["lossless"]["ok"] and len(totals["acceptance_per_position"]) == 3
+    assert totals["acceptance_length"] > 1.5
