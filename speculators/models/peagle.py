@@ -225,8 +225,9 @@ class PEagleDrafter(Eagle3Drafter):
         )
         outputs = [first.normed]
         anchors = torch.cat(chains) if chains else input_ids.new_zeros(0)
-        if anchors.numel() == 0:
-            return outputs + [first.normed.new_zeros(1, 0, first.normed.shape[-1]) for _ in chains]
+        if anchors.numel() == 0:  # (mask_hidden still takes part, with a zero gradient: DDP expects every parameter)
+            empty = first.normed.new_zeros(1, 0, first.normed.shape[-1]) + 0 * self.mask_hidden.sum()
+            return outputs + [empty for _ in chains]
         depths = torch.cat([torch.full_like(c, d + 1) for d, c in enumerate(chains)])
         embeds, hidden = self.mask_inputs(anchors.numel(), input_ids.device)
         mask = cod_attention_mask(anchors, depths, document_ids[0], length)

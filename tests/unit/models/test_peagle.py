@@ -168,3 +168,14 @@ def test_default_mask_token_is_a_pad_token_apart_from_bos_and_eos_else_zero():
     llama = SimpleNamespace(pad_token_id=None, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
     padded = SimpleNamespace(pad_token_id=128009, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
     assert [default_mask_token_id(c) for c in (qwen3, smollm2, llama, padded)] == [151643, 0, 0, 0]
+
+
+def test_a_pack_without_chains_still_gives_mask_hidden_a_gradient():
+    drafter = make_peagle().train()
+    ids, aux = torch.randint(0, V, (1, 4)), torch.randn(1, 4, 192)
+    outputs = drafter.cod_forward(
+        ids, aux, [torch.zeros(0, dtype=torch.long)] * 2, torch.arange(1, 5)[None], torch.zeros(1, 4)
+    )
+    assert [tuple(o.shape) for o in outputs] == [(1, 4, 64), (1, 0, 64), (1, 0, 64)]
+    sum(o.sum() for o in outputs).backward()
+    assert drafter.mask_hidden.grad is not None and not drafter.mask_hidden.grad.any()
