@@ -393,7 +393,9 @@ class TrainRecipe(Settings):
     """How a drafter is trained: what a variant's `training:` section may set (the flags of
     `speculators train` come from these fields and TrainConfig's)."""
 
-    ttt_steps: int = Field(3, ge=1, le=MAX_DRAFT_TOKENS, description="draft steps simulated in training")
+    ttt_steps: int = Field(
+        3, ge=1, le=MAX_DRAFT_TOKENS, description="draft steps simulated in training (P-EAGLE: its depths)"
+    )
     # (gamma > 1 weighs later steps more; 2**63 over the longest chain is still a finite weight)
     step_decay: float = Field(1.0, gt=0, le=2, description="loss weight gamma**s of TTT step s")
     # (noise 100x the signal leaves nothing to learn from)
@@ -428,6 +430,18 @@ class TrainRecipe(Settings):
         False,
         description="a new drafter normalises each aux state on its own before fc (fc_norm.i) instead of the "
         "three together (input_norm): the early layer's small states keep their share",
+    )
+    # P-EAGLE (docs/peagle.md): COD sampling of the depths, and the mask slots' token
+    cod_ratio: float = Field(
+        0.7, gt=0, le=1, description="P-EAGLE: depth d trains max(r^d, r_min) of the scored positions (r)"
+    )
+    cod_ratio_min: float = Field(0.2, ge=0, le=1, description="P-EAGLE: the floor r_min of that share")
+    mask_token_id: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_VOCAB_SIZE,
+        description="P-EAGLE: the mask slots' token (default: the verifier's pad token when it is neither BOS nor "
+        "EOS, else token 0)",
     )
     fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
     device: DeviceName = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")

@@ -32,6 +32,7 @@ from speculators.data.prompt_set import load_prompts
 from speculators.data.tokenization import render_ids, turn_end_ids
 from speculators.errors import SpeculatorsError
 from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
+from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.models.weights import read_checkpoint
 from speculators.precision import with_compute_dtype
@@ -768,10 +769,13 @@ def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: 
     )
     if problems:
         raise SpeculatorsError(f"speculator {speculator} does not fit verifier {verifier.source}: {problems[0]}")
-    drafter = Eagle3Drafter.from_pretrained(speculator, verifier_embeddings=verifier.embedding_weight, dtype=dtype)
+    algorithm = algorithm_of_checkpoint(speculator)  # the checkpoint's drafter, and the proposer that drafts with it
+    drafter_class: type[Eagle3Drafter] = algorithm.part("drafter")
+    drafter = drafter_class.from_pretrained(speculator, verifier_embeddings=verifier.embedding_weight, dtype=dtype)
     if drafter.config.eagle_aux_hidden_state_layer_ids is None:
         drafter.config.eagle_aux_hidden_state_layer_ids = verifier.default_aux_layer_ids
-    return DrafterProposer(drafter.eval())
+    proposer: Proposer = algorithm.part("proposer")(drafter.eval())
+    return proposer
 
 
 def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:

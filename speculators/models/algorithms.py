@@ -50,6 +50,14 @@ ALGORITHMS: dict[str, Algorithm] = {
         objective="speculators.train.objectives:TTTObjective",
         proposer="speculators.eval.evaluate:DrafterProposer",
     ),
+    "peagle": Algorithm(
+        name="peagle",
+        summary="P-EAGLE: EAGLE-3's layers plus a learned mask_hidden, all K draft tokens in one drafter forward",
+        parallel=True,
+        drafter="speculators.models.peagle:PEagleDrafter",
+        objective="speculators.train.peagle_objective:PEagleObjective",
+        proposer="speculators.eval.parallel_proposer:PEagleProposer",
+    ),
 }
 
 

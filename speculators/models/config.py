@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig
 
-SUPPORTED_ALGORITHMS = ("eagle3",)
+SUPPORTED_ALGORITHMS = ("eagle3", "peagle")
 # Other algorithms of the reference library, recognised so the error can say what they are.
-KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "dflash", "peagle", "independent")
+KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "dflash", "independent")
 DRAFT_LAYER_TYPES: tuple[DraftLayerType, ...] = get_args(DraftLayerType)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 DTYPE_NAMES: tuple[str, ...] = get_args(CheckpointDtype)
@@ -559,6 +559,15 @@ class Eagle3Config(BaseModel):
         default = [m for m in methods if m.proposal_type == self.speculators_config.default_proposal_method]
         return (default or methods)[0].speculative_tokens
 
+    def vllm_method(self) -> dict[str, Any]:
+        """The method keys of vLLM's --speculative-config that serve this checkpoint (vLLM's own mapping of
+        speculators_model_type, transformers_utils/configs/speculators/base.py)."""
+        return {"method": self.speculators_model_type}
+
+    def extra_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Tensors an algorithm adds to the EAGLE-3 set, name -> (shape, kind) (P-EAGLE: mask_hidden)."""
+        return {}
+
     def to_json_dict(self) -> dict[str, Any]:
         """The full, explicit config.json content (reference-library-only keys dropped)."""
         return {
@@ -708,10 +717,20 @@ def parse_eagle3_config(raw: dict[str, Any], source: str = "config.json") -> tup
     if ignored:
         notes.append(f"reference-library keys ignored: {name_some(ignored, len(REFERENCE_ONLY_KEYS))}")
     try:
-        config = Eagle3Config(**raw)
+        config = config_class_of(model_type)(**raw)
     except ValidationError as error:
         raise CheckpointFormatError(format_validation_error(error)) from None
     return config, notes
+
+
+def config_class_of(model_type: Any) -> type[Eagle3Config]:
+    """The config class of a registered algorithm's checkpoints (its drafter's `config_class`); EAGLE-3's for
+    any other name, whose validation then says what the name is."""
+    from speculators.models.algorithms import ALGORITHMS
+
+    if not isinstance(model_type, str) or model_type not in ALGORITHMS:
+        return Eagle3Config
+    return getattr(ALGORITHMS[model_type].part("drafter"), "config_class", Eagle3Config)
 
 
 # The fix for a damaged file: nothing in it can be trusted.

@@ -29,7 +29,7 @@ from speculators.errors import SpeculatorsError
 from speculators.models.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
 from speculators.models.ttt import later_steps_needed
 from speculators.models.weights import read_checkpoint
-from speculators.settings import CheckpointDtype
+from speculators.settings import CheckpointDtype, TrainConfig
 
 # (torch names the dtypes as the checkpoints do: torch.bfloat16, torch.float16, torch.float32)
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(CheckpointDtype)}
@@ -321,6 +321,7 @@ def layer_config_as_saved(layer: dict[str, Any]) -> dict[str, Any]:
 class Eagle3Drafter(nn.Module):
     d2t: torch.Tensor  # buffers: [draft vocab] int64 offsets, [verifier vocab] bool selection
     t2d: torch.Tensor
+    config_class: type[Eagle3Config] = Eagle3Config  # the config.json this algorithm's checkpoints hold
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -360,6 +361,20 @@ class Eagle3Drafter(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    @classmethod
+    def for_training(cls, drafter: Eagle3Drafter, config: TrainConfig, verifier_config: Any) -> Eagle3Drafter:
+        """The drafter a run of this algorithm trains, from `drafter` (a new EAGLE-3-shaped drafter, or a warm
+        start): EAGLE-3 trains it as it is; an algorithm built on these layers (P-EAGLE) adds its parts."""
+        if type(drafter) is not cls:
+            given, trained = (
+                drafter.config.speculators_model_type,
+                cls.config_class.model_fields["speculators_model_type"],
+            )
+            raise SpeculatorsError(
+                f"the warm start is a {given} drafter and this run trains {trained.default}; pass --algorithm {given}"
+            )
+        return drafter
 
     def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
         """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""

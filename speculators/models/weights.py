@@ -66,6 +66,7 @@ def expected_tensors(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], s
     table["lm_head.weight"] = ((config.draft_vocab_size, hidden), "float")
     table["d2t"] = ((config.draft_vocab_size,), "int64")
     table["t2d"] = ((config.verifier_vocab_size,), "bool")
+    table.update(config.extra_tensors())
     return table
 
 

@@ -125,7 +125,7 @@ class ServerSettings(Server):
             raise SpeculatorsError(f"num_speculative_tokens {tokens} must be at least 1")
         # The long form: explicit method (vLLM otherwise guesses from the directory name) and K.
         return {
-            "method": config.speculators_model_type,
+            **config.vllm_method(),
             "model": str(Path(self.speculator).resolve()),
             "num_speculative_tokens": tokens,
         }

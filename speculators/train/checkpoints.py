@@ -53,9 +53,10 @@ def gather_full_state(
 
 
 def drafter_from_state(config: Eagle3Config, model_state: dict[str, ValueType]) -> Eagle3Drafter:
-    """A plain (unsharded) drafter holding `model_state`, for writing checkpoints."""
+    """A plain (unsharded) drafter of `config`'s algorithm holding `model_state`, for writing checkpoints."""
+    from speculators.models.algorithms import algorithm_named
 
-    drafter = Eagle3Drafter(config)
+    drafter: Eagle3Drafter = algorithm_named(config.speculators_model_type).part("drafter")(config)
     weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
     drafter.load_state_dict(weights, strict=True)
     return drafter

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from speculators.errors import SpeculatorsError
 from speculators.models.ttt import replay_decoding, ttt_loss, verifier_target_logits
 from speculators.settings import TrainConfig
+from speculators.train.peagle_objective import PEagleObjective
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -129,7 +130,7 @@ class TTTObjective:
 
 
 # Each algorithm a drafter's config names (speculators_model_type), and its objective.
-OBJECTIVES: dict[str, Callable[..., Objective]] = {"eagle3": TTTObjective}
+OBJECTIVES: dict[str, Callable[..., Objective]] = {"eagle3": TTTObjective, "peagle": PEagleObjective}
 
 
 def objective_for(config: TrainConfig, drafter: Eagle3Drafter, head: tuple[nn.Module, torch.Tensor]) -> Objective:

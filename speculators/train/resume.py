@@ -58,7 +58,12 @@ SHAPES_THE_RUN = frozenset(
         "grad_clip",
         "optimizer",
         "precision",  # compared as resolved on the device (auto: bf16 where native), see RunRecord.compute_dtype
+        # P-EAGLE's depth sampling and mask token
+        "cod_ratio",
+        "cod_ratio_min",
+        "mask_token_id",
         # the drafter: what trains, and its shape
+        "algorithm",
         "train_lm_head",
         "fc_norm",
         "num_draft_layers",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.errors import INT64_MAX, SpeculatorsError
+from speculators.models.algorithms import algorithm_named, algorithm_of_checkpoint
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.settings import TrainConfig
 from speculators.train.data import PackedStore
@@ -121,8 +122,10 @@ def build_drafter(
 ) -> Eagle3Drafter:
 
     selected = vocab["selected_ids"]
+    drafter_class = algorithm_named(config.algorithm).part("drafter")
     if config.warm_start:
-        drafter = Eagle3Drafter.from_pretrained(config.warm_start, dtype="float32")
+        warm_class = algorithm_of_checkpoint(config.warm_start).part("drafter")
+        drafter = warm_class.from_pretrained(config.warm_start, dtype="float32")
         if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
             raise SpeculatorsError(
                 f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
@@ -148,6 +151,7 @@ def build_drafter(
         drafter = Eagle3Drafter(draft_config)
         drafter.reset_parameters(seed=config.seed)
         drafter.init_draft_vocab(selected, verifier.lm_head_weight)
+    drafter = drafter_class.for_training(drafter, config, verifier.config)
     drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
     drafter.lm_head.weight.requires_grad_(config.train_lm_head)
     return drafter
