@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
+from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.config import Eagle3Config
 from speculators.models.weights import read_checkpoint
 from speculators.verifier.architectures import text_config_of
@@ -83,6 +85,7 @@ def summarize(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[st
         "norms": ", ".join(
             f"{flag}={getattr(config, flag)}"
             for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+            if hasattr(config, flag)  # (EAGLE-3's norm placements)
         ),
         "speculative tokens": config.speculative_tokens,
         "dtype": config.dtype,
@@ -99,8 +102,11 @@ def validate_checkpoint(directory: str | Path, verifier: str | None = None) -> V
     SpeculatorsError (a directory that does not exist, a verifier that is not a model).
     """
     report = ValidationReport(directory=Path(directory))
+    reader = read_checkpoint
+    with suppress(SpeculatorsError):  # (no algorithm named: the EAGLE-3 reader reports what is wrong)
+        reader = algorithm_of_checkpoint(directory).part("read_checkpoint")
     try:
-        checkpoint = read_checkpoint(directory, drop_training_only=False)
+        checkpoint = reader(directory, drop_training_only=False)
     except CheckpointFormatError as error:
         report.problems.extend(error.problems)
         return report

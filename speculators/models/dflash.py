@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -58,6 +58,9 @@ from speculators.models.eagle3 import (
     rotate_half,
 )
 from speculators.settings import MAX_VOCAB_SIZE, MAX_WIDTH
+
+if TYPE_CHECKING:
+    from speculators.models.weights import Checkpoint
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 KeyValues = tuple[torch.Tensor, torch.Tensor]  # [1, kv_heads, C, head_dim] each
@@ -176,6 +179,10 @@ class DFlashConfig(BaseModel):
         return self.layer.num_hidden_layers
 
     @property
+    def draft_layer_type(self) -> str:
+        return "qwen3"
+
+    @property
     def num_aux_states(self) -> int:
         return len(self.aux_hidden_state_layer_ids)
 
@@ -250,6 +257,7 @@ def build_dflash_config(
             transformer_layer_config={**layer, "model_type": "qwen3"},
             draft_vocab_size=draft_vocab_size,
             block_size=block_size,
+            target_hidden_size=None,  # (the verifier's width: the embeddings are shared)
             aux_hidden_state_layer_ids=list(aux_layer_ids),
             mask_token_id=mask_token_id,
             dtype=dtype,
@@ -432,9 +440,9 @@ class DFlashDrafter(nn.Module):
     # ----- forward ------------------------------------------------------------------------------
 
     def key_norm(self, index: int) -> RMSNorm:
-        norm = self.layers[0 if self.tie_key_norm else index].self_attn.k_norm
-        assert norm is not None  # (the first layer always holds one)
-        return norm
+        layer = cast(DFlashDecoderLayer, self.layers[0 if self.tie_key_norm else index])
+        assert layer.self_attn.k_norm is not None  # (the first layer always holds one)
+        return layer.self_attn.k_norm
 
     def context_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """aux [.., C, n, Ht] or [.., C, n*Ht] -> hidden_norm(fc(aux)) [.., C, H]."""
@@ -445,9 +453,8 @@ class DFlashDrafter(nn.Module):
     def context_key_values(self, states: torch.Tensor, positions: torch.Tensor) -> list[KeyValues]:
         """Each layer's keys/values [1, kv_heads, C, hd] of context states [C, H] at `positions` [C]."""
         rotary = self.rotary(positions[None], states.dtype)
-        return [
-            layer.self_attn.keys_values(states[None], rotary, self.key_norm(i)) for i, layer in enumerate(self.layers)
-        ]
+        layers = cast(list[DFlashDecoderLayer], list(self.layers))
+        return [layer.self_attn.keys_values(states[None], rotary, self.key_norm(i)) for i, layer in enumerate(layers)]
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """[N] real tokens -> [N, B, H]: each one's embedding, then the mask embedding in the K mask slots."""
@@ -556,7 +563,9 @@ class DFlashDrafter(nn.Module):
         dtype: str | torch.dtype | None = None,
     ) -> DFlashDrafter:
         """Load a DFlash checkpoint (checked names, shapes and finiteness; clear error on a problem)."""
-        config, tensors, mask_embedding = read_dflash_checkpoint(directory)
+        checkpoint = read_dflash_checkpoint(directory)
+        config, tensors = cast(DFlashConfig, checkpoint.config), dict(checkpoint.tensors)
+        mask_embedding = tensors.pop("mask_embedding")
         norms = [tensors[f"layers.{i}.self_attn.k_norm.weight"] for i in range(config.num_draft_layers)]
         tied = all(torch.equal(norms[0], norm) for norm in norms[1:])
         model = cls(config, tie_key_norm=tied)
@@ -606,10 +615,12 @@ def expected_dflash_tensors(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return table
 
 
-def read_dflash_checkpoint(directory: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor], torch.Tensor]:
-    """Config, model.safetensors tensors and the mask embedding of a DFlash checkpoint; one
-    CheckpointFormatError listing every problem found."""
+def read_dflash_checkpoint(directory: str | Path, drop_training_only: bool = True) -> Checkpoint:
+    """Config and tensors of a DFlash checkpoint (model.safetensors' and, as `mask_embedding`, the mask
+    embedding); one CheckpointFormatError listing every problem found. (`drop_training_only`: the EAGLE-3
+    reader's; a DFlash checkpoint has no training-only tensors.)"""
     from speculators.models.weights import (
+        Checkpoint,
         check_vocab_mapping,
         load_tensors,
         nonfinite_problem,
@@ -645,7 +656,7 @@ def read_dflash_checkpoint(directory: str | Path) -> tuple[DFlashConfig, dict[st
         problems.append(nonfinite)
     if problems:
         raise CheckpointFormatError(problems, str(directory))
-    return config, tensors, mask_embedding
+    return Checkpoint(directory=directory, config=config, tensors={**tensors, "mask_embedding": mask_embedding})  # type: ignore[arg-type]
 
 
 def read_mask_embedding(path: Path, config: DFlashConfig) -> torch.Tensor:

@@ -59,12 +59,19 @@ SHAPES_THE_RUN = frozenset(
         "optimizer",
         "precision",  # compared as resolved on the device (auto: bf16 where native), see RunRecord.compute_dtype
         # the drafter: what trains, and its shape
+        "algorithm",
         "train_lm_head",
         "fc_norm",
         "num_draft_layers",
         "draft_layer_type",
         # the K the validation replay measures at: the best drafter's recorded acceptance is at it
         "speculative_tokens",
+        # DFlash: the block, the anchors drawn per pack, the slot weights and the mask slots' token
+        "block_size",
+        "max_anchors",
+        "dflash_loss",
+        "dflash_gamma",
+        "mask_token_id",
     }
 )
 BY_CONTENT = frozenset({"store", "verifier", "warm_start"})

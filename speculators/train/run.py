@@ -4,11 +4,12 @@ objective, the wrapped model and its optimizers, and the step counts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.errors import INT64_MAX, SpeculatorsError
+from speculators.models.algorithms import algorithm_named, algorithm_of_checkpoint
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.settings import TrainConfig
 from speculators.train.data import PackedStore
@@ -17,7 +18,8 @@ from speculators.train.objectives import objective_for
 from speculators.train.optim import build_optimizer
 from speculators.train.validation import greedy_in_draft_vocab
 from speculators.train.vocab import load_draft_vocab
-from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, draft_config_for_verifier
+from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, local_model_dir
+from speculators.verifier.mask_token import default_mask_token_id
 
 if TYPE_CHECKING:
     import torch
@@ -119,37 +121,50 @@ def start_run(config: TrainConfig) -> Run:
 def build_drafter(
     config: TrainConfig, verifier: VerifierHead, manifest: StoreManifest, vocab: dict[str, torch.Tensor]
 ) -> Eagle3Drafter:
-
+    """The drafter of --algorithm: warm-started, or new for the verifier over the store's vocab and aux layers."""
+    algorithm = algorithm_named(config.algorithm)
     selected = vocab["selected_ids"]
     if config.warm_start:
-        drafter = Eagle3Drafter.from_pretrained(config.warm_start, dtype="float32")
-        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
-            raise SpeculatorsError(
-                f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
-                f"but the store holds {manifest.aux_layer_ids}"
-            )
-        if drafter.config.draft_vocab_size != selected.numel():
-            raise SpeculatorsError(
-                f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
-                f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
-            )
-        if config.fc_norm and not drafter.config.fc_norm:
-            raise SpeculatorsError(
-                f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
-                "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
-            )
-        drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
+        drafter = warm_start_drafter(config, manifest, selected)
     else:
-        draft_config = draft_config_for_verifier(
-            verifier.config,
-            checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
-            config.drafter_shape(selected.numel(), manifest.aux_layer_ids),
-        )
-        drafter = Eagle3Drafter(draft_config)
+        shape = config.drafter_shape(selected.numel(), manifest.aux_layer_ids)
+        if algorithm.parallel and shape.mask_token_id is None:  # (the mask slots' token, chosen once here)
+            shape = replace(shape, mask_token_id=default_mask_token_id(local_model_dir(verifier.name_or_path)))
+        name = checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name)
+        drafter = algorithm.part("drafter")(algorithm.part("config_for_verifier")(verifier.config, name, shape))
         drafter.reset_parameters(seed=config.seed)
         drafter.init_draft_vocab(selected, verifier.lm_head_weight)
     drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
     drafter.lm_head.weight.requires_grad_(config.train_lm_head)
+    return drafter
+
+
+def warm_start_drafter(config: TrainConfig, manifest: StoreManifest, selected: torch.Tensor) -> Eagle3Drafter:
+    """The --warm-start drafter, checked against this run's algorithm, store and settings."""
+    assert config.warm_start is not None
+    found = algorithm_of_checkpoint(config.warm_start)
+    if found.name != config.algorithm:
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} is a {found.name} drafter, not {config.algorithm}; pass --algorithm "
+            f"{found.name} or another warm start"
+        )
+    drafter = found.part("drafter").from_pretrained(config.warm_start, dtype="float32")
+    if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
+            f"but the store holds {manifest.aux_layer_ids}"
+        )
+    if drafter.config.draft_vocab_size != selected.numel():
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
+            f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
+        )
+    if config.fc_norm and not getattr(drafter.config, "fc_norm", True):
+        raise SpeculatorsError(
+            f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
+            "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
+        )
+    drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
     return drafter
 
 
