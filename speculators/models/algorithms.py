@@ -86,3 +86,9 @@ def algorithm_of_checkpoint(directory: str | Path) -> Algorithm:
     if not isinstance(name, str):
         raise SpeculatorsError(f"{path} names no speculators_model_type; pass a speculator checkpoint folder") from None
     return algorithm_named(name)
+
+
+def read_speculator_checkpoint(directory: str | Path) -> Any:
+    """The checked config and tensors (speculators.models.weights.Checkpoint) of the checkpoint in `directory`,
+    read by the algorithm it names."""
+    return algorithm_of_checkpoint(directory).part("read_checkpoint")(directory)
