@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -64,6 +64,14 @@ if TYPE_CHECKING:
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 KeyValues = tuple[torch.Tensor, torch.Tensor]  # [1, kv_heads, C, head_dim] each
+
+
+class ContextStates(NamedTuple):
+    """The context as each layer projects it itself (training: under FSDP2 a layer's weights are gathered
+    only inside its own forward): hidden_norm(fc(aux)) [1, C, H] and their rotary tables."""
+
+    states: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
 
 
 class DFlashConfig(BaseModel):
@@ -303,7 +311,7 @@ class DFlashAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        # (tied key norms: only the first layer holds one, the drafter hands it to every layer)
+        # (tied key norms: the drafter holds the one every layer uses)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if own_key_norm else None
 
     def keys_values(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], k_norm: RMSNorm) -> KeyValues:
@@ -317,12 +325,14 @@ class DFlashAttention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        context: KeyValues,
+        context: KeyValues | ContextStates,
         k_norm: RMSNorm,
         context_visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [N, B, H]: N blocks; context keys/values [1, kv_heads, C, hd]; `context_visible` bool [N, C]
-        (None: every block sees the whole context, as at inference)."""
+        """x [N, B, H]: N blocks; context keys/values [1, kv_heads, C, hd] (or the states to project them from);
+        `context_visible` bool [N, C] (None: every block sees the whole context, as at inference)."""
+        if isinstance(context, ContextStates):
+            context = self.keys_values(context.states, context.rotary, k_norm)
         blocks, size, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(blocks, size, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, rotary)
@@ -359,7 +369,7 @@ class DFlashDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        context: KeyValues,
+        context: KeyValues | ContextStates,
         k_norm: RMSNorm,
         context_visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -380,8 +390,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_aux_states * config.verifier_hidden_size, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.layers = nn.ModuleList(
-            [DFlashDecoderLayer(layer, own_key_norm=i == 0 or not tie_key_norm) for i in range(layer.num_hidden_layers)]
+            [DFlashDecoderLayer(layer, own_key_norm=not tie_key_norm) for _ in range(layer.num_hidden_layers)]
         )
+        # One key norm for every layer (see the module docstring); checkpoints repeat it per layer.
+        self.key_norm_shared = RMSNorm(layer.head_dim, eps) if tie_key_norm else None
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(layer)
@@ -440,9 +452,9 @@ class DFlashDrafter(nn.Module):
     # ----- forward ------------------------------------------------------------------------------
 
     def key_norm(self, index: int) -> RMSNorm:
-        layer = cast(DFlashDecoderLayer, self.layers[0 if self.tie_key_norm else index])
-        assert layer.self_attn.k_norm is not None  # (the first layer always holds one)
-        return layer.self_attn.k_norm
+        norm = self.key_norm_shared or cast(DFlashDecoderLayer, self.layers[index]).self_attn.k_norm
+        assert norm is not None  # (tied: the shared one; untied: each layer's own)
+        return norm
 
     def context_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """aux [.., C, n, Ht] or [.., C, n*Ht] -> hidden_norm(fc(aux)) [.., C, H]."""
@@ -471,15 +483,17 @@ class DFlashDrafter(nn.Module):
         self,
         first_tokens: torch.Tensor,
         block_positions: torch.Tensor,
-        context: list[KeyValues],
+        context: list[KeyValues] | ContextStates,
         context_visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-norm outputs [N, B, H] of N blocks: `first_tokens` [N] at `block_positions` [N, B], over the
-        context keys/values (`context_visible` [N, C]: the context each block sees; None: all of it)."""
+        context keys/values per layer, or the context states every layer projects itself (`context_visible`
+        [N, C]: the context each block sees; None: all of it)."""
         hidden = self.block_inputs(first_tokens)
         rotary = self.rotary(block_positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rotary, context[i], self.key_norm(i), context_visible)
+            layer_context = context if isinstance(context, ContextStates) else context[i]
+            hidden = layer(hidden, rotary, layer_context, self.key_norm(i), context_visible)
         return self.norm(hidden)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -508,8 +522,8 @@ class DFlashDrafter(nn.Module):
         token x[j] (aux) and the position of x[j+1]. The block at anchor a starts with x[a+1] at its position
         and sees the context states 0..a of its own document; mask slot k drafts x[a+1+k].
         """
-        states = self.context_states(aux_hidden_states[0])
-        context = self.context_key_values(states, position_ids[0] - 1)
+        states = self.context_states(aux_hidden_states[0])[None]
+        context = ContextStates(states, self.rotary(position_ids - 1, states.dtype))
         indices = torch.arange(input_ids.shape[1], device=input_ids.device)
         documents = document_ids[0]
         visible = (documents[None, :] == documents[anchors, None]) & (indices[None, :] <= anchors[:, None])
@@ -523,12 +537,12 @@ class DFlashDrafter(nn.Module):
         """model.safetensors' tensors under their names (every layer's k_norm, even tied); floats in `dtype`."""
         tensors = {}
         for name, tensor in self.state_dict().items():
-            if name.startswith("embed_tokens.") or name == "mask_embedding":
+            if name.startswith("embed_tokens.") or name in ("mask_embedding", "key_norm_shared.weight"):
                 continue
             tensors[name] = tensor
-        if self.tie_key_norm:
-            for i in range(1, len(self.layers)):
-                tensors[f"layers.{i}.self_attn.k_norm.weight"] = tensors["layers.0.self_attn.k_norm.weight"].clone()
+        if self.key_norm_shared is not None:
+            for i in range(len(self.layers)):
+                tensors[f"layers.{i}.self_attn.k_norm.weight"] = self.key_norm_shared.weight.detach().clone()
         return {
             name: (t.to(dtype) if t.is_floating_point() and dtype is not None else t).detach().contiguous().cpu()
             for name, t in tensors.items()
@@ -570,11 +584,8 @@ class DFlashDrafter(nn.Module):
         tied = all(torch.equal(norms[0], norm) for norm in norms[1:])
         model = cls(config, tie_key_norm=tied)
         if tied:
-            tensors = {
-                k: v
-                for k, v in tensors.items()
-                if not (k.endswith("k_norm.weight") and k != "layers.0.self_attn.k_norm.weight")
-            }
+            tensors = {k: v for k, v in tensors.items() if not k.endswith("k_norm.weight")}
+            tensors["key_norm_shared.weight"] = norms[0]
         model.load_state_dict({**tensors, "mask_embedding": mask_embedding}, strict=True)
         if verifier_embeddings is not None:
             model.attach_verifier_embeddings(verifier_embeddings)

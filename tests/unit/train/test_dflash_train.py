@@ -121,3 +121,38 @@ def test_dflash_settings_that_cannot_work_are_one_line(store, peaked_verifier, t
         train(config_for(store, peaked_verifier, tmp_path / "b", warm_start=str(trained_dflash), max_steps=1))
     with pytest.raises(ValueError, match="--block-size 5 does not hold the bonus token and --speculative-tokens 3"):
         config_for(store, peaked_verifier, tmp_path / "c", algorithm="dflash", block_size=5, speculative_tokens=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_dflash_on_two_cpu_processes_equals_one_process(store, peaked_verifier, tmp_path, sharding):
+    """torchrun with 2 ranks (gloo): DDP and FSDP2 train the DFlash drafter as one process with the same global
+    batch does (the anchors are drawn by each pack's place in the run, so every rank draws what one process
+    drew for that pack). Under FSDP2 each layer projects its own context keys/values inside its forward."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from speculators.flags import to_argv
+    from tests.unit.train.test_train import ROOT
+
+    settings = dict(algorithm="dflash", block_size=4, max_anchors=16, max_steps=6)
+    train(config_for(store, peaked_verifier, tmp_path / "single", grad_accumulation=2, **settings))
+    on_two = config_for(store, peaked_verifier, tmp_path / sharding, fsdp=sharding == "fsdp", **settings)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "speculators.cli", "train", *to_argv(on_two)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    multi = json.loads((tmp_path / sharding / "summary.json").read_text())
+    assert multi["world_size"] == 2 and multi["train_tokens"] == single["train_tokens"]
+    a = DFlashDrafter.from_pretrained(tmp_path / "single" / "checkpoints" / "last" / "drafter").state_dict()
+    b = DFlashDrafter.from_pretrained(tmp_path / sharding / "checkpoints" / "last" / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
