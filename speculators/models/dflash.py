@@ -155,6 +155,11 @@ class DFlashConfig(BaseModel):
                 f"target_hidden_size {self.verifier_hidden_size} differs from the draft hidden size {self.hidden_size};"
                 f" a DFlash drafter shares the verifier's token embeddings, so the widths must match"
             )
+        if self.block_size > self.layer.max_position_embeddings:
+            raise ValueError(
+                f"block_size {self.block_size} is longer than the verifier's context of "
+                f"{self.layer.max_position_embeddings} positions; choose a smaller block"
+            )
         if self.mask_token_id >= self.verifier_vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the verifier vocabulary of "

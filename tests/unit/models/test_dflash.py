@@ -188,6 +188,16 @@ def test_a_block_sees_its_whole_block_both_ways():
 def test_bad_configs_and_checkpoints_say_one_clear_sentence(tmp_path):
     with pytest.raises(SpeculatorsError, match="mask_token_id 600 is outside the verifier vocabulary of 512"):
         tiny_config(mask_token_id=600)
+    with pytest.raises(SpeculatorsError, match="block_size 6 is longer than the verifier's context of 5 positions"):
+        build_dflash_config(
+            {**tiny_layer(), "max_position_embeddings": 5},
+            verifier_name="v",
+            verifier_architectures=[],
+            draft_vocab_size=D,
+            aux_layer_ids=AUX,
+            block_size=6,
+            mask_token_id=3,
+        )
     drafter = make_drafter()
     drafter.save_pretrained(tmp_path / "d")
     (tmp_path / "d" / "mask_embedding.pt").unlink()
@@ -206,3 +216,22 @@ def test_an_eagle3_loader_refuses_a_dflash_checkpoint(tmp_path):
     make_drafter().save_pretrained(tmp_path / "d")
     with pytest.raises(CheckpointFormatError, match="not an EAGLE-3 checkpoint"):
         Eagle3Drafter.from_pretrained(tmp_path / "d")
+
+
+def test_validate_reads_a_dflash_checkpoint_through_its_algorithm(tmp_path, tiny_verifier_dir):
+    from speculators.checkpoint.validation import validate_checkpoint
+
+    make_drafter().save_pretrained(tmp_path / "d")
+    report = validate_checkpoint(tmp_path / "d", verifier=str(tiny_verifier_dir("llama")))
+    assert report.ok, report.render()
+    assert report.summary["algorithm"] == "dflash" and report.summary["draft layers"] == "2 x qwen3"
+    assert report.summary["aux layer ids"] == AUX and report.summary["speculative tokens"] == 3
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v for k, v in tensors.items() if k != "hidden_norm.weight"}, str(tmp_path / "d" / "model.safetensors")
+    )
+    report = validate_checkpoint(tmp_path / "d")
+    assert report.problems == ["missing tensor hidden_norm.weight"]

@@ -119,6 +119,10 @@ def test_dflash_settings_that_cannot_work_are_one_line(store, peaked_verifier, t
         train(config_for(store, peaked_verifier, tmp_path / "a", algorithm="dflash", mask_token_id=600, max_steps=1))
     with pytest.raises(SpeculatorsError, match="is a dflash drafter, not eagle3; pass --algorithm dflash"):
         train(config_for(store, peaked_verifier, tmp_path / "b", warm_start=str(trained_dflash), max_steps=1))
+    dpace = train(
+        config_for(store, peaked_verifier, tmp_path / "d", algorithm="dflash", dflash_loss="dpace", max_steps=2)
+    )
+    assert dpace.steps == 2 and all(math.isfinite(value) for value in dpace.final_train["loss"])
     with pytest.raises(ValueError, match="--block-size 5 does not hold the bonus token and --speculative-tokens 3"):
         config_for(store, peaked_verifier, tmp_path / "c", algorithm="dflash", block_size=5, speculative_tokens=3)
 
