@@ -160,3 +160,53 @@ def test_dflash_on_two_cpu_processes_equals_one_process(store, peaked_verifier, 
     b = DFlashDrafter.from_pretrained(tmp_path / sharding / "checkpoints" / "last" / "drafter").state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+def test_validation_replay_equals_offline_decoding_with_the_same_dflash_drafter(
+    trained_dflash, store, peaked_verifier, tmp_path
+):
+    """The validation pass anchors a block at every index and replays decoding from the slots' hits; on the
+    store's own greedy answers it counts the rounds and per-position acceptances `speculators evaluate`
+    counts when DFlashProposer decodes those prompts with the same drafter (fp32): the training forward
+    and the inference forward draft alike."""
+    from speculators.data.store import HiddenStateStore
+    from speculators.data.tokenization import turn_end_ids
+    from speculators.eval.block_proposer import DFlashProposer
+    from speculators.eval.evaluate import evaluate
+    from speculators.train.data import PackedStore
+    from speculators.train.distributed import wrap_model
+    from speculators.train.objectives import objective_for
+    from speculators.train.validation import greedy_in_draft_vocab, run_validation
+    from speculators.train.vocab import load_draft_vocab
+    from speculators.verifier.loading import VerifierHead, load_verifier
+
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    drafter = DFlashDrafter.from_pretrained(
+        trained_dflash, verifier_embeddings=verifier.embedding_weight, dtype="float32"
+    ).eval()
+    k = drafter.config.speculative_tokens
+    packs = PackedStore(store, 4096, "validation", validation_share=1.0, seed=-1)
+    head_source = VerifierHead.from_source(str(peaked_verifier), dtype="float32")
+    selected = load_draft_vocab(store)["selected_ids"]
+    head = (head_source.final_norm, head_source.lm_head_weight[selected].float())
+    cpu = torch.device("cpu")
+    in_vocab = greedy_in_draft_vocab(packs, head_source, selected, cpu, 0, 1)
+    config = config_for(store, peaked_verifier, tmp_path, algorithm="dflash", block_size=k + 1)
+    objective = objective_for(config, drafter, head)
+    model = wrap_model(objective.forward_module(drafter), drafter, 1, cpu, False)
+    metrics = run_validation(model, objective, packs, config, cpu, 0, 1, in_vocab)
+
+    samples = [HiddenStateStore(store).read_sample(entry) for entry in packs.entries]
+    prompts, answers = [], []
+    for index, sample in enumerate(samples):
+        first = int(sample.loss_mask.nonzero()[0])
+        prompts.append((f"s{index}", sample.input_ids[:first].tolist()))
+        answers.append(sample.input_ids[first:][sample.loss_mask[first:]].tolist())
+    budget = max(len(a) for a in answers)
+    assert turn_end_ids(verifier.tokenizer)
+    report = evaluate(verifier, prompts, DFlashProposer(drafter), k, max_new_tokens=budget, progress=False)
+    totals = report.totals()
+    assert metrics["replayed_rounds"] == totals["drafts"] > 0
+    assert metrics["replayed_acceptance_per_position"] == pytest.approx(totals["acceptance_per_position"])
+    assert metrics["replayed_acceptance_length"] == pytest.approx(totals["acceptance_length"])
+    assert totals["acceptance_length"] > 2.0
