@@ -67,5 +67,4 @@ class DFlashProposer:
                 for (k, v), (new_k, new_v) in zip(self.context, new_context, strict=True)
             ]
         bonus_position = self.token_position(last - 1) + 1 if last else 0
-        drafted = self.drafter.draft_block(self.context, tokens[-1], bonus_position)
-        return drafted[:num_tokens].tolist()
+        return self.drafter.draft_block(self.context, tokens[-1], bonus_position, num_tokens).tolist()

@@ -473,15 +473,16 @@ class DFlashDrafter(nn.Module):
         layers = cast(list[DFlashDecoderLayer], list(self.layers))
         return [layer.self_attn.keys_values(states[None], rotary, self.key_norm(i)) for i, layer in enumerate(layers)]
 
-    def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        """[N] real tokens -> [N, B, H]: each one's embedding, then the mask embedding in the K mask slots."""
+    def block_inputs(self, first_tokens: torch.Tensor, size: int) -> torch.Tensor:
+        """[N] real tokens -> [N, size, H]: each one's embedding, then the mask embedding in the size - 1 mask
+        slots."""
         if self.embed_tokens is None:
             raise SpeculatorsError(
                 "the drafter has no token embeddings; call attach_verifier_embeddings() with the verifier's input "
                 "embedding matrix"
             )
         first = self.embed_tokens(first_tokens).to(self.mask_embedding.dtype)[:, None]
-        masks = self.mask_embedding.expand(first.shape[0], self.config.block_size - 1, -1)
+        masks = self.mask_embedding.expand(first.shape[0], size - 1, -1)
         return torch.cat([first, masks], dim=1)
 
     def forward(
@@ -494,7 +495,7 @@ class DFlashDrafter(nn.Module):
         """Final-norm outputs [N, B, H] of N blocks: `first_tokens` [N] at `block_positions` [N, B], over the
         context keys/values per layer, or the context states every layer projects itself (`context_visible`
         [N, C]: the context each block sees; None: all of it)."""
-        hidden = self.block_inputs(first_tokens)
+        hidden = self.block_inputs(first_tokens, block_positions.shape[-1])
         rotary = self.rotary(block_positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             layer_context = context if isinstance(context, ContextStates) else context[i]
@@ -505,11 +506,15 @@ class DFlashDrafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     @torch.no_grad()
-    def draft_block(self, context: list[KeyValues], bonus_token: int, position: int) -> torch.Tensor:
-        """The K drafted target ids [K] after `bonus_token` at `position`, over context keys/values of the
-        verified tokens before it (the inference forward: one block, all of the context)."""
+    def draft_block(
+        self, context: list[KeyValues], bonus_token: int, position: int, num_tokens: int | None = None
+    ) -> torch.Tensor:
+        """The `num_tokens` (default K) drafted target ids after `bonus_token` at `position`, over context
+        keys/values of the verified tokens before it (the inference forward: one block, all of the context).
+        Fewer than K drafts make a shorter block, as vLLM does with a smaller num_speculative_tokens."""
         device = self.d2t.device
-        positions = torch.arange(position, position + self.config.block_size, device=device)[None]
+        size = (num_tokens or self.config.speculative_tokens) + 1
+        positions = torch.arange(position, position + size, device=device)[None]
         normed = self(torch.tensor([bonus_token], device=device), positions, context)
         return self.draft_to_target(self.lm_head(normed[0, 1:]).argmax(-1))
 
