@@ -226,6 +226,7 @@ def test_validate_reads_a_dflash_checkpoint_through_its_algorithm(tmp_path, tiny
     assert report.ok, report.render()
     assert report.summary["algorithm"] == "dflash" and report.summary["draft layers"] == "2 x qwen3"
     assert report.summary["aux layer ids"] == AUX and report.summary["speculative tokens"] == 3
+    assert report.summary["block size"] == 4 and report.summary["mask token"] == 3 and "norms" not in report.summary
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     from safetensors.torch import save_file
