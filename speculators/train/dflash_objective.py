@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from speculators.train.data import Pack
 
 DPACE_ALPHA = 0.5  # the D-PACE paper's confidence smoothing
-VALIDATION_ANCHORS_PER_FORWARD = 256  # blocks per validation forward: bounds the [anchors, heads, B, T] scores
+VALIDATION_ANCHORS_PER_FORWARD = (
+    256  # blocks per validation forward (at most): bounds the [anchors, heads, B, T] scores
+)
 
 
 def scorable_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -83,6 +85,9 @@ class DFlashObjective:
         self.loss_kind, self.gamma = config.dflash_loss, config.dflash_gamma
         self.lm_head = drafter.lm_head
         self.head = head  # the verifier's final norm and lm_head rows of the draft vocab: the targets
+        # Validation forwards per pack: the same number on every rank whatever its pack's length (under FSDP2
+        # each forward gathers the layers' weights, so the ranks must run forwards in lockstep).
+        self.validation_forwards = math.ceil(config.token_budget / VALIDATION_ANCHORS_PER_FORWARD)
 
     def forward_module(self, drafter: DFlashDrafter) -> nn.Module:
         import torch
@@ -151,10 +156,10 @@ class DFlashObjective:
         """A block at every pack index: slot k's outputs are EAGLE-3's step k - 1 outputs, scored and replayed alike."""
         import torch
 
-        length = pack.num_tokens
+        every_index = torch.arange(pack.num_tokens, device=pack.input_ids.device)
         chunks = [
             model(pack.input_ids, pack.aux_hidden_states, pack.position_ids, pack.document_ids, anchors)
-            for anchors in torch.arange(length, device=pack.input_ids.device).split(VALIDATION_ANCHORS_PER_FORWARD)
+            for anchors in every_index.tensor_split(self.validation_forwards)  # (some empty: still a forward)
         ]
         normed = torch.cat(chunks)  # [T, K, H]
         slot_outputs = [normed[:, slot][None] for slot in range(self.num_tokens)]
