@@ -58,7 +58,7 @@ TinyFamily = Literal[
     "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "qwen3_vl", "qwen3_vl_moe", "deepseek_v3"
 ]
 # The proposers of `speculators evaluate` (speculators/eval/evaluate.py: load_proposer).
-ProposerKind = Literal["eagle3", "oracle", "always-wrong"]
+ProposerKind = Literal["speculator", "eagle3", "peagle", "dflash", "oracle", "always-wrong"]
 # A flag whose ge/le bounds argparse checks as it parses the flag (speculators/flags.py: number).
 PARSE_CHECK: dict[str, Any] = {"parse_check": True}
 
@@ -398,6 +398,27 @@ class TrainRecipe(Settings):
     )
     # (gamma > 1 weighs later steps more; 2**63 over the longest chain is still a finite weight)
     step_decay: float = Field(1.0, gt=0, le=2, description="loss weight gamma**s of TTT step s")
+    # DFlash (--algorithm dflash): blocks of the bonus token and K mask slots, drafted in one forward.
+    block_size: int | None = Field(
+        None,
+        ge=2,
+        le=MAX_DRAFT_TOKENS + 1,
+        description="DFlash: tokens per block, the bonus token and K = block size - 1 mask slots (default: K + 1)",
+    )
+    max_anchors: int = Field(512, ge=1, le=MAX_TOKENS, description="DFlash: blocks trained per pack (random anchors)")
+    dflash_loss: Literal["decay", "dpace"] = Field(
+        "decay",
+        description="DFlash slot weights: decay (exp(-(k-1)/gamma), the published recipe) or dpace (D-PACE: by the "
+        "drafter's confidence in the slots before)",
+    )
+    dflash_gamma: float = Field(4.0, gt=0, le=1e6, description="DFlash: gamma of the decay weights (z-lab 7 at B=16)")
+    mask_token_id: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_VOCAB_SIZE,
+        description="DFlash and P-EAGLE: the verifier token id of the mask slots (default: a special token chat "
+        "text never holds, from the verifier's tokenizer)",
+    )
     # (noise 100x the signal leaves nothing to learn from)
     aux_noise: float = Field(0.0, ge=0, le=100, description="Gaussian noise on the aux states in training, x their RMS")
     loss_positions: Literal["answers", "all", "first-step"] = Field(
@@ -431,18 +452,11 @@ class TrainRecipe(Settings):
         description="a new drafter normalises each aux state on its own before fc (fc_norm.i) instead of the "
         "three together (input_norm): the early layer's small states keep their share",
     )
-    # P-EAGLE (docs/peagle.md): COD sampling of the depths, and the mask slots' token
+    # P-EAGLE (docs/peagle.md): COD sampling of the depths (its mask token: mask_token_id above)
     cod_ratio: float = Field(
         0.7, gt=0, le=1, description="P-EAGLE: depth d trains max(r^d, r_min) of the scored positions (r)"
     )
     cod_ratio_min: float = Field(0.2, ge=0, le=1, description="P-EAGLE: the floor r_min of that share")
-    mask_token_id: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_VOCAB_SIZE,
-        description="P-EAGLE: the mask slots' token (default: the verifier's pad token when it is neither BOS nor "
-        "EOS, else token 0)",
-    )
     fsdp: bool = Field(False, description="FSDP2 sharding (GPUs, under torchrun)")
     device: DeviceName = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
 
@@ -473,6 +487,20 @@ class TrainConfig(TrainRecipe):
         "resumes it, and a setting that would change that run is refused)",
     )
 
+    @model_validator(mode="after")
+    def _block_holds_the_drafts(self) -> TrainConfig:
+        if self.speculative_tokens and self.block_size and self.block_size != self.speculative_tokens + 1:
+            raise ValueError(
+                f"--block-size {self.block_size} does not hold the bonus token and --speculative-tokens "
+                f"{self.speculative_tokens}; give one of them, or a block size of {self.speculative_tokens + 1}"
+            )
+        return self
+
+    @property
+    def drafted_tokens(self) -> int:
+        """K: --speculative-tokens, else DFlash's --block-size - 1, else --ttt-steps."""
+        return self.speculative_tokens or (self.block_size - 1 if self.block_size else self.ttt_steps)
+
     def drafter_shape(self, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterShape:
         """The new drafter this run trains, over the store's draft vocabulary and aux layers."""
         return DrafterShape(
@@ -481,7 +509,9 @@ class TrainConfig(TrainRecipe):
             aux_layer_ids=aux_layer_ids,
             draft_layer_type=self.draft_layer_type,
             num_draft_layers=self.num_draft_layers,
-            speculative_tokens=self.speculative_tokens or self.ttt_steps,
+            speculative_tokens=self.drafted_tokens,
+            block_size=self.drafted_tokens + 1,
+            mask_token_id=self.mask_token_id,
             norm_before_fc=not self.fc_norm,  # one of the two aux norms (the format allows either)
             fc_norm=self.fc_norm,
         )
@@ -704,6 +734,8 @@ class DrafterShape:
     num_draft_layers: int = 1
     hidden_size: int | None = None  # (narrower than the verifier's: the checkpoint records target_hidden_size)
     speculative_tokens: int = 3
+    block_size: int | None = None  # DFlash: speculative_tokens + 1
+    mask_token_id: int | None = None  # parallel drafters: the token of the mask slots (None: the verifier's choice)
     norm_before_residual: bool | None = None
     norm_before_fc: bool | None = None
     fc_norm: bool | None = None
@@ -843,7 +875,10 @@ class EvaluateSettings(QuantizedVerifier):
         "the verifier's own turn-1 answer, reported per category",
     )
     proposer: ProposerKind = Field(
-        "eagle3", description="oracle / always-wrong: sanity proposers (acceptance K+1 / 1.0)"
+        "speculator",
+        description="speculator: the --speculator checkpoint's drafter, whichever its algorithm; eagle3 / peagle / "
+        "dflash: the same, refused when the checkpoint is another algorithm's; oracle / always-wrong: sanity "
+        "proposers (acceptance K+1 / 1.0)",
     )
     num_speculative_tokens: int | None = Field(
         None,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
-from speculators.models.config import Eagle3Config
+from speculators.models.algorithms import algorithm_of_checkpoint
+from speculators.models.config import NORM_FLAGS, Eagle3Config
 from speculators.models.weights import read_checkpoint
 from speculators.verifier.architectures import text_config_of
 from speculators.verifier.loading import default_aux_layer_ids, load_verifier_config
@@ -71,8 +73,14 @@ class ValidationReport:
         return "\n".join(lines)
 
 
+# A parallel drafter's block facts (DFlash's config), shown where the config has them.
+BLOCK_FACTS = {"block size": "block_size", "mask token": "mask_token_id"}
+
+
 def summarize(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     parameters = sum(t.numel() for name, t in tensors.items() if name not in ("d2t", "t2d", "embed_tokens.weight"))
+    norms = [f"{flag}={getattr(config, flag)}" for flag in NORM_FLAGS if hasattr(config, flag)]  # (EAGLE-3's)
+    block = {name: getattr(config, key) for name, key in BLOCK_FACTS.items() if hasattr(config, key)}
     return {
         "algorithm": config.speculators_model_type,
         "draft layers": f"{config.num_draft_layers} x {config.draft_layer_type}",
@@ -80,10 +88,8 @@ def summarize(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[st
         "verifier hidden size": config.verifier_hidden_size,
         "draft vocab": f"{config.draft_vocab_size} of {config.verifier_vocab_size}",
         "aux layer ids": config.eagle_aux_hidden_state_layer_ids or "verifier default",
-        "norms": ", ".join(
-            f"{flag}={getattr(config, flag)}"
-            for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-        ),
+        **({"norms": ", ".join(norms)} if norms else {}),
+        **block,  # (DFlash's block: the bonus token and the mask slots)
         "speculative tokens": config.speculative_tokens,
         "dtype": config.dtype,
         "parameters": f"{parameters:,}",
@@ -99,8 +105,11 @@ def validate_checkpoint(directory: str | Path, verifier: str | None = None) -> V
     SpeculatorsError (a directory that does not exist, a verifier that is not a model).
     """
     report = ValidationReport(directory=Path(directory))
+    reader = read_checkpoint
+    with suppress(SpeculatorsError):  # (no algorithm named: the EAGLE-3 reader reports what is wrong)
+        reader = algorithm_of_checkpoint(directory).part("read_checkpoint")
     try:
-        checkpoint = read_checkpoint(directory, drop_training_only=False)
+        checkpoint = reader(directory, drop_training_only=False)
     except CheckpointFormatError as error:
         report.problems.extend(error.problems)
         return report

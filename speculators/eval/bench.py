@@ -92,7 +92,7 @@ from speculators.eval.served import (
     wait_until_idle,
     warm_up,
 )
-from speculators.models.weights import read_checkpoint
+from speculators.models.algorithms import read_speculator_checkpoint
 from speculators.precision import with_compute_dtype
 from speculators.serving.multinode import refuse_node_flags
 from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters, check_vision_serving
@@ -323,7 +323,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "drop --mt-bench and set --requests to the number of questions"
         )
     folder = Path(settings.output)
-    config = read_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    config = read_speculator_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
 
     # (the node group: bench's own flags, which the other nodes follow; over several nodes, only what they accept)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from speculators.atomic_io import write_text_atomic
 from speculators.checkpoint.validation import check_against_verifier
@@ -34,9 +34,8 @@ from speculators.errors import SpeculatorsError
 from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
 from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
-from speculators.models.weights import read_checkpoint
 from speculators.precision import with_compute_dtype
-from speculators.settings import EvaluateSettings
+from speculators.settings import EvaluateSettings, ProposerKind
 from speculators.verifier.loading import has_chat_template, load_verifier, require_chat_template
 from speculators.verifier.quantization import path_noise
 from speculators.verifier.vision import image_parts, load_image
@@ -753,24 +752,29 @@ def evaluate_mt_bench(
 
 
 def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
-    """`eagle3` (needs a speculator checkpoint), `oracle` or `always-wrong`."""
+    """A speculator checkpoint's drafter (`speculator`, the default, takes the algorithm the checkpoint names;
+    `eagle3`, `peagle` or `dflash` asks for that one), `oracle` or `always-wrong`."""
     if kind == "oracle":
         return OracleProposer()
     if kind == "always-wrong":
         return WrongProposer(verifier.vocab_size)
-    if kind != "eagle3":
-        raise SpeculatorsError(f"proposer '{kind}' is not one of eagle3, oracle, always-wrong")
+    if kind not in get_args(ProposerKind):
+        raise SpeculatorsError(f"proposer '{kind}' is not one of {', '.join(get_args(ProposerKind))}")
     if speculator is None:
-        raise SpeculatorsError("the eagle3 proposer needs a speculator checkpoint; pass --speculator DIR")
-
-    checkpoint = read_checkpoint(speculator)
+        raise SpeculatorsError(f"the {kind} proposer needs a speculator checkpoint; pass --speculator DIR")
+    algorithm = algorithm_of_checkpoint(speculator)
+    if kind not in ("speculator", algorithm.name):
+        raise SpeculatorsError(
+            f"--proposer {kind} asks for a {kind} drafter but {speculator} is a {algorithm.name} checkpoint; pass "
+            f"--proposer {algorithm.name}"
+        )
+    checkpoint = algorithm.part("read_checkpoint")(speculator)
     problems = check_against_verifier(
         checkpoint.config, verifier.config, has_embeddings="embed_tokens.weight" in checkpoint.tensors
     )
     if problems:
         raise SpeculatorsError(f"speculator {speculator} does not fit verifier {verifier.source}: {problems[0]}")
-    algorithm = algorithm_of_checkpoint(speculator)  # the checkpoint's drafter, and the proposer that drafts with it
-    drafter_class: type[Eagle3Drafter] = algorithm.part("drafter")
+    drafter_class = algorithm.part("drafter")
     drafter = drafter_class.from_pretrained(speculator, verifier_embeddings=verifier.embedding_weight, dtype=dtype)
     if drafter.config.eagle_aux_hidden_state_layer_ids is None:
         drafter.config.eagle_aux_hidden_state_layer_ids = verifier.default_aux_layer_ids
@@ -790,7 +794,7 @@ def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:
     num_speculative_tokens = s.num_speculative_tokens
     if num_speculative_tokens is None:  # the checkpoint's K for a drafter, else 3
         num_speculative_tokens = 3
-        if isinstance(proposer, DrafterProposer):
+        if hasattr(proposer, "drafter"):  # (a drafter's proposer)
             num_speculative_tokens = proposer.drafter.config.speculative_tokens
     recorded = {
         "verifier": s.verifier,

@@ -15,7 +15,6 @@ from `speculators.train`, which is where the objective's module lives).
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -34,9 +33,16 @@ class Algorithm:
     drafter: str  # the drafter class: from_pretrained(directory, dtype=..., verifier_embeddings=...)
     objective: str  # the training objective class (speculators.train.objectives.Objective)
     proposer: str  # the offline evaluator's proposer class (speculators.eval.evaluate.Proposer)
+    # (verifier config, verifier name, DrafterShape) -> a new drafter's config, sized for that verifier
+    config_for_verifier: str
+    # (directory, drop_training_only) -> speculators.models.weights.Checkpoint: config and tensors, checked
+    read_checkpoint: str
+    # Other algorithms whose drafters a run of this one may warm-start from; the drafter class's
+    # `from_warm_start(drafter, mask_token_id, seed)` turns one into this algorithm's.
+    warm_starts_from: tuple[str, ...] = ()
 
     def part(self, which: str) -> Any:
-        """The part named by field `which` ("drafter", "objective", "proposer"), imported now."""
+        """The part named by field `which` ("drafter", "objective", "proposer", ...), imported now."""
         module_name, _, attribute = getattr(self, which).partition(":")
         return getattr(importlib.import_module(module_name), attribute)
 
@@ -49,6 +55,18 @@ ALGORITHMS: dict[str, Algorithm] = {
         drafter="speculators.models.eagle3:Eagle3Drafter",
         objective="speculators.train.objectives:TTTObjective",
         proposer="speculators.eval.evaluate:DrafterProposer",
+        config_for_verifier="speculators.verifier.loading:draft_config_for_verifier",
+        read_checkpoint="speculators.models.weights:read_checkpoint",
+    ),
+    "dflash": Algorithm(
+        name="dflash",
+        summary="DFlash: Qwen3 layers over the verifier's projected states draft a block of K mask slots at once",
+        parallel=True,
+        drafter="speculators.models.dflash:DFlashDrafter",
+        objective="speculators.train.dflash_objective:DFlashObjective",
+        proposer="speculators.eval.block_proposer:DFlashProposer",
+        config_for_verifier="speculators.verifier.loading:dflash_config_for_verifier",
+        read_checkpoint="speculators.models.dflash:read_dflash_checkpoint",
     ),
     "peagle": Algorithm(
         name="peagle",
@@ -57,6 +75,9 @@ ALGORITHMS: dict[str, Algorithm] = {
         drafter="speculators.models.peagle:PEagleDrafter",
         objective="speculators.train.peagle_objective:PEagleObjective",
         proposer="speculators.eval.parallel_proposer:PEagleProposer",
+        config_for_verifier="speculators.verifier.loading:peagle_config_for_verifier",
+        read_checkpoint="speculators.models.weights:read_checkpoint",
+        warm_starts_from=("eagle3",),  # EAGLE-3's layers, with a fresh mask_hidden
     ),
 }
 
@@ -71,14 +92,17 @@ def algorithm_named(name: str) -> Algorithm:
 
 def algorithm_of_checkpoint(directory: str | Path) -> Algorithm:
     """The algorithm of the speculators checkpoint in `directory` (its config.json's speculators_model_type)."""
+    from speculators.models.config import read_json_object
+
     path = Path(directory) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise SpeculatorsError(
-            f"{path} is not a readable JSON config ({error}); pass a speculator checkpoint folder"
-        ) from None
-    name = raw.get("speculators_model_type") if isinstance(raw, dict) else None
+    raw = read_json_object(path)  # (bounded and strict: a damaged file is one CheckpointFormatError)
+    name = raw.get("speculators_model_type")
     if not isinstance(name, str):
         raise SpeculatorsError(f"{path} names no speculators_model_type; pass a speculator checkpoint folder") from None
     return algorithm_named(name)
+
+
+def read_speculator_checkpoint(directory: str | Path) -> Any:
+    """The checked config and tensors (speculators.models.weights.Checkpoint) of the checkpoint in `directory`,
+    read by the algorithm it names."""
+    return algorithm_of_checkpoint(directory).part("read_checkpoint")(directory)

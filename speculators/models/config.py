@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig
 
-SUPPORTED_ALGORITHMS = ("eagle3", "peagle")
+SUPPORTED_ALGORITHMS = ("eagle3", "peagle", "dflash")
 # Other algorithms of the reference library, recognised so the error can say what they are.
-KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "dflash", "independent")
+KNOWN_UNSUPPORTED_ALGORITHMS = ("eagle", "mtp", "independent")
+# The algorithms whose config is EAGLE-3's (P-EAGLE's adds its mask token to it).
+EAGLE3_FAMILY = ("eagle3", "peagle")
 DRAFT_LAYER_TYPES: tuple[DraftLayerType, ...] = get_args(DraftLayerType)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 DTYPE_NAMES: tuple[str, ...] = get_args(CheckpointDtype)
@@ -454,6 +456,8 @@ class Eagle3Config(BaseModel):
     @classmethod
     def _known_type(cls, value: str) -> str:
         check_algorithm(value)
+        if value not in EAGLE3_FAMILY:
+            raise ValueError(f"speculators_model_type '{value}' is not an EAGLE-3 checkpoint; load it as {value}")
         return value
 
     @field_validator("transformer_layer_config")

@@ -29,7 +29,7 @@ from speculators.errors import SpeculatorsError
 from speculators.models.config import DraftLayerConfig, Eagle3Config, rotary_frequencies
 from speculators.models.ttt import later_steps_needed
 from speculators.models.weights import read_checkpoint
-from speculators.settings import CheckpointDtype, TrainConfig
+from speculators.settings import CheckpointDtype
 
 # (torch names the dtypes as the checkpoints do: torch.bfloat16, torch.float16, torch.float32)
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(CheckpointDtype)}
@@ -361,20 +361,6 @@ class Eagle3Drafter(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-
-    @classmethod
-    def for_training(cls, drafter: Eagle3Drafter, config: TrainConfig, verifier_config: Any) -> Eagle3Drafter:
-        """The drafter a run of this algorithm trains, from `drafter` (a new EAGLE-3-shaped drafter, or a warm
-        start): EAGLE-3 trains it as it is; an algorithm built on these layers (P-EAGLE) adds its parts."""
-        if type(drafter) is not cls:
-            given, trained = (
-                drafter.config.speculators_model_type,
-                cls.config_class.model_fields["speculators_model_type"],
-            )
-            raise SpeculatorsError(
-                f"the warm start is a {given} drafter and this run trains {trained.default}; pass --algorithm {given}"
-            )
-        return drafter
 
     def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
         """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""

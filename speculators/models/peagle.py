@@ -31,7 +31,6 @@ from torch import nn
 from speculators.errors import SpeculatorsError
 from speculators.models.config import Eagle3Config
 from speculators.models.eagle3 import Eagle3Drafter, TTTMask
-from speculators.settings import TrainConfig
 
 # The hidden state of a mask slot is fc(mask_hidden); its scale before input_norm matters not, so a unit
 # Gaussian draw (the reference library's) starts it as a typical normalised aux state.
@@ -91,21 +90,6 @@ def peagle_config_from(base: Eagle3Config, mask_token_id: int) -> PEagleConfig:
         raise SpeculatorsError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
 
 
-def default_mask_token_id(verifier_config: Any) -> int:
-    """The verifier's pad token when it is neither BOS nor EOS (Qwen3: <|endoftext|>), else token 0 (SmolLM2:
-    <|endoftext|>, whose pad token is its EOS <|im_end|>): a special token chat text never holds. The choice
-    matters little, as a mask slot's hidden state, fc(mask_hidden), is learned and tells it apart anyway."""
-    text = getattr(verifier_config, "text_config", None) or verifier_config
-    pad = getattr(text, "pad_token_id", None)
-    taken: set[Any] = set()
-    for name in ("bos_token_id", "eos_token_id"):  # (an EOS may be a list of ids)
-        value = getattr(text, name, None)
-        taken.update(value if isinstance(value, list) else [value])
-    if isinstance(pad, int) and pad not in taken and 0 <= pad < text.vocab_size:
-        return pad
-    return 0
-
-
 class PEagleDrafter(Eagle3Drafter):
     """EAGLE-3's layers plus `mask_hidden`; `parallel_draft` is vLLM's one forward, `cod_forward` training's."""
 
@@ -146,15 +130,9 @@ class PEagleDrafter(Eagle3Drafter):
         return drafter.to(eagle3.fc.weight.dtype)
 
     @classmethod
-    def for_training(cls, drafter: Eagle3Drafter, config: TrainConfig, verifier_config: Any) -> Eagle3Drafter:
-        """A P-EAGLE warm start as it is; an EAGLE-3 drafter (new, or a warm start) with mask_hidden added and
-        the mask token `config.mask_token_id` (default: `default_mask_token_id` of the verifier)."""
-        if isinstance(drafter, cls):
-            return drafter
-        mask_token_id = config.mask_token_id
-        if mask_token_id is None:
-            mask_token_id = default_mask_token_id(verifier_config)
-        return cls.from_eagle3(drafter, mask_token_id, seed=config.seed)
+    def from_warm_start(cls, drafter: Eagle3Drafter, mask_token_id: int, seed: int) -> PEagleDrafter:
+        """The registry's warm start from another algorithm (EAGLE-3): its layers, a fresh mask_hidden."""
+        return cls.from_eagle3(drafter, mask_token_id, seed=seed)
 
     # ----- the mask slots' inputs ---------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from speculators.errors import SpeculatorsError
-from speculators.models.weights import read_checkpoint
+from speculators.models.algorithms import read_speculator_checkpoint
 from speculators.precision import vllm_build
 from speculators.serving.engine import (
     check_node_gpus,
@@ -117,7 +117,7 @@ class ServerSettings(Server):
         if self.speculator is None:
             return None
 
-        config = read_checkpoint(self.speculator).config
+        config = read_speculator_checkpoint(self.speculator).config
         if self.verifier is None:  # vLLM reads method, model and K from the checkpoint; only K may be overridden
             return {"num_speculative_tokens": self.num_speculative_tokens} if self.num_speculative_tokens else None
         tokens = self.num_speculative_tokens or config.speculative_tokens
@@ -161,7 +161,7 @@ class VllmServer:
             self.verifier_name = verifier
         elif speculator is not None:  # the checkpoint directory is the model; vLLM swaps in its verifier
             self.model_dir = str(Path(speculator).resolve())
-            self.verifier_name = read_checkpoint(speculator).config.speculators_config.verifier.name_or_path
+            self.verifier_name = read_speculator_checkpoint(speculator).config.speculators_config.verifier.name_or_path
         else:
             raise SpeculatorsError("pass --verifier, --speculator or both; there is nothing to serve")
         # The name requests use: vLLM's API server names the model by its --model argument (the

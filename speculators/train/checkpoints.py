@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from speculators.atomic_io import atomic_directory
 from speculators.checkpoint.validation import validate_checkpoint
 from speculators.errors import SpeculatorsError
+from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.eagle3 import Eagle3Drafter, is_speculator_checkpoint
 from speculators.models.weights import read_safetensors
 from speculators.train.records import RunRecord, TrainingState
@@ -56,7 +57,7 @@ def drafter_from_state(config: Eagle3Config, model_state: dict[str, ValueType]) 
     """A plain (unsharded) drafter of `config`'s algorithm holding `model_state`, for writing checkpoints."""
     from speculators.models.algorithms import algorithm_named
 
-    drafter: Eagle3Drafter = algorithm_named(config.speculators_model_type).part("drafter")(config)
+    drafter = algorithm_named(config.speculators_model_type).part("drafter")(config)
     weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
     drafter.load_state_dict(weights, strict=True)
     return drafter
@@ -108,7 +109,11 @@ def restore_checkpoint(directory: Path, model: nn.Module, optimizers: list[torch
         set_optimizer_state_dict,
     )
 
-    saved = read_safetensors(directory / "drafter" / "model.safetensors")
+    # The drafter as its algorithm reads it, under the module's parameter names (a DFlash checkpoint repeats
+    # its tied key norm per layer and keeps the mask embedding beside the safetensors).
+    found = algorithm_of_checkpoint(directory / "drafter")
+    state = found.part("drafter").from_pretrained(directory / "drafter", dtype="float32").state_dict()
+    saved = {name: tensor for name, tensor in state.items() if not name.startswith("embed_tokens.")}
     names = {drafter_key(k): k for k in get_model_state_dict(model)}
     model_state: dict[str, ValueType] = {names[k]: v for k, v in saved.items()}
     full = StateDictOptions(full_state_dict=True, strict=False)

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from speculators.errors import SpeculatorsError
 from speculators.models.ttt import replay_decoding, ttt_loss, verifier_target_logits
 from speculators.settings import TrainConfig
-from speculators.train.peagle_objective import PEagleObjective
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,8 +34,9 @@ class Objective(Protocol):
         (checkpoints name the drafter's parameters by that prefix)."""
         ...
 
-    def loss(self, model: nn.Module, pack: Pack) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A training pack's loss (to backpropagate) and its metric sums, through the wrapped `model`."""
+    def loss(self, model: nn.Module, pack: Pack, draw: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A training pack's loss (to backpropagate) and its metric sums, through the wrapped `model`; `draw` is
+        the pack's place in the run (a seed for what the objective draws at random: a resumed run draws alike)."""
         ...
 
     def validation_sums(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -89,7 +88,7 @@ class TTTObjective:
             pack.input_ids, pack.aux_hidden_states, self.steps, pack.position_ids, pack.document_ids, pack.loss_mask
         )
 
-    def loss(self, model: nn.Module, pack: Pack) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, model: nn.Module, pack: Pack, draw: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         import torch
 
         normed = self.forward_pack(model, pack)
@@ -129,15 +128,9 @@ class TTTObjective:
         return step_sums
 
 
-# Each algorithm a drafter's config names (speculators_model_type), and its objective.
-OBJECTIVES: dict[str, Callable[..., Objective]] = {"eagle3": TTTObjective, "peagle": PEagleObjective}
-
-
 def objective_for(config: TrainConfig, drafter: Eagle3Drafter, head: tuple[nn.Module, torch.Tensor]) -> Objective:
-    """The objective that trains `drafter`, by its algorithm."""
-    algorithm = drafter.config.speculators_model_type
-    if algorithm not in OBJECTIVES:
-        raise SpeculatorsError(
-            f"no training objective for algorithm '{algorithm}'; this trainer trains {', '.join(OBJECTIVES)}"
-        )
-    return OBJECTIVES[algorithm](config, drafter, head)
+    """The objective that trains `drafter`, by its algorithm (speculators.models.algorithms)."""
+    from speculators.models.algorithms import algorithm_named
+
+    objective_class: Callable[..., Objective] = algorithm_named(drafter.config.speculators_model_type).part("objective")
+    return objective_class(config, drafter, head)

@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 METRICS = ("kl", "count", "correct", "cond_correct", "cond_count")
 
 
-def pack_seed(seed: int, pack: Pack) -> int:
-    """The COD draw's seed for one pack: the run's seed and the pack's tokens, so a resumed run (which
-    loads the same packs at the same steps) draws the same chains."""
-    import torch
-
-    ids = pack.input_ids[0].long().cpu()
-    weights = torch.arange(1, ids.numel() + 1)
-    return (seed * 1_000_003 + int((ids * weights).sum()) * 31 + ids.numel()) % 2**62
-
-
 class PEagleObjective:
     """P-EAGLE: `ttt_steps` depths per pack (COD-sampled by `cod_ratio` / `cod_ratio_min`), equal weights,
     and parallel decoding replayed at the drafter's K."""
@@ -73,23 +63,25 @@ class PEagleObjective:
 
         return PEagleForward(cast("PEagleDrafter", drafter))
 
-    def chains(self, pack: Pack, every_chain: bool) -> list[torch.Tensor]:
+    def chains(self, pack: Pack, every_chain: bool, draw: int = 0) -> list[torch.Tensor]:
+        """The COD-sampled chains of a pack; seeded by the run's seed and `draw` (the pack's place in the run,
+        as DFlash's anchors), so a resumed run draws what an uninterrupted one drew and each epoch draws anew."""
         import torch
 
         from speculators.models.peagle import cod_sample
 
         ratio, ratio_min = (1.0, 1.0) if every_chain else (self.ratio, self.ratio_min)
-        generator = torch.Generator().manual_seed(pack_seed(self.seed, pack))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw)
         return cod_sample(pack.loss_mask, pack.document_ids, self.depths, ratio, ratio_min, generator)
 
     def scored(
-        self, model: nn.Module, pack: Pack, every_chain: bool, first: torch.Tensor | None = None
+        self, model: nn.Module, pack: Pack, every_chain: bool, first: torch.Tensor | None = None, draw: int = 0
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
         """The loss, the per-depth sums, and per depth the bool [1, T - d] of anchors whose depth-d draft
         is scored and agrees (for the replay)."""
         import torch
 
-        chains = self.chains(pack, every_chain)
+        chains = self.chains(pack, every_chain, draw)
         normed = model(pack.input_ids, pack.aux_hidden_states, chains, pack.position_ids, pack.document_ids)
         mask = pack.loss_mask[0].bool()
         depth0 = mask if first is None else first[0].bool()
@@ -122,11 +114,11 @@ class PEagleObjective:
             hits.append(correct[: length - depth][None])
         return total, {k: torch.stack(v).double() for k, v in sums.items()}, hits
 
-    def loss(self, model: nn.Module, pack: Pack) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, model: nn.Module, pack: Pack, draw: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         import torch
 
         first = torch.ones_like(pack.loss_mask) if self.first_step_everywhere else None
-        total, sums, _ = self.scored(model, pack, every_chain=False, first=first)
+        total, sums, _ = self.scored(model, pack, every_chain=False, first=first, draw=draw)
         return total, sums
 
     def validation_sums(self, device: torch.device) -> dict[str, torch.Tensor]:

@@ -70,6 +70,11 @@ SHAPES_THE_RUN = frozenset(
         "draft_layer_type",
         # the K the validation replay measures at: the best drafter's recorded acceptance is at it
         "speculative_tokens",
+        # DFlash: the block, the anchors drawn per pack, the slot weights and the mask slots' token
+        "block_size",
+        "max_anchors",
+        "dflash_loss",
+        "dflash_gamma",
     }
 )
 BY_CONTENT = frozenset({"store", "verifier", "warm_start"})

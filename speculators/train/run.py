@@ -4,7 +4,7 @@ objective, the wrapped model and its optimizers, and the step counts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,8 @@ from speculators.train.objectives import objective_for
 from speculators.train.optim import build_optimizer
 from speculators.train.validation import greedy_in_draft_vocab
 from speculators.train.vocab import load_draft_vocab
-from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, draft_config_for_verifier
+from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, local_model_dir
+from speculators.verifier.mask_token import default_mask_token_id
 
 if TYPE_CHECKING:
     import torch
@@ -120,40 +121,64 @@ def start_run(config: TrainConfig) -> Run:
 def build_drafter(
     config: TrainConfig, verifier: VerifierHead, manifest: StoreManifest, vocab: dict[str, torch.Tensor]
 ) -> Eagle3Drafter:
-
+    """The drafter of --algorithm: warm-started, or new for the verifier over the store's vocab and aux layers."""
+    algorithm = algorithm_named(config.algorithm)
     selected = vocab["selected_ids"]
-    drafter_class = algorithm_named(config.algorithm).part("drafter")
     if config.warm_start:
-        warm_class = algorithm_of_checkpoint(config.warm_start).part("drafter")
-        drafter = warm_class.from_pretrained(config.warm_start, dtype="float32")
-        if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
-            raise SpeculatorsError(
-                f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
-                f"but the store holds {manifest.aux_layer_ids}"
-            )
-        if drafter.config.draft_vocab_size != selected.numel():
-            raise SpeculatorsError(
-                f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
-                f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
-            )
-        if config.fc_norm and not drafter.config.fc_norm:
-            raise SpeculatorsError(
-                f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
-                "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
-            )
-        drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
+        drafter = warm_start_drafter(config, manifest, selected, verifier)
     else:
-        draft_config = draft_config_for_verifier(
-            verifier.config,
-            checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name),
-            config.drafter_shape(selected.numel(), manifest.aux_layer_ids),
-        )
-        drafter = Eagle3Drafter(draft_config)
+        shape = config.drafter_shape(selected.numel(), manifest.aux_layer_ids)
+        if algorithm.parallel:
+            shape = replace(shape, mask_token_id=mask_token_of(config, verifier))
+        name = checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name)
+        drafter = algorithm.part("drafter")(algorithm.part("config_for_verifier")(verifier.config, name, shape))
         drafter.reset_parameters(seed=config.seed)
         drafter.init_draft_vocab(selected, verifier.lm_head_weight)
-    drafter = drafter_class.for_training(drafter, config, verifier.config)
     drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
     drafter.lm_head.weight.requires_grad_(config.train_lm_head)
+    return drafter
+
+
+def mask_token_of(config: TrainConfig, verifier: VerifierHead) -> int:
+    """A parallel drafter's mask token: --mask-token-id, else a special token of the verifier's tokenizer
+    that chat text never holds (speculators.verifier.mask_token), the one default of every algorithm."""
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    return default_mask_token_id(local_model_dir(verifier.name_or_path))
+
+
+def warm_start_drafter(
+    config: TrainConfig, manifest: StoreManifest, selected: torch.Tensor, verifier: VerifierHead
+) -> Eagle3Drafter:
+    """The --warm-start drafter, checked against this run's algorithm, store and settings; a drafter of an
+    algorithm this one warm-starts from (P-EAGLE from EAGLE-3) becomes this algorithm's."""
+    assert config.warm_start is not None
+    algorithm, found = algorithm_named(config.algorithm), algorithm_of_checkpoint(config.warm_start)
+    if found.name != algorithm.name and found.name not in algorithm.warm_starts_from:
+        takes = ", ".join((algorithm.name, *algorithm.warm_starts_from))
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} is a {found.name} drafter, and --algorithm {algorithm.name} starts "
+            f"from {takes} drafters; pass --algorithm {found.name} or another warm start"
+        )
+    drafter = found.part("drafter").from_pretrained(config.warm_start, dtype="float32")
+    if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
+            f"but the store holds {manifest.aux_layer_ids}"
+        )
+    if drafter.config.draft_vocab_size != selected.numel():
+        raise SpeculatorsError(
+            f"warm start {config.warm_start} has a draft vocab of {drafter.config.draft_vocab_size}, the store's "
+            f"vocab has {selected.numel()}; rebuild it with --draft-vocab-size {drafter.config.draft_vocab_size}"
+        )
+    if config.fc_norm and not getattr(drafter.config, "fc_norm", True):
+        raise SpeculatorsError(
+            f"--fc-norm asks for per-aux-state norms but warm start {config.warm_start} was built with one "
+            "norm over all three; leave --fc-norm out (the warm start's architecture is kept) or train anew"
+        )
+    drafter.set_vocab_mapping(selected)  # the store's vocabulary; lm_head rows stay the warm start's
+    if found.name != algorithm.name:
+        drafter = algorithm.part("drafter").from_warm_start(drafter, mask_token_of(config, verifier), config.seed)
     return drafter
 
 

