@@ -611,11 +611,25 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None, r
     return ["train", *to_argv(config)]
 
 
+# The training recipe's fields added after keys existed, at their defaults (P-EAGLE's and DFlash's among them):
+# an EAGLE-3 variant that leaves them out keeps its drafter's key.
+RECIPE_FIELDS_ADDED_LATER: dict[str, Any] = {
+    "loss_positions": "answers",
+    "block_size": None,
+    "max_anchors": 512,
+    "dflash_loss": "decay",
+    "dflash_gamma": 4.0,
+    "mask_token_id": None,
+    "cod_ratio": 0.7,
+    "cod_ratio_min": 0.2,
+}
+
+
 def trained_drafter_key(v: Variant, store_key: str) -> str:
     """The trained drafter's key: the store's version, the recipe, the drafter's shape, the verifier.
     `loss_positions` is hashed only where it differs from its default: a variant without it keeps the
     key it had before the field existed (its drafter is reused)."""
-    recipe = dump_for_key(v.training, {"loss_positions": "answers"})
+    recipe = dump_for_key(v.training, RECIPE_FIELDS_ADDED_LATER)
     return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier)
 
 
