@@ -67,6 +67,7 @@ class ConversionResult:
     output: Path
     source_layout: str
     notes: list[str] = field(default_factory=list)
+    checked: str = "validated"  # what was checked before writing (parallel drafters: names and shapes)
 
 
 def read_source_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -193,7 +194,7 @@ def convert_parallel_checkpoint(
     output = Path(settings.output)
     write_parallel(conversion, output, settings.overwrite)
     layout = algorithm if "speculators_model_type" in raw_config else f"z-lab-{algorithm}"
-    return ConversionResult(output=output, source_layout=layout, notes=conversion.notes)
+    return ConversionResult(output, layout, conversion.notes, checked="tensor names and shapes checked")
 
 
 def read_source(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -280,3 +280,56 @@ def test_cli_refuses_a_checkpoint_of_another_algorithm(tmp_path, tiny_verifier_d
         main(["convert", str(source), "--verifier", verifier, "--output", str(tmp_path / "o"), "--algorithm", "dflash"])
         == 0
     )
+
+
+def from_golden_layout(name, seed=0):
+    """Random tensors in the layout speculators 0.9.0's save_pretrained wrote for a tiny drafter of the tiny
+    verifier (tests/golden/reference_library_*_tensors.json, with its config.json beside it)."""
+    from tests.paths import GOLDEN_DIR
+
+    generator = torch.Generator().manual_seed(seed)
+    layout = json.loads((GOLDEN_DIR / f"reference_library_{name}_tensors.json").read_text())
+    tensors = {}
+    for tensor_name, (shape, dtype) in layout.items():
+        if dtype == "I64":  # d2t: offsets of a sorted draft vocabulary
+            selected = torch.sort(torch.randperm(V, generator=generator)[: shape[0]]).values
+            tensors[tensor_name] = selected - torch.arange(shape[0])
+        elif dtype == "BOOL":
+            tensors[tensor_name] = torch.zeros(shape, dtype=torch.bool)
+        else:
+            tensors[tensor_name] = torch.randn(shape, generator=generator) * 0.05
+    if "t2d" in tensors:
+        tensors["t2d"][tensors["d2t"] + torch.arange(len(tensors["d2t"]))] = True
+    return tensors, json.loads((GOLDEN_DIR / f"reference_library_{name}_config.json").read_text())
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "peagle"])
+def test_what_the_reference_library_saves_converts(tmp_path, tiny_verifier_dir, algorithm):
+    """The reference library's own files (its DFlash writes `sliding_window_non_causal: false` over
+    full-attention layers; its P-EAGLE `mask_hidden` [1, 1, 3H], fc_norm and embeddings)."""
+    tensors, config = from_golden_layout(algorithm)
+    source = tmp_path / "ref"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "config.py").write_text("raise RuntimeError('never executed')\n")
+    save_file(tensors, str(source / "model.safetensors"))
+    result = convert(source, tmp_path / "ours", tiny_verifier_dir("llama"))
+    assert result.checked == "tensor names and shapes checked"
+    written = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert sorted(written) == sorted(name for name in tensors if name != "embed_tokens.weight")
+    for name in written:
+        assert torch.equal(written[name], tensors[name]), name
+    speculative, model = vllm_reading(tmp_path / "ours")
+    if algorithm == "dflash":
+        assert config["sliding_window_non_causal"] is False  # as the reference wrote it
+        assert speculative == {"method": "dflash", "num_speculative_tokens": 7}
+        assert model["dflash_config"] == {
+            "mask_token_id": 7,
+            "target_layer_ids": [1, 3, 6],
+            "sample_from_anchor": False,
+            "causal": False,
+        }
+    else:
+        assert speculative == {"method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+        assert model["architectures"] == ["PeagleLlamaForCausalLM"] and model["pard_token"] == 7
+        assert model["fc_norm"] is True and model["norm_before_residual"] is False
