@@ -189,7 +189,7 @@ def convert_parallel_checkpoint(
     source = Path(settings.source)
     name = checkpoint_verifier_name(settings.verifier, verifier_location, settings.verifier_name)
     conversion = convert_parallel(
-        algorithm, raw_config, tensors, source, settings, VerifierFit.of(verifier_config, name)
+        algorithm, raw_config, tensors, source, settings, VerifierFit.of(verifier_config, name, verifier_location)
     )
     output = Path(settings.output)
     write_parallel(conversion, output, settings.overwrite)

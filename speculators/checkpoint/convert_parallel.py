@@ -61,16 +61,19 @@ class ParallelConversion:
 
 @dataclass(frozen=True)
 class VerifierFit:
-    """What a converted drafter is checked against: the verifier's name, layers, width and vocabulary."""
+    """What a converted drafter is checked against: the verifier's name, layers, width and vocabulary, and
+    where its weights lie (`location`, for the embedding of the mask token)."""
 
     name_or_path: str
     architectures: list[str]
     num_layers: int
     hidden_size: int
     vocab_size: int
+    location: str = ""
+    model_type: str = ""
 
     @classmethod
-    def of(cls, verifier_config: PretrainedConfig, name_or_path: str) -> VerifierFit:
+    def of(cls, verifier_config: PretrainedConfig, name_or_path: str, location: str = "") -> VerifierFit:
         from speculators.verifier.architectures import text_config_of
 
         text = text_config_of(verifier_config)
@@ -80,7 +83,25 @@ class VerifierFit:
             num_layers=int(text.num_hidden_layers),
             hidden_size=int(text.hidden_size),
             vocab_size=int(text.vocab_size),
+            location=location,
+            model_type=str(verifier_config.model_type),
         )
+
+    def token_embedding(self, token_id: int) -> torch.Tensor:
+        """The verifier's input embedding of `token_id` (read from its safetensors by name, nothing else)."""
+        import torch
+
+        from speculators.verifier.architectures import adapter_for
+        from speculators.verifier.loading import local_model_dir, read_named_tensors
+
+        name = adapter_for(self.model_type).head_tensors()["embedding"]
+        tensors = read_named_tensors(local_model_dir(self.location), [name], torch.float32)
+        if name not in tensors:
+            raise SpeculatorsError(
+                f"verifier {self.name_or_path} has no {name} in its safetensors files to embed the mask token; "
+                f"convert against a Hugging Face copy of it"
+            )
+        return tensors[name][token_id].clone()
 
 
 def parallel_algorithm_of(raw_config: dict[str, Any]) -> str | None:
@@ -157,11 +178,15 @@ def dflash_from_foreign(
         "sliding_window_non_causal": not facts["causal"],
         "speculators_config": speculators_config("dflash", k),
     }
-    extra = {}
     mask_embedding = read_mask_embedding(source, mask_token_id, int(layer["hidden_size"]))
     if mask_embedding is not None:
-        extra[MASK_EMBEDDING_FILE] = {"embedding": mask_embedding, "mask_token_id": mask_token_id}
         notes.append(f"{MASK_EMBEDDING_FILE} carried over (it replaces the verifier's embedding of the mask token)")
+    else:
+        # What vLLM feeds the mask slots of a drafter that ships none, and what the reference trains with (the
+        # verifier's frozen embedding row): written down, so that the checkpoint states its mask input.
+        mask_embedding = verifier.token_embedding(mask_token_id)
+        notes.append(f"{MASK_EMBEDDING_FILE} written from the verifier's embedding of mask token {mask_token_id}")
+    extra = {MASK_EMBEDDING_FILE: {"embedding": mask_embedding, "mask_token_id": mask_token_id}}
     return ParallelConversion("dflash", config, tensors, extra, notes)
 
 
@@ -507,6 +532,8 @@ def write_parallel(conversion: ParallelConversion, output: Path, overwrite: bool
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(conversion.config, indent=2, sort_keys=True) + "\n")
         for name, value in conversion.extra_files.items():
+            if isinstance(value, dict) and isinstance(value.get("embedding"), torch.Tensor):
+                value = {**value, "embedding": value["embedding"].to(dtype).contiguous()}
             torch.save(value, tmp / name)
 
 

@@ -209,6 +209,11 @@ def test_reference_dflash_states_the_causality_it_was_trained_with(
     assert model["dflash_config"]["target_layer_ids"] == [1, 3, 6] and model["draft_vocab_size"] == D
     if layer_types is None:
         assert any("bidirectionally" in note for note in result.notes)
+    # No mask embedding in the source: the verifier's row of the mask token, which vLLM would use, written down.
+    verifier_embeddings = load_file(str(tiny_verifier_dir("llama") / "model.safetensors"))["model.embed_tokens.weight"]
+    saved_mask = torch.load(tmp_path / "ours" / "mask_embedding.pt", weights_only=True)
+    assert saved_mask["mask_token_id"] == 7
+    assert torch.equal(saved_mask["embedding"], verifier_embeddings[7].float())
 
 
 def test_reference_peagle_converts_with_mask_hidden_and_the_norm_flags_vllm_would_drop(tmp_path, tiny_verifier_dir):
