@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from speculators.atomic_io import atomic_directory
-from speculators.checkpoint.convert_parallel import VerifierFit, convert_parallel, parallel_algorithm_of, write_parallel
+from speculators.checkpoint.convert_parallel import (
+    VerifierFit,
+    convert_parallel,
+    parallel_algorithm_of,
+    registered_reader,
+    write_parallel,
+)
 from speculators.checkpoint.validation import check_against_verifier, validate_checkpoint
 from speculators.errors import CheckpointFormatError, SpeculatorsError, shorten
 from speculators.models.config import (
@@ -194,7 +200,8 @@ def convert_parallel_checkpoint(
     output = Path(settings.output)
     write_parallel(conversion, output, settings.overwrite)
     layout = algorithm if "speculators_model_type" in raw_config else f"z-lab-{algorithm}"
-    return ConversionResult(output, layout, conversion.notes, checked="tensor names and shapes checked")
+    checked = "validated" if registered_reader(algorithm) else "tensor names and shapes checked"
+    return ConversionResult(output, layout, conversion.notes, checked=checked)
 
 
 def read_source(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -87,21 +87,24 @@ class VerifierFit:
             model_type=str(verifier_config.model_type),
         )
 
-    def token_embedding(self, token_id: int) -> torch.Tensor:
-        """The verifier's input embedding of `token_id` (read from its safetensors by name, nothing else)."""
+    def head_tensor(self, which: str) -> torch.Tensor:
+        """The verifier's "embedding" or "lm_head" matrix (the embedding for tied models), read from its
+        safetensors by name and nothing else."""
         import torch
 
         from speculators.verifier.architectures import adapter_for
         from speculators.verifier.loading import local_model_dir, read_named_tensors
 
-        name = adapter_for(self.model_type).head_tensors()["embedding"]
-        tensors = read_named_tensors(local_model_dir(self.location), [name], torch.float32)
+        names = adapter_for(self.model_type).head_tensors()
+        wanted = [names["embedding"], names["lm_head"]]
+        tensors = read_named_tensors(local_model_dir(self.location), wanted, torch.float32)
+        name = names[which] if names[which] in tensors else names["embedding"]  # (tied: no lm_head of its own)
         if name not in tensors:
             raise SpeculatorsError(
-                f"verifier {self.name_or_path} has no {name} in its safetensors files to embed the mask token; "
-                f"convert against a Hugging Face copy of it"
+                f"verifier {self.name_or_path} has no {names[which]} in its safetensors files; convert against a "
+                f"Hugging Face copy of it"
             )
-        return tensors[name][token_id].clone()
+        return tensors[name]
 
 
 def parallel_algorithm_of(raw_config: dict[str, Any]) -> str | None:
@@ -163,6 +166,7 @@ def dflash_from_foreign(
         )
     tensors = dflash_tensors(tensors, settings.keep_embeddings, notes)
     draft_vocab = check_dflash_tensors(tensors, layer, len(aux_ids), verifier, source)
+    tensors |= verifier_head_tensors(tensors, verifier, notes)
     notes += key_norm_notes(tensors, layer["num_hidden_layers"])
     k = settings.speculative_tokens or facts["block_size"] - 1
     config = {
@@ -184,7 +188,7 @@ def dflash_from_foreign(
     else:
         # What vLLM feeds the mask slots of a drafter that ships none, and what the reference trains with (the
         # verifier's frozen embedding row): written down, so that the checkpoint states its mask input.
-        mask_embedding = verifier.token_embedding(mask_token_id)
+        mask_embedding = verifier.head_tensor("embedding")[mask_token_id].clone()
         notes.append(f"{MASK_EMBEDDING_FILE} written from the verifier's embedding of mask token {mask_token_id}")
     extra = {MASK_EMBEDDING_FILE: {"embedding": mask_embedding, "mask_token_id": mask_token_id}}
     return ParallelConversion("dflash", config, tensors, extra, notes)
@@ -310,6 +314,26 @@ def dflash_tensors(
     if dropped:
         notes.append(f"dropped (vLLM takes them from the verifier): {', '.join(dropped)}")
     return {name: t for name, t in renamed.items() if name not in dropped}
+
+
+def verifier_head_tensors(tensors: dict[str, torch.Tensor], verifier: VerifierFit, notes: list[str]) -> dict:
+    """What a full-vocabulary source leaves to the verifier, written down as our format holds it: the
+    verifier's lm_head and the identity vocabulary map (vLLM serves them exactly as the shared ones)."""
+    import torch
+
+    added: dict[str, torch.Tensor] = {}
+    if "lm_head.weight" not in tensors:
+        added["lm_head.weight"] = verifier.head_tensor("lm_head")
+    if "d2t" not in tensors:
+        added["d2t"] = torch.zeros(verifier.vocab_size, dtype=torch.long)
+    if "t2d" not in tensors:  # (vLLM never reads it; it follows from d2t: target = i + d2t[i])
+        d2t = tensors.get("d2t", added.get("d2t"))
+        assert d2t is not None
+        added["t2d"] = torch.zeros(verifier.vocab_size, dtype=torch.bool)
+        added["t2d"][torch.arange(len(d2t)) + d2t.long()] = True
+    if added:
+        notes.append(f"from the verifier (the source shares them): {', '.join(added)}")
+    return added
 
 
 def dflash_expected_shapes(layer: dict[str, Any], num_aux: int, verifier: VerifierFit) -> dict[str, tuple[int, ...]]:
@@ -514,9 +538,22 @@ def speculators_config(algorithm: str, speculative_tokens: int) -> dict[str, Any
     }
 
 
+def registered_reader(algorithm: str) -> Callable[[Path], Any] | None:
+    """The algorithm's checkpoint reader from the registry (speculators.models.algorithms), when the
+    algorithm is registered with one: it checks a converted folder as `validate` and the loaders will."""
+    from speculators.models.algorithms import ALGORITHMS
+
+    entry = ALGORITHMS.get(algorithm)
+    if entry is None or not getattr(entry, "read_checkpoint", None):
+        return None
+    reader: Callable[[Path], Any] = entry.part("read_checkpoint")
+    return reader
+
+
 def write_parallel(conversion: ParallelConversion, output: Path, overwrite: bool) -> None:
     """The conversion written atomically: model.safetensors in the config's dtype (d2t int64, t2d bool),
-    config.json, and the extra files (torch.save of tensors only)."""
+    config.json, and the extra files (torch.save of tensors only); read back by the algorithm's registered
+    checkpoint reader, where there is one, before it takes `output`'s place."""
     import torch
     from safetensors.torch import save_file
 
@@ -535,6 +572,9 @@ def write_parallel(conversion: ParallelConversion, output: Path, overwrite: bool
             if isinstance(value, dict) and isinstance(value.get("embedding"), torch.Tensor):
                 value = {**value, "embedding": value["embedding"].to(dtype).contiguous()}
             torch.save(value, tmp / name)
+        reader = registered_reader(conversion.algorithm)
+        if reader is not None:
+            reader(tmp)  # (raises CheckpointFormatError naming every problem; the temporary folder goes)
 
 
 PARALLEL_CONVERTERS: dict[str, Callable[..., ParallelConversion]] = {

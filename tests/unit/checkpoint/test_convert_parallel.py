@@ -148,9 +148,14 @@ def test_zlab_dflash_converts_with_its_weights_mask_embedding_and_what_vllm_read
 
     assert result.source_layout == "z-lab-dflash"
     written = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    assert sorted(written) == sorted(body)  # `model.` gone, embeddings left to the verifier's
+    # `model.` gone, embeddings left to the verifier's, its lm_head and the identity map written down
+    assert sorted(written) == sorted([*body, "lm_head.weight", "d2t", "t2d"])
     for name, tensor in body.items():
         assert torch.equal(written[name], tensor), name
+    verifier = load_file(str(tiny_verifier_dir("llama") / "model.safetensors"))
+    head = verifier.get("lm_head.weight", verifier["model.embed_tokens.weight"])
+    assert torch.equal(written["lm_head.weight"], head.float())
+    assert not written["d2t"].any() and written["d2t"].dtype == torch.int64 and written["t2d"].all()
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["aux_hidden_state_layer_ids"] == [2, 4, 6]  # z-lab t -> t + 1
     assert config["sliding_window_non_causal"] is True and config["draft_vocab_size"] == V
@@ -325,7 +330,7 @@ def test_what_the_reference_library_saves_converts(tmp_path, tiny_verifier_dir, 
     (source / "config.py").write_text("raise RuntimeError('never executed')\n")
     save_file(tensors, str(source / "model.safetensors"))
     result = convert(source, tmp_path / "ours", tiny_verifier_dir("llama"))
-    assert result.checked == "tensor names and shapes checked"
+    assert result.checked in ("tensor names and shapes checked", "validated")  # validated: a registered reader
     written = load_file(str(tmp_path / "ours" / "model.safetensors"))
     assert sorted(written) == sorted(name for name in tensors if name != "embed_tokens.weight")
     for name in written:
