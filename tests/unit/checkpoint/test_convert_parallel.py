@@ -189,36 +189,54 @@ def test_zlab_speculative_tokens_flag_overrides_the_block(tmp_path, tiny_verifie
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["block_size"] == 5
 
 
-@pytest.mark.parametrize(
-    ("layer_types", "source_flag", "served_causal"),
-    [
-        (None, False, False),  # full attention: trained bidirectionally although the reference wrote false
-        (["sliding_attention"] * LAYERS, False, True),  # causal SWA in the block, as trained
-        (["sliding_attention"] * LAYERS, True, False),
-    ],
-)
-def test_reference_dflash_states_the_causality_it_was_trained_with(
-    tmp_path, tiny_verifier_dir, layer_types, source_flag, served_causal
-):
+def test_reference_dflash_converts_with_the_causality_it_was_trained_with(tmp_path, tiny_verifier_dir):
     body = with_draft_vocab(dflash_body())
-    source = write_reference_dflash(tmp_path / "ref", body, layer_types=layer_types, non_causal=source_flag)
+    source = write_reference_dflash(tmp_path / "ref", body, non_causal=False)  # what the reference writes
     result = convert(source, tmp_path / "ours", tiny_verifier_dir("llama"))
     assert result.source_layout == "dflash"
     written = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    assert (
-        sorted(written) == sorted(body) and written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool
-    )
+    assert sorted(written) == sorted(body)
+    assert written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool
     speculative, model = vllm_reading(tmp_path / "ours")
     assert speculative == {"method": "dflash", "num_speculative_tokens": 7}
-    assert model["dflash_config"]["causal"] is served_causal
+    assert model["dflash_config"]["causal"] is False  # full attention, trained bidirectionally
     assert model["dflash_config"]["target_layer_ids"] == [1, 3, 6] and model["draft_vocab_size"] == D
-    if layer_types is None:
-        assert any("bidirectionally" in note for note in result.notes)
+    assert any("bidirectionally" in note for note in result.notes)
     # No mask embedding in the source: the verifier's row of the mask token, which vLLM would use, written down.
     verifier_embeddings = load_file(str(tiny_verifier_dir("llama") / "model.safetensors"))["model.embed_tokens.weight"]
     saved_mask = torch.load(tmp_path / "ours" / "mask_embedding.pt", weights_only=True)
     assert saved_mask["mask_token_id"] == 7
     assert torch.equal(saved_mask["embedding"], verifier_embeddings[7].float())
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "source_flag", "served_causal"),
+    [
+        (None, False, False),  # full attention: trained bidirectionally although the reference wrote false
+        (None, True, False),
+        (["sliding_attention"] * LAYERS, False, True),  # causal SWA in the block, as trained
+        (["sliding_attention"] * LAYERS, True, False),
+    ],
+)
+def test_reference_dflash_causality_as_vllm_reads_it(
+    tmp_path, tiny_verifier_dir, layer_types, source_flag, served_causal
+):
+    """The converted config as vLLM reads it, before writing (our drafter, and so the written folder's
+    registered reader, may refuse sliding-window layers that vLLM serves)."""
+    from transformers import AutoConfig
+
+    from speculators.checkpoint.convert_parallel import VerifierFit, convert_parallel
+
+    verifier = tiny_verifier_dir("llama")
+    source = write_reference_dflash(tmp_path / "ref", with_draft_vocab(dflash_body()), layer_types, source_flag)
+    settings = ConvertSettings(source=source, verifier=str(verifier), output=tmp_path / "ours")
+    fit = VerifierFit.of(AutoConfig.from_pretrained(verifier), "acme/tiny", str(verifier))
+    raw = json.loads((source / "config.json").read_text())
+    conversion = convert_parallel("dflash", raw, load_file(str(source / "model.safetensors")), source, settings, fit)
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    model = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(conversion.config))
+    assert model["dflash_config"]["causal"] is served_causal
 
 
 def test_reference_peagle_converts_with_mask_hidden_and_the_norm_flags_vllm_would_drop(tmp_path, tiny_verifier_dir):
