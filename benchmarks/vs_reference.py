@@ -1049,6 +1049,13 @@ def main() -> None:
     say(f"verifier {args.verifier}: {facts.model_type}, {facts.num_layers} layers, hidden {facts.hidden_size}")
     aux_ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
     k = args.ttt_steps if args.algorithm == "eagle3" else args.block_size - 1
+    if not args.only_reference:  # our side must exist before an hour of the reference's training
+        from speculators.models.algorithms import algorithm_named
+
+        try:
+            algorithm_named(args.algorithm)
+        except Exception as error:
+            raise BenchError(f"{error}; pass --only-reference to train the reference's side alone") from None
     if args.algorithm == "dflash" and args.mask_token_id is None:
         args.mask_token_id = default_mask_token(facts.name_or_path)
     ref_python = reference_environment(Path(args.reference_venv), work / "logs")
