@@ -239,33 +239,38 @@ def test_reference_dflash_causality_as_vllm_reads_it(
     assert model["dflash_config"]["causal"] is served_causal
 
 
-def test_reference_peagle_converts_with_mask_hidden_and_the_norm_flags_vllm_would_drop(tmp_path, tiny_verifier_dir):
+def test_reference_peagle_with_fc_norm_states_it_where_vllm_reads_it(tmp_path, tiny_verifier_dir):
+    """Trap §5.3 on the converted config as vLLM reads it, before writing (the written folder then goes
+    through the registered P-EAGLE reader, which may refuse these norms outright)."""
+    from transformers import AutoConfig
+
+    from speculators.checkpoint.convert_parallel import VerifierFit, convert_parallel
     from tests.unit.checkpoint.test_convert import research_tensors, write_reference_library_checkpoint
 
-    tensors = research_tensors(seed=3)
-    source = write_reference_library_checkpoint(tmp_path / "ref", tensors)
+    source = write_reference_library_checkpoint(tmp_path / "ref", research_tensors(seed=3))
     config = json.loads((source / "config.json").read_text())
     mask_hidden = torch.randn(1, 1, 3 * H).to(torch.bfloat16)
     fc_norms = {f"fc_norm.{i}.weight": torch.ones(H, dtype=torch.bfloat16) for i in range(3)}
-    save_file(
-        load_file(str(source / "model.safetensors")) | {"mask_hidden": mask_hidden} | fc_norms,
-        str(source / "model.safetensors"),
-    )
+    tensors = load_file(str(source / "model.safetensors")) | {"mask_hidden": mask_hidden} | fc_norms
     del config["norm_before_residual"]  # the P-EAGLE reading of a missing flag is false, unlike EAGLE-3's
     config |= {"speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"], "mask_token_id": 3}
     config |= {"fc_norm": True, "norm_output": True, "embed_requires_grad": True}
     config["speculators_config"]["algorithm"] = "peagle"
-    (source / "config.json").write_text(json.dumps(config))
+    verifier = tiny_verifier_dir("llama")
+    settings = ConvertSettings(source=source, verifier=str(verifier), output=tmp_path / "ours")
+    fit = VerifierFit.of(AutoConfig.from_pretrained(verifier), "acme/tiny", str(verifier))
+    conversion = convert_parallel("peagle", config, tensors, source, settings, fit)
 
-    result = convert(source, tmp_path / "ours", tiny_verifier_dir("llama"))
-    assert result.source_layout == "peagle"
-    written = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    assert written["mask_hidden"].shape == (1, 1, 3 * H) and torch.equal(written["mask_hidden"], mask_hidden)
-    assert "embed_tokens.weight" not in written and "fc_norm.2.weight" in written
-    speculative, model = vllm_reading(tmp_path / "ours")
+    assert conversion.tensors["mask_hidden"].shape == (1, 1, 3 * H)
+    assert torch.equal(conversion.tensors["mask_hidden"], mask_hidden)
+    assert "embed_tokens.weight" not in conversion.tensors and "fc_norm.2.weight" in conversion.tensors
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    speculative = SpeculatorsConfig.extract_vllm_speculative_config(copy.deepcopy(conversion.config))
+    model = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(conversion.config))
     assert speculative == {"method": "eagle3", "num_speculative_tokens": 5, "parallel_drafting": True}
     assert model["pard_token"] == 3 and model["norm_before_residual"] is False
-    assert model["fc_norm"] is True and model["norm_output"] is True  # trap §5.3: read from the layer config
+    assert model["fc_norm"] is True and model["norm_output"] is True  # read from the layer config
     assert model["eagle_aux_hidden_state_layer_ids"] == [1, 4, 8]
 
 
@@ -366,4 +371,4 @@ def test_what_the_reference_library_saves_converts(tmp_path, tiny_verifier_dir, 
     else:
         assert speculative == {"method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
         assert model["architectures"] == ["PeagleLlamaForCausalLM"] and model["pard_token"] == 7
-        assert model["fc_norm"] is True and model["norm_before_residual"] is False
+        assert model["norm_before_residual"] is False and model.get("fc_norm") is not True
