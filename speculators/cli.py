@@ -88,7 +88,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     result = convert_checkpoint(s)
     for note in result.notes:
         print(f"note: {note}")
-    print(f"converted {result.source_layout} checkpoint {s.source} -> {result.output} (validated)")
+    print(f"converted {result.source_layout} checkpoint {s.source} -> {result.output} ({result.checked})")
     return 0
 
 

@@ -755,7 +755,8 @@ class ValidateSettings(Settings):
 
 class ConvertSettings(DrafterNorms, OverwriteOutput):
     source: PathText = Field(
-        description="a research / reference EAGLE-3 checkpoint", json_schema_extra={"positional": True}
+        description="a research / reference EAGLE-3, z-lab DFlash or reference DFlash / P-EAGLE checkpoint",
+        json_schema_extra={"positional": True},
     )
     verifier: PathText = Field(description="hub id, local directory or GGUF file")
     output: PathText = Field(description="the speculators-format checkpoint folder")
@@ -769,11 +770,14 @@ class ConvertSettings(DrafterNorms, OverwriteOutput):
         None,
         ge=1,
         le=MAX_DRAFT_TOKENS,
-        description="K written into the config (default 3)",
+        description="K written into the config (default: 3 for EAGLE-3, block size - 1 for DFlash, the source's)",
         json_schema_extra=PARSE_CHECK,
     )
     dtype: CheckpointDtype | None = Field(None, description="default: the source's")
     keep_embeddings: bool = Field(False, description="keep embed_tokens.weight if present")
+    algorithm: DrafterAlgorithm | None = Field(
+        None, description="the algorithm the source must be (default: whatever its config says)"
+    )
 
 
 class VerifierSettings(Settings):

@@ -4,7 +4,9 @@ Sources understood:
 - the EAGLE-3 research layout (`midlayer.*` tensors, a Llama-style `config.json` with
   `draft_vocab_size`, weights in `pytorch_model.bin` or safetensors);
 - checkpoints of the reference `speculators` library (possibly with `embed_tokens.weight`,
-  `config.py`, `auto_map` and extra keys) and our own: re-emitted in the full explicit form.
+  `config.py`, `auto_map` and extra keys) and our own: re-emitted in the full explicit form;
+- the parallel drafters (z-lab DFlash, the reference library's DFlash and P-EAGLE): the checkpoint's
+  algorithm picks its converter in `speculators.checkpoint.convert_parallel`.
 
 The research config cannot tell the aux layer ids or the norm placement; they come from flags,
 defaulting to what the research code does (raw residual, no fc norm, un-normed output) and the
@@ -21,6 +23,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from speculators.atomic_io import atomic_directory
+from speculators.checkpoint.convert_parallel import (
+    VerifierFit,
+    convert_parallel,
+    parallel_algorithm_of,
+    registered_reader,
+    write_parallel,
+)
 from speculators.checkpoint.validation import check_against_verifier, validate_checkpoint
 from speculators.errors import CheckpointFormatError, SpeculatorsError, shorten
 from speculators.models.config import (
@@ -64,6 +73,7 @@ class ConversionResult:
     output: Path
     source_layout: str
     notes: list[str] = field(default_factory=list)
+    checked: str = "validated"  # what was checked before writing (parallel drafters: names and shapes)
 
 
 def read_source_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -136,8 +146,16 @@ def convert_checkpoint(settings: ConvertSettings) -> ConversionResult:
     existing checkpoint there is replaced; any other non-empty folder only with `overwrite`)."""
     source = Path(settings.source)
     raw_config, tensors = read_source(source)
-    layout = detect_layout(raw_config, tensors)
+    algorithm = parallel_algorithm_of(raw_config) or "eagle3"
+    if settings.algorithm is not None and settings.algorithm != algorithm:
+        raise SpeculatorsError(
+            f"{source} is a {algorithm} checkpoint, not {settings.algorithm}; drop --algorithm or pass the "
+            f"{settings.algorithm} checkpoint meant"
+        )
     verifier_config, verifier_location = load_verifier_config(settings.verifier)
+    if algorithm != "eagle3":
+        return convert_parallel_checkpoint(algorithm, raw_config, tensors, settings, verifier_config, verifier_location)
+    layout = detect_layout(raw_config, tensors)
     notes: list[str] = []
     if layout == "speculators":
         values = speculators_config_values(raw_config, source, settings, notes)
@@ -163,6 +181,27 @@ def convert_checkpoint(settings: ConvertSettings) -> ConversionResult:
     output = Path(settings.output)
     write_converted(config, tensors, output, settings.overwrite, source)
     return ConversionResult(output=output, source_layout=layout, notes=notes)
+
+
+def convert_parallel_checkpoint(
+    algorithm: str,
+    raw_config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    settings: ConvertSettings,
+    verifier_config: Any,
+    verifier_location: str,
+) -> ConversionResult:
+    """A DFlash or P-EAGLE source converted by its algorithm's converter and written in our format."""
+    source = Path(settings.source)
+    name = checkpoint_verifier_name(settings.verifier, verifier_location, settings.verifier_name)
+    conversion = convert_parallel(
+        algorithm, raw_config, tensors, source, settings, VerifierFit.of(verifier_config, name, verifier_location)
+    )
+    output = Path(settings.output)
+    write_parallel(conversion, output, settings.overwrite)
+    layout = algorithm if "speculators_model_type" in raw_config else f"z-lab-{algorithm}"
+    checked = "validated" if registered_reader(algorithm) else "tensor names and shapes checked"
+    return ConversionResult(output, layout, conversion.notes, checked=checked)
 
 
 def read_source(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
