@@ -129,7 +129,9 @@ def convert_parallel(
     verifier: VerifierFit,
 ) -> ParallelConversion:
     """The foreign checkpoint at `source` (its config.json `raw_config`, its `tensors`) in our format."""
-    converter: Callable[..., ParallelConversion] = PARALLEL_CONVERTERS[algorithm]
+    from speculators.models.algorithms import algorithm_named
+
+    converter: Callable[..., ParallelConversion] = algorithm_named(algorithm).part("converter")
     conversion = converter(raw_config, tensors, source, settings, verifier)
     conversion.config["speculators_config"]["verifier"] = {
         "name_or_path": verifier.name_or_path,
@@ -575,9 +577,3 @@ def write_parallel(conversion: ParallelConversion, output: Path, overwrite: bool
         reader = registered_reader(conversion.algorithm)
         if reader is not None:
             reader(tmp)  # (raises CheckpointFormatError naming every problem; the temporary folder goes)
-
-
-PARALLEL_CONVERTERS: dict[str, Callable[..., ParallelConversion]] = {
-    "dflash": dflash_from_foreign,
-    "peagle": peagle_from_reference,
-}

@@ -37,13 +37,19 @@ class Algorithm:
     config_for_verifier: str
     # (directory, drop_training_only) -> speculators.models.weights.Checkpoint: config and tensors, checked
     read_checkpoint: str
+    # `speculators convert` of a foreign checkpoint of this algorithm: (raw config, tensors, source, settings,
+    # verifier) -> speculators.checkpoint.convert_parallel.ParallelConversion; None: convert.py's EAGLE-3 path
+    converter: str | None = None
     # Other algorithms whose drafters a run of this one may warm-start from; the drafter class's
     # `from_warm_start(drafter, mask_token_id, seed)` turns one into this algorithm's.
     warm_starts_from: tuple[str, ...] = ()
 
     def part(self, which: str) -> Any:
         """The part named by field `which` ("drafter", "objective", "proposer", ...), imported now."""
-        module_name, _, attribute = getattr(self, which).partition(":")
+        path = getattr(self, which)
+        if path is None:
+            raise SpeculatorsError(f"the {self.name} algorithm has no {which}")
+        module_name, _, attribute = path.partition(":")
         return getattr(importlib.import_module(module_name), attribute)
 
 
@@ -67,6 +73,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         proposer="speculators.eval.block_proposer:DFlashProposer",
         config_for_verifier="speculators.verifier.loading:dflash_config_for_verifier",
         read_checkpoint="speculators.models.dflash:read_dflash_checkpoint",
+        converter="speculators.checkpoint.convert_parallel:dflash_from_foreign",  # z-lab's and the reference's
     ),
     "peagle": Algorithm(
         name="peagle",
@@ -77,6 +84,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         proposer="speculators.eval.parallel_proposer:PEagleProposer",
         config_for_verifier="speculators.verifier.loading:peagle_config_for_verifier",
         read_checkpoint="speculators.models.weights:read_checkpoint",
+        converter="speculators.checkpoint.convert_parallel:peagle_from_reference",
         warm_starts_from=("eagle3",),  # EAGLE-3's layers, with a fresh mask_hidden
     ),
 }

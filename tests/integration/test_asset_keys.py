@@ -30,6 +30,9 @@ KEYS = {
     "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "7f806b07c5c5"),
     "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "5de701319670"),
     "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "e4e56e04a89d"),
+    # data_from smollm2_135m: its prompts' and store's keys are that partition's
+    "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "5de701319670"),
+    "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "5de701319670"),
 }
 
 
