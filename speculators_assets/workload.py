@@ -207,6 +207,10 @@ def speculators(*arguments: str, gpus: int = 0, capture: bool = False) -> subpro
     return done
 
 
+# What a published checkpoint holds of the trained drafter's folder: what vLLM reads (mask_embedding.pt: a
+# DFlash drafter's learned mask input).
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
+
 # The assets a `data_from` variant shares with the partition it names.
 SHARED_DATA_ASSETS = (RAW_PROMPTS, VERIFIER_HIDDEN_STATES)
 
@@ -705,8 +709,9 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         if not (drafter / "model.safetensors").is_file():
             raise StepFailed(f"no trained drafter at {drafter}; materialize {TRAINED_DRAFTER} again")
         with atomic_directory(target, overwrite=True) as tmp:  # (the storage root's own folder)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copy2(drafter / name, tmp / name)
+            for name in CHECKPOINT_FILES:  # (the files vLLM reads; DFlash's mask embedding among them)
+                if (drafter / name).is_file():
+                    shutil.copy2(drafter / name, tmp / name)
     validation = validate(target, v.verifier)
     config = read_record(CheckpointFacts, target)
     if config is None:  # (validate names what is wrong with it)
@@ -751,7 +756,7 @@ def speculator_checkpoint(step: Step) -> tuple[Metadata, str]:
         "verifier": v.verifier,
         "speculative_tokens": tokens,
         "draft_vocab_size": config.draft_vocab_size,
-        "aux_layer_ids": {"raw_value": config.eagle_aux_hidden_state_layer_ids, "type": "json"},
+        "aux_layer_ids": {"raw_value": config.aux_layer_ids, "type": "json"},
         "bytes": directory_bytes(target),
         "validation": md(notes or "valid, no notes"),
         "serve_with": md(f"```\nspeculators serve --verifier {v.verifier} --speculator {latest}\n```"),

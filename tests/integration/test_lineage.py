@@ -92,6 +92,52 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert time.perf_counter() - started < 120  # no regeneration, capture, training or benchmark
 
 
+def test_a_dflash_partition_trains_on_the_shared_store_and_serves_its_report(lineage, tmp_path, monkeypatch):
+    """A DFlash partition with `data_from: tiny_llama`: its prompts and store are tiny_llama's (found, not
+    recomputed), its drafter a DFlash one, published with its mask embedding and benchmarked by vLLM."""
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    shutil.copy(Path(lineage["env"]["SPECULATORS_VARIANTS_DIR"]) / "tiny_llama.yaml", variants)
+    (variants / "tiny_llama_dflash.yaml").write_text("""
+description: tiny random Llama, DFlash on tiny_llama's store (tests)
+data_from: tiny_llama
+drafter: {algorithm: dflash, speculative_tokens: 3}
+training: {epochs: 80, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32, block_size: 4,
+           max_anchors: 64}
+benchmark: {requests: 4, output_tokens: 16, natural_max_tokens: 48, concurrency: [], dtype: float32,
+            max_model_len: 512, enforce_eager: true, kv_cache_gib: 1, fixed_length: false}
+gates: {min_acceptance_length: 1.2, min_vocab_coverage: 0.5}
+""")
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(variants))
+    monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", lineage["env"]["SPECULATORS_STORAGE_ROOT"])
+    from speculators_assets.definitions import build_defs
+
+    defs = build_defs()
+    result = dg.materialize(
+        list(defs.assets),
+        partition_key="tiny_llama_dflash",
+        resources=defs.resources,
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert result.success
+    meta = materialized(result)
+    assert meta["raw_prompts"]["reused"] is True
+    hidden = meta["verifier_hidden_states"]
+    assert hidden["computed"] == 0 and hidden["reused"] == 8 and hidden["regenerated"] == 0  # tiny_llama's store
+    storage = Path(lineage["env"]["SPECULATORS_STORAGE_ROOT"])
+    assert not (storage / "tiny_llama_dflash" / "verifier_hidden_states").exists()
+    checkpoint = meta["speculator_checkpoint"]
+    assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
+    latest = Path(checkpoint["latest"])
+    assert json.loads((latest / "config.json").read_text())["speculators_model_type"] == "dflash"
+    assert (latest / "mask_embedding.pt").is_file() and (latest / "model.safetensors").is_file()
+    report = meta["benchmark_report"]
+    assert report["acceptance_length"] > 1.2 and "| synchronous | tpot_ms (median) |" in report["report"]
+    checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["passes_validate"] and checks["lossless_outputs"] and checks["report_complete"]
+
+
 def test_a_changed_prompt_source_triggers_retraining_and_an_unchanged_one_does_not(lineage):
     from speculators_assets.definitions import retraining_requests
 
