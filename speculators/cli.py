@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from speculators.errors import SpeculatorsError, argv_problem, user_error_line
 from speculators.eval.bench import run_bench
 from speculators.eval.evaluate import run_evaluation
 from speculators.flags import add_flags, from_args
-from speculators.models.eagle3 import Eagle3Drafter
+from speculators.models.algorithms import algorithm_named
 from speculators.precision import compute_dtype
 from speculators.serving.multinode import follow
 from speculators.serving.serve import ServerSettings, serve_forever
@@ -47,11 +48,12 @@ from speculators.train.vocab import build_store_vocab
 from speculators.verifier.loading import (
     cache_as_hub_model,
     checkpoint_verifier_name,
-    draft_config_for_verifier,
     load_verifier,
     load_verifier_config,
+    local_model_dir,
     require_chat_template,
 )
+from speculators.verifier.mask_token import default_mask_token_id
 from speculators.verifier.tiny import make_tiny_mistral_verifier, make_tiny_verifier
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
@@ -123,15 +125,19 @@ def cmd_init(args: argparse.Namespace) -> int:
     import torch
 
     s: InitSettings = from_args(InitSettings, args)
+    algorithm = algorithm_named(s.algorithm)
     verifier = load_verifier(s.verifier, dtype="float32")
     name = checkpoint_verifier_name(s.verifier, verifier.name_or_path, s.verifier_name)
-    config = draft_config_for_verifier(verifier.config, name, s.drafter_shape())
-    drafter = Eagle3Drafter(config)
+    shape = s.drafter_shape()
+    if algorithm.parallel and shape.mask_token_id is None:
+        shape = replace(shape, mask_token_id=default_mask_token_id(local_model_dir(verifier.name_or_path)))
+    config = algorithm.part("config_for_verifier")(verifier.config, name, shape)
+    drafter = algorithm.part("drafter")(config)
     drafter.reset_parameters(seed=s.seed)
     # Without token statistics the draft vocab is the lowest ids; `speculators vocab` picks better ones.
     drafter.init_draft_vocab(torch.arange(config.draft_vocab_size), verifier.lm_head_weight)
     drafter.save_pretrained(s.output, overwrite=s.overwrite)
-    print(f"wrote an untrained EAGLE-3 drafter for {verifier.name_or_path} to {s.output}")
+    print(f"wrote an untrained {algorithm.name} drafter for {verifier.name_or_path} to {s.output}")
     return 0
 
 

@@ -822,10 +822,19 @@ class InitSettings(DrafterNorms, OverwriteOutput):
     )
     dtype: CheckpointDtype = Field("bfloat16", description="dtype of the checkpoint's weights")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="initialisation of the weights")
+    algorithm: DrafterAlgorithm = Field("eagle3", description="the drafter: eagle3, peagle or dflash")
+    mask_token_id: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_VOCAB_SIZE,
+        description="peagle / dflash: the mask slots' token (default: a special token chat text never holds)",
+    )
 
     def drafter_shape(self) -> DrafterShape:
         """The drafter these flags ask for."""
         return DrafterShape(
+            algorithm=self.algorithm,
+            mask_token_id=self.mask_token_id,
             draft_vocab_size=self.draft_vocab_size,
             aux_layer_ids=self.aux_layer_ids,
             draft_layer_type=self.layer_type,

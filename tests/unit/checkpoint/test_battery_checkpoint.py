@@ -742,3 +742,39 @@ def test_a_token_goes_only_over_https_or_loopback(fake_dagster, capsys):
     assert assets_main(refresh(server.url, "--token", "s3cret", "--timeout", "5")) == 0
     assert "finished: SUCCESS" in capsys.readouterr().out
     assert server.authorizations and set(server.authorizations) == {"Bearer s3cret"}
+
+
+def test_parallel_drafter_mistakes_are_one_line_each(tiny_verifier_dir, tmp_path, capsys):
+    """A checkpoint of one algorithm where another is asked for, a mask token outside the vocabulary, a block
+    longer than the verifier's context: one `error:` line each, exit 2, nothing written."""
+    verifier = str(tiny_verifier_dir("llama"))
+    dflash = tmp_path / "dflash"
+    init = ["init", "--verifier", verifier, "--dtype", "float32", "--algorithm", "dflash"]
+    assert main([*init, "--output", str(dflash)]) == 0
+    short = tmp_path / "short-context"
+    shutil.copytree(dflash, short)
+    edit_config(short, lambda raw: raw["transformer_layer_config"].update(max_position_embeddings=3))
+    capsys.readouterr()
+    cases = [
+        (
+            [*init, "--output", str(tmp_path / "m"), "--mask-token-id", "999999"],
+            "mask_token_id 999999 is outside the verifier vocabulary of 512",
+        ),
+        (
+            ["evaluate", "--verifier", verifier, "--speculator", str(dflash), "--proposer", "peagle"],
+            f"--proposer peagle asks for a peagle drafter but {dflash} is a dflash checkpoint; pass --proposer dflash",
+        ),
+        (
+            ["convert", str(dflash), "--output", str(tmp_path / "c"), "--algorithm", "peagle", "--verifier", verifier],
+            f"{dflash} is a dflash checkpoint, not peagle",
+        ),
+        (
+            ["evaluate", "--verifier", verifier, "--speculator", str(short)],
+            "block_size 4 is longer than the verifier's context of",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
