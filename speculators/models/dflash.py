@@ -203,6 +203,11 @@ class DFlashConfig(BaseModel):
     def speculative_tokens(self) -> int:
         return self.speculators_config.proposal_methods[0].speculative_tokens
 
+    def vllm_method(self) -> dict[str, Any]:
+        """The method keys of vLLM's --speculative-config that serve this checkpoint (vLLM forces parallel
+        drafting for dflash, config/speculative.py)."""
+        return {"method": "dflash"}
+
     @property
     def eagle_aux_hidden_state_layer_ids(self) -> list[int]:
         """The aux layer ids under the name the shared stages read (vLLM maps them to the same key)."""

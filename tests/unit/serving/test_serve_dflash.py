@@ -10,6 +10,24 @@ from tests.unit.serving.test_serve_bench import NEW_TOKENS, SERVER, completions,
 K = 3
 
 
+def test_the_server_asks_vllm_for_dflash_with_the_checkpoints_k(store, peaked_verifier, tmp_path):
+    """The long form bench and serve --verifier use: method dflash (vLLM guesses a method from the folder's
+    name otherwise), the checkpoint's K, or a smaller one asked for."""
+    from speculators.train.trainer import TrainConfig, train
+
+    options = dict(algorithm="dflash", block_size=K + 1, max_anchors=8, max_steps=1, token_budget=128)
+    train(TrainConfig(store=str(store), verifier=str(peaked_verifier), output=str(tmp_path / "r"), **options))
+    drafter = tmp_path / "r" / "drafter"
+    settings = ServerSettings(verifier=str(peaked_verifier), speculator=str(drafter), **SERVER)
+    assert settings.speculative_config() == {
+        "method": "dflash",
+        "model": str(drafter.resolve()),
+        "num_speculative_tokens": K,
+    }
+    fewer = ServerSettings(verifier=str(peaked_verifier), speculator=str(drafter), num_speculative_tokens=2, **SERVER)
+    assert fewer.speculative_config()["num_speculative_tokens"] == 2
+
+
 def offline_dflash_totals(verifier_dir, prompts, checkpoint) -> dict:
     """Our evaluator's totals for the DFlash checkpoint on the served prompts (fp32, the servers' length)."""
     from speculators.eval.block_proposer import DFlashProposer
