@@ -133,7 +133,7 @@ gates: {min_acceptance_length: 1.2, min_vocab_coverage: 0.5}
     assert json.loads((latest / "config.json").read_text())["speculators_model_type"] == "dflash"
     assert (latest / "mask_embedding.pt").is_file() and (latest / "model.safetensors").is_file()
     report = meta["benchmark_report"]
-    assert report["acceptance_length"] > 1.2 and "| synchronous | tpot_ms (median) |" in report["report"]
+    assert report["acceptance_length"] > 1.2 and "| synchronous-natural | tpot_ms (median) |" in report["report"]
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["passes_validate"] and checks["lossless_outputs"] and checks["report_complete"]
 
