@@ -52,6 +52,7 @@ from speculators.models.config import (
 from speculators.models.eagle3 import (
     TORCH_DTYPES,
     DraftMLP,
+    DraftVocabulary,
     RMSNorm,
     RotaryEmbedding,
     is_speculator_checkpoint,
@@ -387,7 +388,7 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftVocabulary, nn.Module):
     d2t: torch.Tensor  # buffers: [draft vocab] int64 offsets, [verifier vocab] bool selection
     t2d: torch.Tensor
 
@@ -420,34 +421,8 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        self.init_weights(std, generator)
         self.mask_embedding.copy_(torch.randn(self.mask_embedding.shape, generator=generator) * std)
-
-    def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
-        """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""
-        ids = torch.as_tensor(selected_target_ids, dtype=torch.long).flatten()
-        if ids.numel() != self.config.draft_vocab_size:
-            raise SpeculatorsError(
-                f"{ids.numel()} selected token ids for a draft vocab of {self.config.draft_vocab_size}; "
-                f"select exactly draft_vocab_size ids"
-            )
-        if (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= self.config.verifier_vocab_size:
-            raise SpeculatorsError("selected token ids must be strictly ascending ids inside the verifier vocab")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @torch.no_grad()
-    def init_draft_vocab(self, selected_target_ids: torch.Tensor, verifier_lm_head: torch.Tensor) -> None:
-        """Set the draft vocab and start lm_head from the verifier's rows at those ids."""
-        self.set_vocab_mapping(selected_target_ids)
-        self.lm_head.weight.copy_(verifier_lm_head[torch.as_tensor(selected_target_ids)].to(self.lm_head.weight.dtype))
 
     def attach_verifier_embeddings(self, weight: torch.Tensor, save: bool = False) -> None:
         """Use the verifier's (frozen) input embeddings; never saved (vLLM shares the verifier's)."""

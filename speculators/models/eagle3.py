@@ -18,7 +18,7 @@ import itertools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -318,7 +318,49 @@ def layer_config_as_saved(layer: dict[str, Any]) -> dict[str, Any]:
     return {**layer, "rope_scaling": {**scaling, "rope_theta": layer["rope_theta"]}}
 
 
-class Eagle3Drafter(nn.Module):
+class DraftVocabulary:
+    """What every drafter over a draft vocabulary shares (EAGLE-3's, P-EAGLE's, DFlash's): the d2t / t2d
+    mapping, lm_head started from the verifier's rows, and the initial weights. Needs `config`
+    (draft_vocab_size, verifier_vocab_size), the buffers `d2t` and `t2d`, and `lm_head`."""
+
+    config: Any
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    lm_head: nn.Linear
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator: torch.Generator | None) -> None:
+        """Linear weights drawn N(0, std) (biases zero), norms at one."""
+        for module in cast(nn.Module, self).modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
+        """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""
+        ids = torch.as_tensor(selected_target_ids, dtype=torch.long).flatten()
+        if ids.numel() != self.config.draft_vocab_size:
+            raise SpeculatorsError(
+                f"{ids.numel()} selected token ids for a draft vocab of {self.config.draft_vocab_size}; "
+                f"select exactly draft_vocab_size ids"
+            )
+        if (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= self.config.verifier_vocab_size:
+            raise SpeculatorsError("selected token ids must be strictly ascending ids inside the verifier vocab")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @torch.no_grad()
+    def init_draft_vocab(self, selected_target_ids: torch.Tensor, verifier_lm_head: torch.Tensor) -> None:
+        """Set the draft vocab and start lm_head from the verifier's rows at those ids (tied: embeddings)."""
+        self.set_vocab_mapping(selected_target_ids)
+        self.lm_head.weight.copy_(verifier_lm_head[torch.as_tensor(selected_target_ids)].to(self.lm_head.weight.dtype))
+
+
+class Eagle3Drafter(DraftVocabulary, nn.Module):
     d2t: torch.Tensor  # buffers: [draft vocab] int64 offsets, [verifier vocab] bool selection
     t2d: torch.Tensor
     config_class: type[Eagle3Config] = Eagle3Config  # the config.json this algorithm's checkpoints hold
@@ -353,34 +395,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-
-    def set_vocab_mapping(self, selected_target_ids: torch.Tensor) -> None:
-        """Draft vocab = ascending target ids; d2t[i] = target_id - i, t2d marks the selection."""
-        ids = torch.as_tensor(selected_target_ids, dtype=torch.long).flatten()
-        if ids.numel() != self.config.draft_vocab_size:
-            raise SpeculatorsError(
-                f"{ids.numel()} selected token ids for a draft vocab of {self.config.draft_vocab_size}; "
-                f"select exactly draft_vocab_size ids"
-            )
-        if (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= self.config.verifier_vocab_size:
-            raise SpeculatorsError("selected token ids must be strictly ascending ids inside the verifier vocab")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @torch.no_grad()
-    def init_draft_vocab(self, selected_target_ids: torch.Tensor, verifier_lm_head: torch.Tensor) -> None:
-        """Set the draft vocab and start lm_head from the verifier's rows at those ids (tied: embeddings)."""
-        self.set_vocab_mapping(selected_target_ids)
-        self.lm_head.weight.copy_(verifier_lm_head[torch.as_tensor(selected_target_ids)].to(self.lm_head.weight.dtype))
+        self.init_weights(std, None if seed is None else torch.Generator().manual_seed(seed))
 
     def attach_verifier_embeddings(self, weight: torch.Tensor, save: bool = False) -> None:
         """Use the verifier's (frozen) input embeddings; `save=True` writes them into the checkpoint."""
