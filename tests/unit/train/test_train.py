@@ -588,12 +588,12 @@ def test_loss_positions_reaches_train_and_the_drafter_key_only_when_set():
     drafter's key; a variant without it keeps the key it had before the field existed."""
     from speculators.cli import build_parser
     from speculators_assets.variants import load_variants
-    from speculators_assets.workload import key_of, train_command, trained_drafter_key
+    from speculators_assets.workload import RECIPE_FIELDS_ADDED_LATER, key_of, train_command, trained_drafter_key
 
     demo = load_variants()["smollm2_135m"]
     assert demo.training.loss_positions == "answers"
-    earlier = demo.training.model_dump()
-    del earlier["loss_positions"]  # what the key hashed before the field
+    # what the key hashed before loss_positions (and the parallel drafters' fields, at their defaults here)
+    earlier = {k: v for k, v in demo.training.model_dump().items() if k not in RECIPE_FIELDS_ADDED_LATER}
     assert trained_drafter_key(demo, "store") == key_of("store", earlier, demo.drafter.model_dump(), demo.verifier)
     every = demo.model_copy(update={"training": demo.training.model_copy(update={"loss_positions": "all"})})
     assert trained_drafter_key(every, "store") != trained_drafter_key(demo, "store")
