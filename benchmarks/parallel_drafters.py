@@ -159,7 +159,8 @@ def measure(verifier: Any, questions: list[Any], proposer: Any, k: int, args: ar
 
     timed = TimedProposer(proposer)
     report = evaluate_mt_bench(verifier, questions, timed, k, args.max_new_tokens, progress=False)
-    totals = report.totals
+    totals = report.totals()
+    categories = report.per_category() or {}
     baseline_tokens = sum(min(r.generated, args.max_new_tokens) for r in report.results)
     verifier_step = sum(r.baseline_seconds for r in report.results) / max(1, baseline_tokens)
     draft_step = timed.seconds / max(1, timed.calls)
@@ -168,9 +169,7 @@ def measure(verifier: Any, questions: list[Any], proposer: Any, k: int, args: ar
         "questions": len(questions),
         "acceptance_length": totals["acceptance_length"],
         "acceptance_per_position": totals["acceptance_per_position"],
-        "per_category": {name: column["acceptance_length"] for name, column in report.per_category.items()}
-        if report.per_category
-        else {},
+        "per_category": {name: column["acceptance_length"] for name, column in categories.items()},
         "lossless": totals["lossless"],
         "cpu_tokens_per_second_ratio": totals["tokens_per_second"]["speedup"],
         "drafter_ms_per_step": 1000 * draft_step,
