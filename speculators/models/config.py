@@ -433,7 +433,36 @@ def ignored_sliding_window(layer_config: dict[str, Any]) -> str | None:
     return f"transformer_layer_config sets {settings} but no draft layer is sliding_attention: full attention, as vLLM"
 
 
-class Eagle3Config(BaseModel):
+class DraftLayerSizes:
+    """The sizes every drafter config derives from its transformer_layer_config and target_hidden_size
+    (EAGLE-3's, P-EAGLE's, DFlash's), named for what they are."""
+
+    transformer_layer_config: dict[str, Any]
+    target_hidden_size: int | None
+
+    @property
+    def layer(self) -> DraftLayerConfig:
+        """The draft layers' settings, typed (read from transformer_layer_config on each access)."""
+        return DraftLayerConfig.from_dict(self.transformer_layer_config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def verifier_hidden_size(self) -> int:
+        return int(self.target_hidden_size or self.hidden_size)
+
+    @property
+    def verifier_vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def num_draft_layers(self) -> int:
+        return self.layer.num_hidden_layers
+
+
+class Eagle3Config(DraftLayerSizes, BaseModel):
     """Top level of an EAGLE-3 speculator `config.json`."""
 
     model_config = ConfigDict(extra="allow")
@@ -512,28 +541,6 @@ class Eagle3Config(BaseModel):
                 f"intermediate_size, vocab_size and target_hidden_size"
             )
         return self
-
-    # Derived sizes, named for what they are.
-    @property
-    def layer(self) -> DraftLayerConfig:
-        """The draft layers' settings, typed (read from transformer_layer_config on each access)."""
-        return DraftLayerConfig.from_dict(self.transformer_layer_config)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def verifier_hidden_size(self) -> int:
-        return int(self.target_hidden_size or self.hidden_size)
-
-    @property
-    def verifier_vocab_size(self) -> int:
-        return self.layer.vocab_size
-
-    @property
-    def num_draft_layers(self) -> int:
-        return self.layer.num_hidden_layers
 
     @property
     def draft_layer_type(self) -> DraftLayerType:
@@ -637,16 +644,13 @@ class VerifierShape:
 NEW_DRAFTER_NORMS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
 
 
-def build_eagle3_config(verifier: VerifierShape, shape: DrafterShape) -> Eagle3Config:
-    """A new drafter's config: `shape` over the sizes it copies from `verifier`. The shape names its aux
-    layer ids (draft_config_for_verifier gives the verifier's default); its draft vocabulary defaults to
-    the verifier's whole vocabulary, its layer type to llama, its width to the verifier's."""
-    hidden = shape.hidden_size or verifier.hidden_size
+def draft_layer_settings(verifier: VerifierShape, num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """A new drafter's decoder layers sized from its verifier (transformer_layer_config without its
+    model_type): the verifier's attention shape, MLP width, positions, rope and vocabulary."""
     layer: dict[str, Any] = {
-        "model_type": shape.draft_layer_type or "llama",
-        "hidden_size": hidden,
+        "hidden_size": hidden_size,
         "intermediate_size": verifier.intermediate_size,
-        "num_hidden_layers": shape.num_draft_layers,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": verifier.num_attention_heads,
         "num_key_value_heads": verifier.num_key_value_heads,
         "head_dim": verifier.head_dim,
@@ -657,6 +661,18 @@ def build_eagle3_config(verifier: VerifierShape, shape: DrafterShape) -> Eagle3C
     }
     if verifier.rope_parameters:
         layer["rope_parameters"] = dict(verifier.rope_parameters)
+    return layer
+
+
+def build_eagle3_config(verifier: VerifierShape, shape: DrafterShape) -> Eagle3Config:
+    """A new drafter's config: `shape` over the sizes it copies from `verifier`. The shape names its aux
+    layer ids (draft_config_for_verifier gives the verifier's default); its draft vocabulary defaults to
+    the verifier's whole vocabulary, its layer type to llama, its width to the verifier's."""
+    hidden = shape.hidden_size or verifier.hidden_size
+    layer: dict[str, Any] = {
+        "model_type": shape.draft_layer_type or "llama",
+        **draft_layer_settings(verifier, shape.num_draft_layers, hidden),
+    }
     norms: dict[str, Any] = {
         flag: default if (given := getattr(shape, flag)) is None else given
         for flag, default in NEW_DRAFTER_NORMS.items()

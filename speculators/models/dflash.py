@@ -41,6 +41,7 @@ from speculators.models.config import (
     DTYPE_NAMES,
     MAX_DRAFTER_PARAMETERS,
     DraftLayerConfig,
+    DraftLayerSizes,
     ProposalMethod,
     SpeculatorsConfig,
     VerifierInfo,
@@ -75,7 +76,7 @@ class ContextStates(NamedTuple):
     rotary: tuple[torch.Tensor, torch.Tensor]
 
 
-class DFlashConfig(BaseModel):
+class DFlashConfig(DraftLayerSizes, BaseModel):
     """Top level of a DFlash speculator `config.json`, as vLLM 0.32 reads it (configs/speculators/algos.py)."""
 
     model_config = ConfigDict(extra="allow")
@@ -171,26 +172,6 @@ class DFlashConfig(BaseModel):
         if self.parameter_count > MAX_DRAFTER_PARAMETERS:
             raise ValueError(f"the sizes in this config make a drafter of {self.parameter_count:.2e} parameters")
         return self
-
-    @property
-    def layer(self) -> DraftLayerConfig:
-        return DraftLayerConfig.from_dict(self.transformer_layer_config)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def verifier_hidden_size(self) -> int:
-        return int(self.target_hidden_size or self.hidden_size)
-
-    @property
-    def verifier_vocab_size(self) -> int:
-        return self.layer.vocab_size
-
-    @property
-    def num_draft_layers(self) -> int:
-        return self.layer.num_hidden_layers
 
     @property
     def draft_layer_type(self) -> str:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from speculators.atomic_io import atomic_directory
 from speculators.errors import SpeculatorsError, name_some, shorten
-from speculators.models.config import VerifierShape, build_eagle3_config
+from speculators.models.config import VerifierShape, build_eagle3_config, draft_layer_settings
 from speculators.models.eagle3 import RMSNorm
 from speculators.precision import check_cuda_device
 from speculators.settings import DrafterShape, aux_layer_ids_problem
@@ -377,20 +377,7 @@ def dflash_config_for_verifier(
     if shape.mask_token_id is None:
         raise SpeculatorsError("a DFlash drafter needs a mask token id; pass --mask-token-id")
     verifier = verifier_shape(verifier_config, name_or_path)
-    layer: dict[str, Any] = {
-        "hidden_size": verifier.hidden_size,
-        "intermediate_size": verifier.intermediate_size,
-        "num_hidden_layers": shape.num_draft_layers,
-        "num_attention_heads": verifier.num_attention_heads,
-        "num_key_value_heads": verifier.num_key_value_heads,
-        "head_dim": verifier.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": verifier.rms_norm_eps,
-        "max_position_embeddings": verifier.max_position_embeddings,
-        "vocab_size": verifier.vocab_size,
-    }
-    if verifier.rope_parameters:
-        layer["rope_parameters"] = dict(verifier.rope_parameters)
+    layer = draft_layer_settings(verifier, shape.num_draft_layers, verifier.hidden_size)
     return build_dflash_config(
         layer,
         verifier_name=name_or_path,
