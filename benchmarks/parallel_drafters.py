@@ -282,16 +282,41 @@ def table(runs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]]) -
 
 
 def serve_all(args: argparse.Namespace, runs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
-    """Served TPOT at each algorithm's kept K: `speculators bench` (vLLM's CPU build, GuideLLM)."""
+    """Served TPOT at each algorithm's best K by the projection (the K a user would pick from the table):
+    `speculators bench` (vLLM's CPU build, GuideLLM), the baseline served beside each."""
     for algorithm, result in results.items():
-        out = folder(args, algorithm, "-bench")
+        out = folder(args, algorithm, f"-bench-k{result['best_k']}")
         command = [
             sys.executable, "-m", "speculators.cli", "bench", "--speculator", runs[algorithm]["drafter"],
-            "--output", str(out), "--num-speculative-tokens", str(result["k"]), *shlex.split(args.bench_flags),
+            "--output", str(out), "--num-speculative-tokens", str(result["best_k"]), *shlex.split(args.bench_flags),
         ]  # fmt: skip
-        say(f"{algorithm}: {' '.join(command[3:])}")
-        if subprocess.run(command).returncode == 0 and (out / "report.json").is_file():
+        if not (out / "report.json").is_file() or args.retrain:
+            say(f"{algorithm}: {' '.join(command[3:])}")
+            subprocess.run(command)
+        if (out / "report.json").is_file():
             result["served"] = json.loads((out / "report.json").read_text())
+
+
+def served_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The served figures of `--serve`: acceptance and each profile's TPOT and output tokens/s speed-up."""
+    lines = [
+        "| algorithm | served K | served AL | profile | TPOT speed-up | output tokens/s speed-up |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for algorithm, result in results.items():
+        report = result.get("served")
+        if report is None:
+            lines.append(f"| {algorithm} | {result['best_k']} | (bench failed) | | | |")
+            continue
+        served_al = report["acceptance"]["acceptance_length"] or 0.0
+        for name, profile in report["profiles"].items():
+            speedup = profile["speedup"]
+            tpot, tokens = speedup.get("tpot_ms"), speedup.get("output_tokens_per_s")
+            lines.append(
+                f"| {algorithm} | {result['best_k']} | {served_al:.3f} | {name} | "
+                f"{'-' if tpot is None else f'{tpot:.3f}x'} | {'-' if tokens is None else f'{tokens:.3f}x'} |"
+            )
+    return lines
 
 
 def key_values(items: list[str], what: str) -> dict[str, str]:
@@ -344,6 +369,8 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     if args.serve:
         serve_all(args, runs, results)
+        lines += ["", *served_table(results)]
+        print("\n".join(served_table(results)), flush=True)
     args.output.write_text(json.dumps({"training": runs, "evaluation": results, "table": lines}, indent=2) + "\n")
     say(f"wrote {args.output}")
 
