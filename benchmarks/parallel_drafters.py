@@ -287,7 +287,8 @@ def serve_all(args: argparse.Namespace, runs: dict[str, dict[str, Any]], results
     for algorithm, result in results.items():
         out = folder(args, algorithm, f"-bench-k{result['best_k']}")
         command = [
-            sys.executable, "-m", "speculators.cli", "bench", "--speculator", runs[algorithm]["drafter"],
+            sys.executable, "-m", "speculators.cli", "bench", "--verifier", args.verifier,
+            "--speculator", runs[algorithm]["drafter"],
             "--output", str(out), "--num-speculative-tokens", str(result["best_k"]), *shlex.split(args.bench_flags),
         ]  # fmt: skip
         if not (out / "report.json").is_file() or args.retrain:
