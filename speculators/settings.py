@@ -71,6 +71,9 @@ MAX_WIDTH = 2**20  # hidden_size, intermediate_size, heads, head_dim, target_hid
 MAX_VOCAB_SIZE = 2**22  # verifier vocab and draft_vocab_size (the largest vocabularies hold ~262k tokens)
 MAX_POSITIONS = 2**30  # max_position_embeddings, and so a server's context (--max-model-len)
 MAX_VERIFIER_LAYERS = 4096  # aux layer ids lie below this (the deepest verifiers have ~130 layers)
+# Aux states a store keeps per token: EAGLE-3 reads 3, z-lab's DFlash recipe 5; each one adds a
+# verifier-wide state per token to the store, so a few dozen is already every layer of most verifiers.
+MAX_AUX_LAYERS = 64
 MAX_TOKENS = 2**20  # a sample's length, an answer, a pack (a million tokens: past any context trained on here)
 MAX_DRAFT_TOKENS = 64  # K and TTT steps: each costs a drafter forward; a chain this long is never all accepted
 MAX_EPOCHS = 10_000  # epochs x steps per epoch stays an integer a run can count to
@@ -100,14 +103,25 @@ class Settings(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
 
-def aux_layer_ids_problem(ids: Sequence[int]) -> str | None:
-    """What is wrong with EAGLE-3 aux layer ids in themselves (the verifier's depth is checked where it
-    is known), or None: the one rule for flags, variants and checkpoint configs."""
-    if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0:
-        return f"aux layer ids {list(ids)} must be 3 distinct non-negative layer ids, e.g. 2,15,27"
+def aux_layer_ids_problem(ids: Sequence[int], count: int | None) -> str | None:
+    """What is wrong with aux layer ids in themselves (the verifier's depth is checked where it is known),
+    or None: the one rule for flags, variants and checkpoint configs. `count`: how many the reader takes
+    (EAGLE-3 and P-EAGLE: 3); None: any number up to MAX_AUX_LAYERS (a store, a DFlash drafter)."""
+    if count is not None and (len(ids) != count or len(set(ids)) != count or min(ids) < 0):
+        return f"aux layer ids {list(ids)} must be {count} distinct non-negative layer ids, e.g. 2,15,27"
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or len(ids) > MAX_AUX_LAYERS:
+        return f"aux layer ids {list(ids)} must be 1 to {MAX_AUX_LAYERS} distinct non-negative layer ids, e.g. 2,15,27"
     if max(ids) >= MAX_VERIFIER_LAYERS:
         return f"aux layer ids {list(ids)} must be layer ids below {MAX_VERIFIER_LAYERS}, e.g. 2,15,27"
     return None
+
+
+def checked_aux_layer_ids(value: list[int] | None, count: int | None) -> list[int] | None:
+    """A settings validator's check of aux layer ids (aux_layer_ids_problem); None stays None."""
+    problem = None if value is None else aux_layer_ids_problem(value, count)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 def device_problem(device: str) -> str | None:
@@ -368,7 +382,10 @@ class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier
     verifier: PathText = Field(description="the verifier whose hidden states are captured")
     output: PathText = Field(description="store directory (reused: only new samples are computed)")
     aux_layer_ids: list[int] | None = Field(
-        None, description="default: the verifier's [2, N//2, N-3]", json_schema_extra={"example": "2,15,27"}
+        None,
+        description="the layers whose states the store keeps: every layer any drafter trained on it reads (EAGLE-3 "
+        "reads 3, DFlash any number; default: the verifier's [2, N//2, N-3])",
+        json_schema_extra={"example": "2,15,27"},
     )
     batch_size: int = Field(4, gt=0, le=MAX_BATCH, description="samples per forward")
     overwrite: bool = Field(
@@ -379,11 +396,8 @@ class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier
 
     @field_validator("aux_layer_ids")
     @classmethod
-    def three_distinct(cls, value: list[int] | None) -> list[int] | None:
-        problem = None if value is None else aux_layer_ids_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        return checked_aux_layer_ids(value, None)
 
 
 # ----- train ---------------------------------------------------------------------------------------
@@ -479,6 +493,12 @@ class TrainConfig(TrainRecipe):
     speculative_tokens: int | None = Field(
         None, ge=1, le=MAX_DRAFT_TOKENS, description="K written into the checkpoint (default: --ttt-steps)"
     )
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="the store's aux layers a new drafter reads (default: all of them for dflash; for eagle3 and "
+        "peagle the store's three, or the verifier's [2, N//2, N-3] among more)",
+        json_schema_extra={"example": "2,15,27", "what": "layer ids"},
+    )
     progress: bool = Field(True, description="a progress bar (off: one line per log window, for logs)")
     restart: bool = Field(
         False,
@@ -486,6 +506,11 @@ class TrainConfig(TrainRecipe):
         "checkpoints/last, then its best drafter and summary go (by default a folder with checkpoints/last "
         "resumes it, and a setting that would change that run is refused)",
     )
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        return checked_aux_layer_ids(value, None)  # (the algorithm's count: speculators.train.run)
 
     @model_validator(mode="after")
     def _block_holds_the_drafts(self) -> TrainConfig:

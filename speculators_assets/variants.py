@@ -19,6 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from speculators.models.algorithms import ALGORITHMS
 from speculators.settings import (
     MAX_DRAFT_LAYERS,
     MAX_GPUS,
@@ -33,7 +34,7 @@ from speculators.settings import (
     StoreFormat,
     TrainRecipe,
     VerifierQuantization,
-    aux_layer_ids_problem,
+    checked_aux_layer_ids,
 )
 from speculators_assets import steps
 from speculators_assets.environment import Settings
@@ -281,6 +282,14 @@ class DatagenSettings(RegenerationSettings, StoreFormat, Strict):
     """Answers (prepare) and hidden states (datagen); vLLM's sharding comes from the compute profile."""
 
     regenerate: bool = True  # on-policy answers written by the verifier (prepare's own default: off)
+    # The layers whose states the store keeps: every layer of every drafter trained on it (capture once,
+    # train several; `data_from` partitions read this store). Default: the drafter's aux_layer_ids.
+    aux_layer_ids: list[int] | None = None
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        return checked_aux_layer_ids(value, None)
 
 
 class DrafterSettings(Strict):
@@ -289,18 +298,17 @@ class DrafterSettings(Strict):
     # (the verifier's own vocabulary bounds it too, checked once the verifier is loaded: a variant names
     # its verifier, not its vocabulary size)
     draft_vocab_size: int = Field(gt=0, le=MAX_VOCAB_SIZE)
-    aux_layer_ids: list[int] | None = None  # default: the verifier's [2, N//2, N-3]; each below MAX_VERIFIER_LAYERS
+    # The store's layers the drafter reads (eagle3, peagle: 3; dflash: any number). Default: the store's
+    # three for eagle3 and peagle (the verifier's [2, N//2, N-3] among more), all of them for dflash.
+    aux_layer_ids: list[int] | None = None
     speculative_tokens: int = Field(3, ge=1, le=MAX_SPECULATIVE_TOKENS)
     num_draft_layers: int = Field(1, ge=1, le=MAX_DRAFT_LAYERS)
     draft_layer_type: Literal["llama", "qwen3"] | None = None  # default: the verifier's family
 
     @field_validator("aux_layer_ids")
     @classmethod
-    def _three(cls, value: list[int] | None) -> list[int] | None:
-        problem = None if value is None else aux_layer_ids_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        return checked_aux_layer_ids(value, None)  # (the algorithm's count: Variant._drafter_reads_the_store)
 
 
 class TrainingSettings(TrainRecipe, Strict):
@@ -369,6 +377,27 @@ class Variant(Strict):
                 f"per step; lower the gate or raise K"
             )
         return self
+
+    @model_validator(mode="after")
+    def _drafter_reads_the_store(self) -> Variant:
+        """The drafter's aux layers are as many as its algorithm reads and lie in the store's."""
+        algorithm = ALGORITHMS[self.drafter.algorithm]
+        mine, store = self.drafter.aux_layer_ids, self.datagen.aux_layer_ids
+        if mine is not None:
+            problem = algorithm.aux_layers_problem(mine, store or mine)
+            if problem:
+                raise ValueError(f"drafter.aux_layer_ids: {problem}")
+        elif store is not None and algorithm.aux_layers not in (None, len(store)):
+            raise ValueError(
+                f"the store keeps aux layers {store} (datagen.aux_layer_ids) and {algorithm.name} drafters read "
+                f"{algorithm.aux_layers}; name them in drafter.aux_layer_ids"
+            )
+        return self
+
+    @property
+    def store_aux_layer_ids(self) -> list[int] | None:
+        """The layers the store keeps (None: the verifier's [2, N//2, N-3])."""
+        return self.datagen.aux_layer_ids or self.drafter.aux_layer_ids
 
     def profile(self, step: str) -> ComputeProfile:
         return self.compute.get(step, ComputeProfile())
@@ -597,10 +626,32 @@ def load_variants(settings: Settings | None = None) -> dict[str, Variant]:
     return {name: validated(path, raw) for name, (path, raw) in raws.items()}
 
 
-# What a variant with `data_from` shares with that partition: the data (verifier, prompts, datagen) and
-# what the store was built for (the drafter's aux layers and draft vocabulary).
+# What a variant with `data_from` shares with that partition: the data (verifier, prompts, datagen, the
+# store's aux layers among them) and the draft vocabulary the store was built for. Each drafter reads its
+# own aux layers among the store's.
 SHARED_DATA_KEYS = ("verifier", "verifier_quantization", "family", "prompts", "datagen")
-SHARED_DRAFTER_KEYS = ("aux_layer_ids", "draft_vocab_size")
+SHARED_DRAFTER_KEYS = ("draft_vocab_size",)
+
+
+def inherit_store_layers(path: Path, raw: dict[str, Any], owner_name: str, owner: dict[str, Any]) -> None:
+    """The store's layers for a `data_from` variant (after its datagen is the owner's): its partition's
+    datagen.aux_layer_ids, else that partition's drafter's, written into this variant's datagen so that
+    its drafter's are checked against them; a drafter that names none reads the owner drafter's."""
+    drafter, owner_drafter = raw.get("drafter"), owner.get("drafter")
+    if not isinstance(drafter, dict) or not isinstance(owner_drafter, dict):
+        return
+    datagen = raw.setdefault("datagen", {})
+    if not isinstance(datagen, dict) or "aux_layer_ids" in datagen:
+        return  # (the owner's own datagen.aux_layer_ids, copied or checked equal)
+    if "aux_layer_ids" in owner_drafter:
+        datagen["aux_layer_ids"] = copy.deepcopy(owner_drafter["aux_layer_ids"])
+        drafter.setdefault("aux_layer_ids", copy.deepcopy(owner_drafter["aux_layer_ids"]))
+    elif "aux_layer_ids" in drafter:
+        raise VariantError(
+            f"variant file {path}: drafter.aux_layer_ids {drafter['aux_layer_ids']} are read from the store of "
+            f"data_from '{owner_name}', which keeps the verifier's default layers; name the layers it keeps in "
+            f"'{owner_name}''s datagen.aux_layer_ids, or leave drafter.aux_layer_ids out"
+        )
 
 
 def inherit_shared_data(path: Path, raw: dict[str, Any], raws: dict[str, tuple[Path, dict[str, Any]]]) -> None:
@@ -634,3 +685,4 @@ def inherit_shared_data(path: Path, raw: dict[str, Any], raws: dict[str, tuple[P
                 f"variant file {path}: {key} differs from data_from '{owner_name}' ({owner_path}), whose store it "
                 f"shares; leave {key} out (it is taken from there) or drop data_from"
             )
+    inherit_store_layers(path, raw, owner_name, owner)

@@ -422,7 +422,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         dtype=d.dtype,
         device=d.device,
         backend=d.backend,
-        aux_layer_ids=v.drafter.aux_layer_ids,
+        aux_layer_ids=v.store_aux_layer_ids,
         # The store is this asset's own: when the variant's verifier or aux ids change it follows them
         # (its other shards stay, keyed by content).
         overwrite=True,
@@ -436,14 +436,16 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
 
 def hidden_states_key(v: Variant, conversations: str, verifier: Any) -> str:
     """The key of the prepared data, store and vocabulary: the conversations' digest, the verifier's
-    identity (verifier_identity) and quantization, the datagen settings and the drafter's aux layers and
+    identity (verifier_identity) and quantization, the datagen settings, the store's aux layers and the draft
     vocabulary size."""
+    datagen = dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
+    del datagen["aux_layer_ids"]  # (keyed as the store's layers below, whichever section names them)
     return key_of(
         conversations,
         verifier,
         *quantization_key(v),
-        dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None}),
-        v.drafter.aux_layer_ids,
+        datagen,
+        v.store_aux_layer_ids,
         v.drafter.draft_vocab_size,
     )
 
@@ -609,6 +611,7 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None, r
         speculative_tokens=d.speculative_tokens,
         num_draft_layers=d.num_draft_layers,
         draft_layer_type=d.draft_layer_type,
+        aux_layer_ids=d.aux_layer_ids,
         progress=False,
         restart=restart,
     )

@@ -70,10 +70,14 @@ def peaked_verifier(tmp_path_factory):
 
 
 def build_peaked_store(
-    verifier_dir: Path, directory: Path, dtype: str = "float32", quantization: str | None = None
+    verifier_dir: Path,
+    directory: Path,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    aux_layer_ids: list[int] = PEAKED_AUX,
 ) -> Path:
     """A small on-policy store from a peaked tiny verifier: 8 regenerated answers, draft vocab of 128;
-    with `quantization`, the FP8 verifier's own answers and states."""
+    with `quantization`, the FP8 verifier's own answers and states; the states of `aux_layer_ids`."""
     from speculators.data.capture import capture_samples
     from speculators.data.conversation import Conversation
     from speculators.data.regenerate import regenerate, transformers_generate_fn
@@ -86,7 +90,7 @@ def build_peaked_store(
     samples, _ = regenerate(
         conversations, verifier.tokenizer, generate, directory / "partial.jsonl", 512, progress=False
     )
-    capture_samples(samples, verifier, directory, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False)
+    capture_samples(samples, verifier, directory, aux_layer_ids=aux_layer_ids, storage="float32", progress=False)
     build_store_vocab(directory, 128)
     return directory
 

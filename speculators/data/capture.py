@@ -40,7 +40,7 @@ from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
 from speculators.precision import with_compute_dtype
 from speculators.serving.engine import cpu_core_lists, gpu_count, vllm_log
-from speculators.settings import CaptureSettings, MultiNode, node_group_of
+from speculators.settings import CaptureSettings, MultiNode, aux_layer_ids_problem, node_group_of
 from speculators.verifier.loading import Verifier, VerifierFacts, load_verifier
 from speculators.verifier.vision import images_digest, load_image
 
@@ -207,7 +207,7 @@ def capture_samples(
     data-parallel replicas; `run_capture_replicas` starts them and writes the manifest after).
     `nodes`: the vllm engine spans several nodes, this is node rank 0 (speculators/serving/multinode.py)."""
     capture_ids = checked_capture_ids(samples, verifier, aux_layer_ids, storage, backend)
-    aux_ids = capture_ids[:3]
+    aux_ids = capture_ids[:-1]  # (then the last layer: the target states)
     store = HiddenStateStore(store_dir)
     check_store_holds(store, verifier, aux_ids, storage, overwrite)
     previous = store.previous_entries()
@@ -271,15 +271,16 @@ def checked_capture_ids(
     storage: str,
     backend: str,
 ) -> list[int]:
-    """The layers to capture (the 3 aux layers, then the last), once the request is one that can run: a
+    """The layers to capture (the aux layers, then the last), once the request is one that can run: a
     known storage format and backend, some samples, layers the verifier has, token ids in its vocab."""
     if storage not in STORAGE_FORMATS:
         raise SpeculatorsError(f"storage '{storage}' is not one of {', '.join(STORAGE_FORMATS)}")
     if not samples:
         raise SpeculatorsError("no samples to capture; the prepared data is empty")
     aux_ids = list(aux_layer_ids or verifier.default_aux_layer_ids)
-    if len(aux_ids) != 3:
-        raise SpeculatorsError(f"aux layer ids {aux_ids} must be 3 ids (EAGLE-3 reads 3 states)")
+    problem = aux_layer_ids_problem(aux_ids, None)  # (any number: each drafter reads its own among them)
+    if problem:
+        raise SpeculatorsError(problem)
     capture_ids = [*aux_ids, verifier.num_layers]
     verifier.check_layer_ids(capture_ids)
     vocab = verifier.vocab_size
@@ -333,8 +334,8 @@ def capture_missing(
                     sample.id,
                     torch.tensor(sample.input_ids),
                     torch.tensor(sample.loss_mask),
-                    states[row][:, :3],
-                    states[row][:, 3],
+                    states[row][:, :-1],
+                    states[row][:, -1],
                     storage,
                     drafter_positions(verifier, sample),
                 )

@@ -1,8 +1,9 @@
 """The hidden-state store: one safetensors shard per sample plus a JSON manifest.
 
-A shard holds `input_ids` [T], `loss_mask` [T], `aux_hidden_states` [T, 3, H] and
+A shard holds `input_ids` [T], `loss_mask` [T], `aux_hidden_states` [T, n, H] (the manifest's n aux
+layers: every layer the drafters trained on the store read, EAGLE-3 three of them) and
 `target_hidden_states` [T, H] (aux id N, pre-norm), in bf16 or fp8 e4m3 with a per-token scale
-(`aux_scale` [T, 3], `target_scale` [T]); samples with images also `position_ids` [T], the
+(`aux_scale` [T, n], `target_scale` [T]); samples with images also `position_ids` [T], the
 drafter's positions (the verifier's M-RoPE temporal row). Shards are content-addressed: the key hashes the verifier
 fingerprint, the layer ids, the storage format, the token ids and the images' digests, so a rerun with new prompts only
 computes what is new. Every shard is written under a temporary name and renamed, and the manifest
@@ -109,7 +110,7 @@ class StoreManifest(StoreRecord):
     format: str = STORE_FORMAT  # always STORE_FORMAT (a folder's other manifest.json is no store's)
     version: int = STORE_VERSION  # the store layout's version
     verifier: StoredVerifier  # the verifier the states are of
-    aux_layer_ids: list[int]  # the 3 layers of the aux states
+    aux_layer_ids: list[int]  # the layers of the aux states, in their order in each shard
     target_layer_id: int  # the layer of the target states (the verifier's last)
     storage: str  # the states' storage format (one of STORAGE_FORMATS)
     data_version: str | None = None  # the prepared data's version, None if unknown (absent in early stores)
@@ -210,7 +211,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class StoredSample:
     input_ids: torch.Tensor  # [T] long
     loss_mask: torch.Tensor  # [T] bool
-    aux_hidden_states: torch.Tensor  # [T, 3, H]
+    aux_hidden_states: torch.Tensor  # [T, n, H]: the manifest's aux layers
     target_hidden_states: torch.Tensor  # [T, H]
     # [T] long, where the drafter's positions are not 0..T-1: a vision-language verifier's M-RoPE
     # temporal row (vision.ImageInputs.drafter_positions); None for text.

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from speculators.errors import SpeculatorsError
-from speculators.settings import DrafterAlgorithm
+from speculators.settings import DrafterAlgorithm, aux_layer_ids_problem
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,36 @@ class Algorithm:
     # Other algorithms whose drafters a run of this one may warm-start from; the drafter class's
     # `from_warm_start(drafter, mask_token_id, seed)` turns one into this algorithm's.
     warm_starts_from: tuple[str, ...] = ()
+    # How many of the store's aux layers the drafter reads: EAGLE-3's fc takes exactly three (low, middle,
+    # high); None: any number (DFlash projects however many its config names).
+    aux_layers: int | None = 3
+
+    def aux_layers_of_store(self, store_ids: list[int], default_ids: list[int]) -> list[int]:
+        """The aux layers a new drafter reads by default from a store holding `store_ids`: all of them where
+        the algorithm takes any number or the store holds exactly its count, else the verifier's default
+        (`default_ids`) when the store holds those."""
+        if self.aux_layers is None or len(store_ids) == self.aux_layers:
+            return list(store_ids)
+        if len(default_ids) == self.aux_layers and set(default_ids) <= set(store_ids):
+            return list(default_ids)
+        raise SpeculatorsError(
+            f"the store keeps aux layers {store_ids} and {self.name} drafters read {self.aux_layers} of them; "
+            f"pass --aux-layer-ids with {self.aux_layers} of those"
+        )
+
+    def aux_layers_problem(self, ids: list[int], store_ids: list[int]) -> str | None:
+        """What is wrong with a drafter of this algorithm reading aux layers `ids` from a store holding
+        `store_ids`, or None."""
+        problem = aux_layer_ids_problem(ids, self.aux_layers)
+        if problem:
+            return problem if self.aux_layers is None else f"{problem} ({self.name} drafters read {self.aux_layers})"
+        missing = [i for i in ids if i not in store_ids]
+        if missing:
+            return (
+                f"aux layers {missing} are not in the store, which keeps {store_ids}; add them to the store's "
+                f"layers (datagen --aux-layer-ids, a variant's datagen.aux_layer_ids) or read the store's"
+            )
+        return None
 
     def part(self, which: str) -> Any:
         """The part named by field `which` ("drafter", "objective", "proposer", ...), imported now."""
@@ -74,6 +104,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         config_for_verifier="speculators.verifier.loading:dflash_config_for_verifier",
         read_checkpoint="speculators.models.dflash:read_dflash_checkpoint",
         converter="speculators.checkpoint.convert_parallel:dflash_from_foreign",  # z-lab's and the reference's
+        aux_layers=None,  # (z-lab's recipe reads five)
     ),
     "peagle": Algorithm(
         name="peagle",

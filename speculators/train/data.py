@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 @dataclass
 class Pack:
     input_ids: torch.Tensor  # [1, T] long
-    aux_hidden_states: torch.Tensor  # [1, T, 3, H]
+    aux_hidden_states: torch.Tensor  # [1, T, n, H]: the drafter's n aux layers (EAGLE-3: 3)
     target_hidden_states: torch.Tensor  # [1, T, H]
     loss_mask: torch.Tensor  # [1, T] bool
     position_ids: torch.Tensor  # [1, T] long, restarting at 1 per document
@@ -91,10 +91,24 @@ class PackedStore:
         entries = [e for e in self.manifest.samples if e.num_tokens >= 3 and e.supervised_tokens > 0]
         self.entries = [e for e in entries if is_validation(e.id, validation_share) == (split == "validation")]
         self.verified: set[str] = set()  # shards whose checksum this run has checked
+        self.aux_index: list[int] | None = None  # the store's aux states the packs hold (None: all of them)
         if split == "train" and not self.entries:
             raise SpeculatorsError(
                 f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
             )
+
+    def read_aux_layers(self, layer_ids: list[int]) -> None:
+        """Packs hold the aux states of `layer_ids` (the drafter's, in its order) of the store's layers: a store
+        keeps every layer its variant's drafters read, each drafter reads its own."""
+        stored = self.manifest.aux_layer_ids
+        missing = [i for i in layer_ids if i not in stored]
+        if missing:
+            raise SpeculatorsError(
+                f"aux layers {missing} are not in the store {self.store.root}, which keeps {stored}; capture them "
+                f"(datagen --aux-layer-ids) or read the store's"
+            )
+        index = [stored.index(i) for i in layer_ids]
+        self.aux_index = None if index == list(range(len(stored))) else index
 
     def pack_plan(self, epoch: int) -> list[list[int]]:
         """Entry indices per pack; the order is shuffled per epoch (not for validation: seed < 0)."""
@@ -129,7 +143,8 @@ class PackedStore:
             length = min(sample.input_ids.numel() - 1, room)
             room -= length
             parts["ids"].append(sample.input_ids[1 : length + 1])
-            parts["aux"].append(sample.aux_hidden_states[:length])
+            aux = sample.aux_hidden_states[:length]
+            parts["aux"].append(aux if self.aux_index is None else aux[:, self.aux_index])
             parts["target"].append(sample.target_hidden_states[1 : length + 1])
             mask = sample.loss_mask[1 : length + 1]
             # Every position's target is the verifier's own distribution, so prompt positions teach

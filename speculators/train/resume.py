@@ -68,6 +68,7 @@ SHAPES_THE_RUN = frozenset(
         "fc_norm",
         "num_draft_layers",
         "draft_layer_type",
+        "aux_layer_ids",
         # the K the validation replay measures at: the best drafter's recorded acceptance is at it
         "speculative_tokens",
         # DFlash: the block, the anchors drawn per pack, the slot weights and the mask slots' token

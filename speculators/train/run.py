@@ -18,7 +18,7 @@ from speculators.train.objectives import objective_for
 from speculators.train.optim import build_optimizer
 from speculators.train.validation import greedy_in_draft_vocab
 from speculators.train.vocab import load_draft_vocab
-from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, local_model_dir
+from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, default_aux_layer_ids, local_model_dir
 from speculators.verifier.mask_token import default_mask_token_id
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ def start_run(config: TrainConfig) -> Run:
     verifier = VerifierHead.from_source(config.verifier, dtype=manifest.verifier.dtype)
     check_store_fits_verifier(manifest, verifier, config.store)
     drafter = build_drafter(config, verifier, manifest, vocab).to(device)
+    for packs in (train_packs, val_packs):  # (a store may keep more layers than this drafter reads)
+        packs.read_aux_layers(drafter.config.eagle_aux_hidden_state_layer_ids)
     if uses_bf16(config, device) and not config.train_lm_head:
         drafter.lm_head.to(torch.bfloat16)  # frozen: autocast would re-cast it on every call
     head = (verifier.final_norm.float().to(device), verifier.lm_head_weight[vocab["selected_ids"]].float().to(device))
@@ -127,7 +129,7 @@ def build_drafter(
     if config.warm_start:
         drafter = warm_start_drafter(config, manifest, selected, verifier)
     else:
-        shape = config.drafter_shape(selected.numel(), manifest.aux_layer_ids)
+        shape = config.drafter_shape(selected.numel(), drafter_aux_layers(config, manifest, verifier.num_layers))
         if algorithm.parallel:
             shape = replace(shape, mask_token_id=mask_token_of(config, verifier))
         name = checkpoint_verifier_name(config.verifier, verifier.name_or_path, config.verifier_name)
@@ -137,6 +139,18 @@ def build_drafter(
     drafter.attach_verifier_embeddings(verifier.embedding_weight.float())
     drafter.lm_head.weight.requires_grad_(config.train_lm_head)
     return drafter
+
+
+def drafter_aux_layers(config: TrainConfig, manifest: StoreManifest, verifier_layers: int) -> list[int]:
+    """The store's aux layers a new drafter reads: --aux-layer-ids, else the algorithm's default among the
+    store's (Algorithm.aux_layers_of_store); one error where the algorithm or the store cannot take them."""
+    algorithm, stored = algorithm_named(config.algorithm), manifest.aux_layer_ids
+    if config.aux_layer_ids is None:
+        return algorithm.aux_layers_of_store(stored, default_aux_layer_ids(verifier_layers))
+    problem = algorithm.aux_layers_problem(config.aux_layer_ids, stored)
+    if problem:
+        raise SpeculatorsError(f"--aux-layer-ids: {problem}")
+    return list(config.aux_layer_ids)
 
 
 def mask_token_of(config: TrainConfig, verifier: VerifierHead) -> int:
@@ -161,10 +175,16 @@ def warm_start_drafter(
             f"from {takes} drafters; pass --algorithm {found.name} or another warm start"
         )
     drafter = found.part("drafter").from_pretrained(config.warm_start, dtype="float32")
-    if drafter.config.eagle_aux_hidden_state_layer_ids != manifest.aux_layer_ids:
+    reads = drafter.config.eagle_aux_hidden_state_layer_ids
+    if not set(reads) <= set(manifest.aux_layer_ids):
         raise SpeculatorsError(
-            f"warm start {config.warm_start} reads aux layers {drafter.config.eagle_aux_hidden_state_layer_ids} "
-            f"but the store holds {manifest.aux_layer_ids}"
+            f"warm start {config.warm_start} reads aux layers {reads} but the store keeps {manifest.aux_layer_ids}; "
+            f"capture them into the store (datagen --aux-layer-ids) or start afresh"
+        )
+    if config.aux_layer_ids is not None and config.aux_layer_ids != reads:
+        raise SpeculatorsError(
+            f"--aux-layer-ids {config.aux_layer_ids} differs from the aux layers {reads} warm start "
+            f"{config.warm_start} reads; leave --aux-layer-ids out (a warm start keeps its own) or start afresh"
         )
     if drafter.config.draft_vocab_size != selected.numel():
         raise SpeculatorsError(

@@ -309,6 +309,16 @@ def non_finite_values(values: Any, where: str = "") -> list[str]:
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
+def check_aux_layer_ids(aux_layer_ids: list[int], count: int | None, num_layers: int) -> None:
+    """Aux layer ids a new drafter reads (`count` of them, None: any number) must exist in a verifier of
+    `num_layers` layers; one error otherwise."""
+    problem = aux_layer_ids_problem(aux_layer_ids, count)
+    if problem is None and max(aux_layer_ids) > num_layers:
+        problem = f"aux layer ids {aux_layer_ids} exceed the verifier's {num_layers} layers (ids run 0..{num_layers})"
+    if problem:
+        raise SpeculatorsError(problem)
+
+
 def draft_config_for_verifier(
     verifier_config: PreTrainedConfig, name_or_path: str, shape: DrafterShape | None = None
 ) -> Eagle3Config:
@@ -327,14 +337,7 @@ def draft_config_for_verifier(
             f"leave it out for the whole vocabulary"
         )
     if aux_layer_ids is not None:
-        problem = aux_layer_ids_problem(aux_layer_ids)
-        if problem is None and max(aux_layer_ids) > text.num_hidden_layers:
-            problem = (
-                f"aux layer ids {aux_layer_ids} exceed the verifier's {text.num_hidden_layers} layers (ids run "
-                f"0..{text.num_hidden_layers})"
-            )
-        if problem:
-            raise SpeculatorsError(problem)
+        check_aux_layer_ids(aux_layer_ids, 3, text.num_hidden_layers)
     try:
         return build_eagle3_config(
             verifier_shape(verifier_config, name_or_path),
@@ -369,11 +372,7 @@ def dflash_config_for_verifier(
 
     text = text_config_of(verifier_config)
     aux_layer_ids = shape.aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers)
-    if max(aux_layer_ids) > text.num_hidden_layers:
-        raise SpeculatorsError(
-            f"aux layer ids {aux_layer_ids} exceed the verifier's {text.num_hidden_layers} layers (ids run "
-            f"0..{text.num_hidden_layers})"
-        )
+    check_aux_layer_ids(aux_layer_ids, None, text.num_hidden_layers)
     if shape.mask_token_id is None:
         raise SpeculatorsError("a DFlash drafter needs a mask token id; pass --mask-token-id")
     verifier = verifier_shape(verifier_config, name_or_path)

@@ -25,8 +25,9 @@ KEYS = {
     "qwen3_235b_a22b": ("88b1ad0e7cf0", "12a7bee48696", "7f667d610697", "7f806b07c5c5"),
     "qwen3_30b_a3b": ("88b1ad0e7cf0", "86a3a30def87", "a6807c9ff15a", "7f806b07c5c5"),
     "qwen3_32b": ("88b1ad0e7cf0", "7e026fd31ab4", "d8c6a4195e0a", "7f806b07c5c5"),
-    "qwen3_8b": ("88b1ad0e7cf0", "9f9e9430f751", "31538243df5a", "7f806b07c5c5"),
-    "qwen3_8b_dflash": ("88b1ad0e7cf0", "9f9e9430f751", "c732b20c8151", "7f806b07c5c5"),  # qwen3_8b's data
+    # qwen3_8b's store keeps the DFlash partition's five aux layers beside EAGLE-3's three (re-keyed for them)
+    "qwen3_8b": ("88b1ad0e7cf0", "1d8e358e3d12", "31538243df5a", "7f806b07c5c5"),
+    "qwen3_8b_dflash": ("88b1ad0e7cf0", "1d8e358e3d12", "e61b3443c317", "7f806b07c5c5"),  # qwen3_8b's data
     "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "7f806b07c5c5"),
     "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "7f806b07c5c5"),
     "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "5de701319670"),

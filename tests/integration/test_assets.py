@@ -105,8 +105,16 @@ def test_shipped_variants_carry_the_published_facts():
     ]:
         variant = variants[name]
         assert variant.drafter.algorithm == algorithm and variant.data_from == owner
-        assert variant.drafter.aux_layer_ids == variants[owner].drafter.aux_layer_ids
+        assert variant.store_aux_layer_ids == variants[owner].store_aux_layer_ids
+    assert variants["smollm2_135m_dflash"].drafter.aux_layer_ids == [2, 15, 27]  # the demo store's three
     dflash = variants["qwen3_8b_dflash"]
+    # z-lab's five target layers (+1) from qwen3_8b's store, which keeps them beside its EAGLE-3's three
+    assert dflash.drafter.aux_layer_ids == [2, 10, 18, 26, 34] and variants["qwen3_8b"].drafter.aux_layer_ids == [
+        2,
+        18,
+        33,
+    ]
+    assert dflash.store_aux_layer_ids == [2, 10, 18, 26, 33, 34]
     assert dflash.training.block_size == 16 == dflash.drafter.speculative_tokens + 1
     assert dflash.drafter.num_draft_layers == 5 and dflash.training.lr == 6e-4 and dflash.training.epochs == 6
     assert dflash.training.mask_token_id == 151669 and dflash.needs_gpu
@@ -117,7 +125,25 @@ def test_shipped_variants_carry_the_published_facts():
     [
         (
             {"drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 1, 2]}},
-            "drafter.aux_layer_ids: aux layer ids [1, 1, 2] must be 3 distinct",
+            "drafter.aux_layer_ids: aux layer ids [1, 1, 2] must be 1 to 64 distinct",
+        ),
+        (
+            {"drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 2]}},
+            "drafter.aux_layer_ids: aux layer ids [1, 2] must be 3 distinct non-negative layer ids, e.g. 2,15,27 "
+            "(eagle3 drafters read 3)",
+        ),
+        (
+            {"datagen": {"aux_layer_ids": [1, 2, 3]}, "drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 2, 9]}},
+            "drafter.aux_layer_ids: aux layers [9] are not in the store, which keeps [1, 2, 3]",
+        ),
+        (
+            {"datagen": {"aux_layer_ids": [1, 2, 3, 5, 7]}, "drafter": {"draft_vocab_size": 64}},
+            "the store keeps aux layers [1, 2, 3, 5, 7] (datagen.aux_layer_ids) and eagle3 drafters read 3; name "
+            "them in drafter.aux_layer_ids",
+        ),
+        (
+            {"datagen": {"aux_layer_ids": [0, 0]}},
+            "datagen.aux_layer_ids: aux layer ids [0, 0] must be 1 to 64 distinct",
         ),
         ({"training": {"epochs": 1, "learning_rate": 1}}, "training.learning_rate: Extra inputs are not permitted"),
         ({"compute": {"train": {"gpus": 1}}}, "compute has unknown steps ['train']"),
@@ -166,12 +192,56 @@ def test_a_data_from_variant_trains_on_the_named_partitions_prompts_and_store(tm
 
     for change, message in [
         ({"datagen": {"max_length": 1024}}, "datagen differs from data_from 'owner'"),
-        ({"drafter": {"algorithm": "dflash", "aux_layer_ids": [1, 2, 4]}}, "aux_layer_ids differs from data_from"),
+        (
+            {"drafter": {"algorithm": "dflash", "aux_layer_ids": [1, 2, 4]}},
+            "aux layers [4] are not in the store, which keeps [1, 2, 3]",
+        ),
+        ({"datagen": {"aux_layer_ids": [1, 2, 3]}}, "datagen differs from data_from 'owner'"),
         ({"data_from": "nobody"}, "data_from 'nobody' is not another partition; name one of gpt_oss_120b"),
     ]:
         (tmp_path / "sharer.yaml").write_text(json.dumps({**sharer, **change}))
         with pytest.raises(VariantError, match=re.escape(message)):
             load_variants(Settings.from_env())
+
+
+def test_a_store_keeps_the_union_of_its_drafters_layers_and_each_drafter_reads_its_own(tmp_path, monkeypatch):
+    """Capture once, train several: the owner's datagen.aux_layer_ids is what datagen captures; the EAGLE-3
+    owner trains on three of them, a DFlash partition on all five, another on two; one store key for all."""
+    from speculators_assets.environment import Settings
+    from speculators_assets.workload import hidden_state_commands, hidden_states_key, train_command
+
+    owner = {"description": "d", "verifier": "v", "family": "llama", "prompts": {"sources": ["demo:train"]},
+             "datagen": {"aux_layer_ids": [1, 2, 3, 5, 7]},
+             "drafter": {"draft_vocab_size": 64, "aux_layer_ids": [1, 3, 5]}}  # fmt: skip
+    (tmp_path / "owner.yaml").write_text(json.dumps(owner))
+    (tmp_path / "wide.yaml").write_text(
+        json.dumps({"description": "d", "data_from": "owner", "drafter": {"algorithm": "dflash"}})
+    )
+    narrow = {"description": "d", "data_from": "owner", "drafter": {"algorithm": "dflash", "aux_layer_ids": [7, 2]}}
+    (tmp_path / "narrow.yaml").write_text(json.dumps(narrow))
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(tmp_path))
+    variants = load_variants(Settings.from_env())
+    assert [variants[n].store_aux_layer_ids for n in ("owner", "wide", "narrow")] == [[1, 2, 3, 5, 7]] * 3
+    assert variants["wide"].drafter.aux_layer_ids is None and variants["narrow"].drafter.aux_layer_ids == [7, 2]
+    assert len({hidden_states_key(variants[n], "c", "v") for n in ("owner", "wide", "narrow")}) == 1
+
+    def flag(argv: list[str]) -> str | None:
+        return argv[argv.index("--aux-layer-ids") + 1] if "--aux-layer-ids" in argv else None
+
+    datagen = hidden_state_commands(variants["owner"], tmp_path / "p.jsonl", tmp_path / "data", tmp_path / "store")[1]
+    assert datagen[0] == "datagen" and flag(datagen) == "1,2,3,5,7"
+    assert flag(train_command(variants["owner"], tmp_path / "store", tmp_path / "o", None)) == "1,3,5"
+    assert flag(train_command(variants["wide"], tmp_path / "store", tmp_path / "w", None)) is None  # (all five)
+    assert flag(train_command(variants["narrow"], tmp_path / "store", tmp_path / "n", None)) == "7,2"
+
+    # A store of the owner drafter's own layers (no datagen.aux_layer_ids): a sharer's drafter reads among them.
+    del owner["datagen"]
+    (tmp_path / "owner.yaml").write_text(json.dumps(owner))
+    narrow["drafter"]["aux_layer_ids"] = [5, 1]
+    (tmp_path / "narrow.yaml").write_text(json.dumps(narrow))
+    variants = load_variants(Settings.from_env())
+    assert variants["narrow"].store_aux_layer_ids == [1, 3, 5] and variants["wide"].drafter.aux_layer_ids == [1, 3, 5]
+    assert len({hidden_states_key(variants[n], "c", "v") for n in ("owner", "wide", "narrow")}) == 1
 
 
 def test_the_k8s_runner_builds_valid_pod_specs_for_every_gpu_variant():

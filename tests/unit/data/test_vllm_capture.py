@@ -31,10 +31,13 @@ GPT_OSS_AUX = [0, 1, 2]
 # DeepSeek-V3: ids 1 and 2 follow its two dense layers (2 enters the first MoE layer), 5 follows MoE layers
 # (tests/families/test_deepseek_v3.py says what vLLM records there).
 DEEPSEEK_V3_AUX = [1, 2, 5]
+# Qwen3-MoE: a store of five aux layers, as one that serves an EAGLE-3 drafter (three) and a DFlash one
+# (five) keeps (capture once, train several): every id is recorded, in the order asked, beside id N.
+QWEN3_MOE_AUX = [0, 1, 3, 4, 6]
 
 
 def aux_ids(family: str) -> list[int]:
-    return {"gpt_oss": GPT_OSS_AUX, "deepseek_v3": DEEPSEEK_V3_AUX}.get(family, AUX)
+    return {"gpt_oss": GPT_OSS_AUX, "deepseek_v3": DEEPSEEK_V3_AUX, "qwen3_moe": QWEN3_MOE_AUX}.get(family, AUX)
 
 
 def vllm_datagen(verifier, samples_path, store, *extra: str, aux: list[int] = AUX) -> None:
@@ -128,6 +131,7 @@ def test_vllm_capture_equals_the_transformers_capture(family, prepared, tmp_path
     verifier, samples, hf_store = prepared(family)
     vllm_datagen(verifier, samples, tmp_path / "vllm", *PARALLEL.get(family, ()), aux=aux_ids(family))
     assert_same_store(tmp_path / "vllm", hf_store, bf16_rounding=family == "gpt_oss")
+    assert HiddenStateStore(tmp_path / "vllm").manifest().aux_layer_ids == aux_ids(family)
     logs = sorted(p.name for p in (tmp_path / "vllm").glob("replica-*.log"))
     if family == "qwen3":
         assert logs == ["replica-0.log", "replica-1.log"]

@@ -499,9 +499,13 @@ def test_a_folder_with_another_manifest_is_not_taken_for_a_store(store, peaked_v
 @pytest.mark.parametrize(
     ("argv", "pattern"),
     [
-        (["--aux-layer-ids", "2,2,5"], r"--aux-layer-ids \[2, 2, 5\]: aux layer ids \[2, 2, 5\] must be 3 distinct"),
-        (["--aux-layer-ids", "1,2"], r"must be 3 distinct non-negative layer ids"),
-        (["--aux-layer-ids=-1,2,5"], r"must be 3 distinct non-negative layer ids"),
+        # (a store keeps any number of layers: each drafter trained on it reads its own)
+        (
+            ["--aux-layer-ids", "2,2,5"],
+            r"--aux-layer-ids \[2, 2, 5\]: aux layer ids \[2, 2, 5\] must be 1 to 64 distinct",
+        ),
+        (["--aux-layer-ids=-1,2,5"], r"must be 1 to 64 distinct non-negative layer ids"),
+        (["--aux-layer-ids", ",".join(map(str, range(65)))], r"must be 1 to 64 distinct non-negative layer ids"),
         (["--aux-layer-ids", "1,2,x"], r"'1,2,x' is not a comma-separated list of int"),
         (["--batch-size", "0"], r"--batch-size 0: input should be greater than 0"),
         (["--device", "gpu"], r"--device 'gpu': device 'gpu' is not auto, cpu, cuda or cuda:N"),

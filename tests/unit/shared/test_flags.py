@@ -246,11 +246,21 @@ def test_the_numeric_fields_are_found_and_the_ones_bounded_elsewhere_are_bounded
     fields = {name for model in settings_models() for name, _ in numeric_fields(model)}
     assert {"epochs", "draft_vocab_size", "gpus", "concurrency", "source_weights", "port"} <= fields
     assert set(BOUNDED_ELSEWHERE) <= fields
-    assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS]) == (
-        f"aux layer ids [2, 15, {settings.MAX_VERIFIER_LAYERS}] must be layer ids below "
-        f"{settings.MAX_VERIFIER_LAYERS}, e.g. 2,15,27"
+    for count in (3, None):  # (an EAGLE-3 drafter's three; a store's or a DFlash drafter's any number)
+        assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS], count) == (
+            f"aux layer ids [2, 15, {settings.MAX_VERIFIER_LAYERS}] must be layer ids below "
+            f"{settings.MAX_VERIFIER_LAYERS}, e.g. 2,15,27"
+        )
+        assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS - 1], count) is None
+    assert (
+        settings.aux_layer_ids_problem([2, 15], 3)
+        == "aux layer ids [2, 15] must be 3 distinct non-negative layer ids, e.g. 2,15,27"
     )
-    assert settings.aux_layer_ids_problem([2, 15, settings.MAX_VERIFIER_LAYERS - 1]) is None
+    assert settings.aux_layer_ids_problem([1, 2, 3, 4, 5], None) is None
+    assert settings.aux_layer_ids_problem(list(range(settings.MAX_AUX_LAYERS + 1)), None) == (
+        f"aux layer ids {list(range(settings.MAX_AUX_LAYERS + 1))} must be 1 to {settings.MAX_AUX_LAYERS} distinct "
+        "non-negative layer ids, e.g. 2,15,27"
+    )
 
 
 def test_the_checkpoint_format_and_the_settings_share_their_size_bounds():
