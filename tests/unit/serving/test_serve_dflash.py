@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
+from tests.conftest import build_peaked_store
 from tests.unit.serving.test_serve_bench import NEW_TOKENS, SERVER, completions, served_baseline  # noqa: F401
 
 K = 3
+FIVE = [1, 2, 4, 6, 7]  # z-lab reads five target layers; the peaked store's three are [1, 4, 6]
 
 
 def test_the_server_asks_vllm_for_dflash_with_the_checkpoints_k(store, peaked_verifier, tmp_path):
@@ -40,21 +44,28 @@ def offline_dflash_totals(verifier_dir, prompts, checkpoint) -> dict:
     return evaluate(verifier, prompts, proposer, K, NEW_TOKENS, stop_at_eos=False, progress=False).totals()
 
 
+@pytest.fixture(scope="module")
+def five_layer_store(peaked_verifier, tmp_path_factory):
+    """The peaked store's samples with five aux layers, as z-lab's DFlash recipe reads (a union store)."""
+    return build_peaked_store(peaked_verifier, tmp_path_factory.mktemp("five-layer-store"), aux_layer_ids=FIVE)
+
+
 @pytest.mark.slow
 def test_vllm_serves_our_trained_dflash_checkpoint_losslessly_with_the_offline_acceptance(
     peaked_verifier,
-    store,
+    five_layer_store,
     served_baseline,  # noqa: F811 (the module fixture imported above)
     tmp_path,
 ):
-    """vLLM reads our config.json as a non-causal DFlash draft (DFlashDraftModel), loads mask_embedding.pt,
-    and drafts what our DFlashProposer drafts: fp32 greedy outputs equal the baseline server's and the served
-    acceptance length is within 2% of ours on the same prompts."""
+    """vLLM reads our config.json as a non-causal DFlash draft (DFlashDraftModel) over five target layers,
+    loads mask_embedding.pt, and drafts what our DFlashProposer drafts: fp32 greedy outputs equal the baseline
+    server's and the served acceptance length is within 2% of ours on the same prompts. (Three layers are
+    served by the DFlash partition's lineage test.)"""
     from speculators.train.trainer import TrainConfig, train
 
     train(
         TrainConfig(
-            store=str(store),
+            store=str(five_layer_store),
             verifier=str(peaked_verifier),
             output=str(tmp_path / "run"),
             algorithm="dflash",
@@ -72,6 +83,7 @@ def test_vllm_serves_our_trained_dflash_checkpoint_losslessly_with_the_offline_a
         )
     )
     drafter = tmp_path / "run" / "drafter"
+    assert json.loads((drafter / "config.json").read_text())["aux_hidden_state_layer_ids"] == FIVE
     prompts, baseline, _ = served_baseline
     settings = ServerSettings(
         verifier=str(peaked_verifier), **SERVER, speculator=str(drafter), log_path=tmp_path / "dflash.log"
