@@ -530,6 +530,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "reused": stored if reused else capture.reused,
         "capture_tokens_per_second": capture.tokens_per_second,
         "bytes_per_token": capture.bytes_per_token,
+        "aux_layer_ids": {"raw_value": manifest.aux_layer_ids, "type": "json"},  # every layer its drafters read
         "store_bytes": directory_bytes(store),
         "draft_vocab_size": v.drafter.draft_vocab_size,
         "draft_vocab_coverage": coverage,
