@@ -426,7 +426,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         # The store is this asset's own: when the variant's verifier or aux ids change it follows them
         # (its other shards stay, keyed by content).
         overwrite=True,
-        **({"batch_size": d.batch_size, **parallel} if vllm else {}),
+        **({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}),
         **quantized,
         **nodes,
     )

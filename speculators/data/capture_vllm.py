@@ -3,8 +3,9 @@
 vLLM's own EAGLE-3 support decides what is captured: every model class that implements
 `SupportsEagle3` calls its base model's `_maybe_add_hidden_state(aux, layer_idx, hidden, residual)`
 with layer_idx 0 for the embeddings and k + 1 after decoder layer k, and keeps `hidden + residual`
-(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in vLLM's worker
-(through `LLM.apply_model`), with `embed_input_ids` for the token ids, and record the ids we want,
+(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in every vLLM worker
+(functions of this module run there through `LLM.collective_rpc`), with `embed_input_ids` for the token
+ids, and record the ids we want,
 with id N (after the last layer, before the final norm) included. So the states are exactly the
 ones vLLM feeds a served drafter, for every family that supports EAGLE-3 (llama, qwen3, qwen3_moe,
 gpt_oss, ...), whatever its embedding module is called. vLLM's DeepSeek-V2/V3 model (Mistral Large 3's
@@ -16,8 +17,9 @@ the full hidden states; only TP rank 0 records them.
 Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
 tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
 position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
-requests by their scheduled token counts (`sort_batch_req_ids`) and pads batches for CUDA graphs,
-and any runner chunks a long prefill over several steps. So every forward pass records its batch
+requests by their scheduled token counts (`sort_batch_req_ids`), and any runner chunks a long prefill
+over several steps. (Capture runs eager, so no step is padded for a CUDA graph; rows past a layout's
+counts would be padding, and are skipped.) So every forward pass records its batch
 layout beside its rows (which request each run of rows belongs to, and from which position), read
 from the runner: V1 (the CPU build, and CUDA with VLLM_USE_V2_MODEL_RUNNER=0) keeps it in its
 persistent `input_batch` and `query_start_loc`; V2 builds an `InputBatch` per step in
@@ -334,7 +336,8 @@ class VllmCapture:
         kwargs = capture_engine_kwargs(
             model_dir, dtype, max_model_len, max_batch_tokens, tensor_parallel_size, quantization, nodes
         )
-        # apply_model ships our hook functions to the workers by reference (set before the plan, which carries it).
+        # collective_rpc pickles our functions (install_capture, ...) to the worker processes, which vLLM allows
+        # only with this set (set before the plan, which carries it to the other nodes).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = start_offline_engine(kwargs, nodes)
         (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
