@@ -61,11 +61,11 @@ class Tolerance:
     p98: float
 
 
-# Per capture dtype. 16-bit: two sets of kernels each round every layer's output (bf16: 2^-8 relative), and the
-# roundings add up over the layers; the tests' own rule for bf16 on the CPU build (tests/unit/data/
-# test_vllm_capture.py: median < 2%, 98% of tokens < 3%) with room for 30 layers at the 98th percentile. Not yet
-# calibrated on a GPU: the table prints the measured quantiles beside these bounds.
-TOLERANCES = {"bfloat16": Tolerance(0.02, 0.05), "float16": Tolerance(0.02, 0.05), "float32": Tolerance(1e-3, 5e-3)}
+# Per capture dtype. 16-bit: two sets of kernels each round every layer's output (bf16: 2^-8 relative) and the
+# roundings add up over the layers. Measured on the CPU build in bf16 (SmolLM2, 64 samples, 2026-12-06): vLLM
+# against transformers at most 1.9% at the median and 5.1% at the 98th percentile (id N), while rows misplaced
+# by one position differ by 72-93% at the median; the bounds leave the GPU's kernels twice the CPU's error.
+TOLERANCES = {"bfloat16": Tolerance(0.04, 0.10), "float16": Tolerance(0.04, 0.10), "float32": Tolerance(1e-3, 5e-3)}
 
 
 @dataclass

@@ -32,10 +32,10 @@ def test_a_capture_beyond_its_tolerance_fails_the_check_and_the_exit_status(gpu_
     close = gpu_check.summarize(gpu_check.relative_differences(want + 0.005 * noise, want))
     bf16 = gpu_check.TOLERANCES["bfloat16"]
     assert gpu_check.within(close, bf16) and not gpu_check.within(close, gpu_check.TOLERANCES["float32"])
-    # One id off by 10% at 3% of the tokens: its median passes, its 98th percentile does not.
+    # One id off by 30% at 3% of the tokens (misplaced rows differ by 70-90%): its median passes, its p98 not.
     far = want.clone()
     far[:12, 2] += (
-        0.1 * noise[:12, 2] * want[:12, 2].norm(dim=-1, keepdim=True) / noise[:12, 2].norm(dim=-1, keepdim=True)
+        0.3 * noise[:12, 2] * want[:12, 2].norm(dim=-1, keepdim=True) / noise[:12, 2].norm(dim=-1, keepdim=True)
     )
     summary = gpu_check.summarize(gpu_check.relative_differences(far, want))
     assert summary["median"][2] < bf16.median and summary["p98"][2] > bf16.p98 and not gpu_check.within(summary, bf16)
@@ -46,7 +46,7 @@ def test_a_capture_beyond_its_tolerance_fails_the_check_and_the_exit_status(gpu_
         gpu_check.Check("training tokens/s", "1234"),
     ]
     assert [c.passed for c in checks] == [True, False, False, None]
-    assert "bounds 0.02 / 0.05" in checks[1].result and checks[2].result == "not compared (its capture did not run)"
+    assert "bounds 0.04 / 0.1" in checks[1].result and checks[2].result == "not compared (its capture did not run)"
     assert gpu_check.verdict(checks) == 1 and gpu_check.verdict([checks[0], checks[3]]) == 0
 
 
