@@ -80,6 +80,11 @@ MAX_EPOCHS = 10_000  # epochs x steps per epoch stays an integer a run can count
 MAX_STEPS = 10**9  # optimizer steps (and the log / validation / checkpoint intervals)
 MAX_SAMPLES = 10**9  # conversations, prompts, requests (ShareGPT holds ~90k)
 MAX_BATCH = 2**16  # prompts or samples in flight (vLLM schedules at most a few thousand at once)
+# Regeneration's default prompts in flight per engine: vLLM's 256 give 1.66x the tokens/s of 64 on the CPU build
+# (BENCHMARKS.md, regeneration) in the same preallocated KV cache; transformers pads every prompt of a batch to
+# the longest and keeps its cache for all of them (SmolLM2 in fp32: ~46 KB per token, 12 GB for 256 x 1,024).
+VLLM_REGENERATION_BATCH = 256
+TRANSFORMERS_REGENERATION_BATCH = 8
 MAX_GPUS = 1024  # GPUs one engine or step spans
 MAX_NODES = 1024  # nodes one engine or step spans
 MAX_SEED = 2**32 - 1  # numpy's and vLLM's seed range; negative seeds have other meanings inside the trainer
@@ -352,9 +357,20 @@ class RegenerationSettings(VerifierCompute):
     )
     # (past 10 the logits barely matter: the answers are noise, not the verifier's)
     temperature: float = Field(0.0, ge=0, le=10, description="regeneration: 0 is greedy")
-    batch_size: int = Field(
-        8, gt=0, le=MAX_BATCH, description="regeneration: prompts per batch (vllm: requests in flight)"
+    batch_size: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_BATCH,
+        description=f"regeneration: prompts per batch (vllm: requests in flight) (default: "
+        f"{VLLM_REGENERATION_BATCH} with vllm, whose scheduler fits them into its preallocated KV cache; "
+        f"{TRANSFORMERS_REGENERATION_BATCH} with transformers, whose padded batch grows its memory with every prompt)",
     )
+
+    def regeneration_batch(self) -> int:
+        """--batch-size, or the backend's default."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return VLLM_REGENERATION_BATCH if self.backend == "vllm" else TRANSFORMERS_REGENERATION_BATCH
 
 
 class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedVerifier, Parallelism):

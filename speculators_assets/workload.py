@@ -426,7 +426,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         # The store is this asset's own: when the variant's verifier or aux ids change it follows them
         # (its other shards stay, keyed by content).
         overwrite=True,
-        **({"batch_size": d.batch_size, **parallel} if vllm else {}),
+        **({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}),
         **quantized,
         **nodes,
     )
@@ -841,7 +841,8 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         raise StepFailed(f"no published checkpoint at {latest}; materialize {SPECULATOR_CHECKPOINT} (gates must pass)")
     key = benchmark_key(v, accepted.key)
     out = step.dir(BENCHMARK_REPORT) / key
-    reused = (out / BenchReport.FILE).is_file() and not step.force
+    # (a report whose lossless comparison failed holds the measurements but no comparison: not reusable)
+    reused = read_record(BenchReport, out) is not None and not step.force
     if not reused:
         if out.exists():
             shutil.rmtree(out)

@@ -3,8 +3,9 @@
 vLLM's own EAGLE-3 support decides what is captured: every model class that implements
 `SupportsEagle3` calls its base model's `_maybe_add_hidden_state(aux, layer_idx, hidden, residual)`
 with layer_idx 0 for the embeddings and k + 1 after decoder layer k, and keeps `hidden + residual`
-(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in vLLM's worker
-(through `LLM.apply_model`), with `embed_input_ids` for the token ids, and record the ids we want,
+(vLLM defers the residual add) for the ids a drafter asked for. We wrap that call in every vLLM worker
+(functions of this module run there through `LLM.collective_rpc`), with `embed_input_ids` for the token
+ids, and record the ids we want,
 with id N (after the last layer, before the final norm) included. So the states are exactly the
 ones vLLM feeds a served drafter, for every family that supports EAGLE-3 (llama, qwen3, qwen3_moe,
 gpt_oss, ...), whatever its embedding module is called. vLLM's DeepSeek-V2/V3 model (Mistral Large 3's
@@ -16,11 +17,13 @@ the full hidden states; only TP rank 0 records them.
 Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
 tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
 position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
-requests by their scheduled token counts (`sort_batch_req_ids`) and pads batches for CUDA graphs,
-and any runner chunks a long prefill over several steps. So every forward pass records its batch
+requests by their scheduled token counts (`sort_batch_req_ids`), and any runner chunks a long prefill
+over several steps. (Capture runs eager, so no step is padded for a CUDA graph; rows past a layout's
+counts would be padding, and are skipped.) So every forward pass records its batch
 layout beside its rows (which request each run of rows belongs to, and from which position), read
-from the runner: V1 (the CPU build, and CUDA with VLLM_USE_V2_MODEL_RUNNER=0) keeps it in its
-persistent `input_batch` and `query_start_loc`; V2 builds an `InputBatch` per step in
+from the runner, told apart by class (model_runner_kind): V1 (vLLM 0.32's CPU build by default, CUDA's
+fallback) keeps it in its persistent `input_batch` and `query_start_loc`; V2 (CUDA's default, the CPU
+build with VLLM_USE_V2_MODEL_RUNNER=1, the only runner from vLLM 0.34) builds an `InputBatch` per step in
 `prepare_inputs`, which a probe wraps. `assemble_states` puts the rows back together per request
 and matches each request to its prompt by its token ids.
 
@@ -33,6 +36,8 @@ before we read them back. These hooks serve every family on both builds with one
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -89,15 +94,38 @@ def install_v2_layout_probe(runner: Any) -> None:
     runner.prepare_inputs = prepare_inputs  # an instance attribute shadows the method execute_model calls
 
 
-def runner_is_v2(runner: Any) -> bool:
-    if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
-        return True
-    if hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc"):
-        return False
+# vLLM's two model runners, by module: every platform's runner subclasses one of them (CPUModelRunner, XPU's,
+# the multimodal encoder's). vLLM 0.32 has both (CUDA runs V2 by default and falls back to V1 with a log line;
+# its CPU build runs V1 by default and V2 with VLLM_USE_V2_MODEL_RUNNER=1); 0.34 removed V1.
+MODEL_RUNNER_MODULES = {"V2": "vllm.v1.worker.gpu.model_runner", "V1": "vllm.v1.worker.gpu_model_runner"}
+
+
+@functools.cache
+def model_runner_classes() -> dict[str, type | None]:
+    """Each model runner's class in the installed vLLM; None for one it does not have."""
+    found: dict[str, type | None] = {}
+    for kind, module in MODEL_RUNNER_MODULES.items():
+        try:
+            found[kind] = importlib.import_module(module).GPUModelRunner
+        except (ImportError, AttributeError):
+            found[kind] = None
+    return found
+
+
+def model_runner_kind(runner: Any, classes: dict[str, type | None] | None = None) -> str:
+    """ "V2" or "V1": which of vLLM's model runners `runner` is an instance of (V2 first: neither subclasses
+    the other today, and a later V2 built on V1 is still V2). `classes`: model_runner_classes() by default."""
+    for kind, cls in (classes or model_runner_classes()).items():
+        if cls is not None and isinstance(runner, cls):
+            return kind
     raise RuntimeError(
         f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} is neither Model Runner V1 nor "
         f"V2, whose batch layouts capture reads; capture with --backend transformers"
     )
+
+
+def runner_is_v2(runner: Any) -> bool:
+    return model_runner_kind(runner) == "V2"
 
 
 def current_layout() -> dict[str, list] | None:
@@ -200,6 +228,11 @@ def install_capture(worker: Any, capture_ids: list[int]) -> int:
         install_v2_layout_probe(runner)
     _RUNNER = runner
     return install_capture_hooks(capture_ids, worker.get_model())
+
+
+def model_runner_of(worker: Any) -> str:
+    """Runs in each worker: which model runner vLLM chose ("V2", or "V1" where it fell back)."""
+    return model_runner_kind(worker.model_runner)
 
 
 def remove_capture(worker: Any) -> None:
@@ -334,10 +367,14 @@ class VllmCapture:
         kwargs = capture_engine_kwargs(
             model_dir, dtype, max_model_len, max_batch_tokens, tensor_parallel_size, quantization, nodes
         )
-        # apply_model ships our hook functions to the workers by reference (set before the plan, which carries it).
+        # collective_rpc pickles our functions (install_capture, ...) to the worker processes, which vLLM allows
+        # only with this set (set before the plan, which carries it to the other nodes).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = start_offline_engine(kwargs, nodes)
         (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
+        # vLLM falls back from V2 to V1 with only a log line; say which one captures (gpu_check reads it).
+        self.model_runner: str = "/".join(sorted(set(self.llm.collective_rpc(model_runner_of))))
+        print(f"capture: vLLM's Model Runner {self.model_runner}", flush=True)
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
 

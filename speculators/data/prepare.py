@@ -409,8 +409,8 @@ def requests_in_flight(settings: PrepareSettings) -> int:
     replicas gets that many per replica (with only `batch_size` in flight, each of N replicas ran a
     batch of batch_size / N)."""
     if settings.backend != "vllm":
-        return settings.batch_size
-    return settings.batch_size * settings.data_parallel_size
+        return settings.regeneration_batch()
+    return settings.regeneration_batch() * settings.data_parallel_size
 
 
 def answer_generator(

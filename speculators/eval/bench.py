@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -346,8 +347,23 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         mt_bench = BenchPrompts(MT_BENCH_DIR, questions=mt_bench_questions(settings.mt_bench))
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
+    report = measurements_report(settings, prompts, runs, mt_bench, started)
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization, max_chunk=k + 1)
-    outputs = compare_served_outputs(runs["baseline"]["outputs"], runs["speculator"]["outputs"], judge)
+    return judge_and_write(report, folder, lambda: compare_served_outputs(*served_outputs(runs), judge))
+
+
+def served_outputs(runs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    return runs["baseline"]["outputs"], runs["speculator"]["outputs"]
+
+
+def measurements_report(
+    settings: BenchSettings,
+    prompts: BenchPrompts,
+    runs: dict[str, Any],
+    mt_bench: BenchPrompts | None,
+    started: float,
+) -> dict[str, Any]:
+    """report.json's content from both servers' measurements, the lossless comparison not yet made."""
     report = {
         "settings": settings.model_dump(),
         "prompts": prompts.info,
@@ -355,7 +371,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "hardware": hardware(),
         "servers": {role: runs[role]["server"] for role in ROLES},
         **prompt_set_report(runs["baseline"], runs["speculator"], settings),
-        "outputs": outputs,
+        "outputs": {"not_judged": "the lossless comparison runs after the measurements are written"},
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
     if mt_bench is not None:
@@ -366,7 +382,27 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             ),
         }
     report["machine_load"] = machine_load_summary(report)
+    return report
+
+
+def judge_and_write(report: dict[str, Any], folder: Path, compare: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Write the measurements (report.json, report.md, plots), then make the lossless comparison and write
+    them again with it: a judge that fails (a verifier that will not load, a bug) loses no measurement, and
+    the report says why it holds no comparison."""
+    write_report(report, folder)
+    try:
+        report["outputs"] = compare()
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        report["outputs"] = {"not_judged": f"the lossless comparison failed ({type(error).__name__}: {first})"}
+        write_report(report, folder)
+        print(f"[bench] the measurements are in {folder / 'report.json'}; the lossless comparison failed", flush=True)
+        raise
+    write_report(report, folder)
+    return report
+
+
+def write_report(report: dict[str, Any], folder: Path) -> None:
     write_text_atomic(folder / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(folder / "report.md", render_markdown(report))
     plot_report(report, folder)
-    return report

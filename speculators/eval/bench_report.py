@@ -261,7 +261,10 @@ def mt_bench_lines(beside: dict[str, Any], k: int) -> list[str]:
 
 
 def outputs_lines(outputs: dict[str, Any]) -> list[str]:
-    """report.md's greedy outputs: how many were identical, near-ties or diverged, and each difference."""
+    """report.md's greedy outputs: how many were identical, near-ties or diverged, and each difference (or why
+    they were not compared: bench writes the measurements before the comparison)."""
+    if "not_judged" in outputs:
+        return ["", f"**Greedy outputs**: not compared: {outputs['not_judged']}."]
     lines = [
         "",
         f"**Greedy outputs**, each prompt alone, token ids compared: {outputs['identical']} of "

