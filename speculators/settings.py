@@ -428,6 +428,21 @@ class TrainRecipe(Settings):
     )
     # (gamma > 1 weighs later steps more; 2**63 over the longest chain is still a finite weight)
     step_decay: float = Field(1.0, gt=0, le=2, description="loss weight gamma**s of TTT step s")
+    loss: Literal["kl", "ce", "tv", "lk-alpha", "lk-lambda"] = Field(
+        "kl",
+        description="the training objective per draft position, against the verifier's distribution over the "
+        "draft vocabulary (docs/training.md): kl (forward KL), ce (cross-entropy to the verifier's greedy token), "
+        "tv (total variation: 1 - the acceptance rate), lk-alpha (-log of the acceptance rate) or lk-lambda "
+        "(KL blended into TV as the acceptance rate grows)",
+    )
+    # (eta 0 is plain KL; past 100 the blend is TV from the first step)
+    lk_eta: float = Field(3.0, gt=0, le=100, description="lk-lambda: the blend exp(-eta x acceptance rate) on KL")
+    position_weights: Literal["decay", "dpace"] = Field(
+        "decay",
+        description="weights of the draft positions: decay (EAGLE-3: --step-decay gamma**s, P-EAGLE: equal, DFlash: "
+        "--dflash-gamma's) or dpace (D-PACE: by the drafter's confidence in the positions before; DFlash: as "
+        "--dflash-loss dpace)",
+    )
     # DFlash (--algorithm dflash): blocks of the bonus token and K mask slots, drafted in one forward.
     block_size: int | None = Field(
         None,
@@ -527,6 +542,22 @@ class TrainConfig(TrainRecipe):
     @classmethod
     def _distinct(cls, value: list[int] | None) -> list[int] | None:
         return checked_aux_layer_ids(value, None)  # (the algorithm's count: speculators.train.run)
+
+    @property
+    def weighting(self) -> str:
+        """The position weights the run trains with: --position-weights; DFlash's slots take D-PACE where either it
+        or --dflash-loss (the flag DFlash had first, kept for its variants and resumes) says dpace."""
+        if self.algorithm == "dflash" and self.dflash_loss == "dpace":
+            return "dpace"
+        return self.position_weights
+
+    @property
+    def objective(self) -> dict[str, str]:
+        """What the run trains on, as logs and summaries name it: the loss and the position weights."""
+        named = {"loss": self.loss, "position_weights": self.weighting}
+        if self.loss == "lk-lambda":
+            named["lk_eta"] = str(self.lk_eta)
+        return named
 
     @model_validator(mode="after")
     def _block_holds_the_drafts(self) -> TrainConfig:

@@ -630,6 +630,9 @@ RECIPE_FIELDS_ADDED_LATER: dict[str, Any] = {
     "mask_token_id": None,
     "cod_ratio": 0.7,
     "cod_ratio_min": 0.2,
+    "loss": "kl",
+    "lk_eta": 3.0,
+    "position_weights": "decay",
 }
 
 

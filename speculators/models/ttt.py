@@ -142,8 +142,12 @@ def ttt_loss(
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     hits: list[torch.Tensor] | None = None,
     first_step_mask: torch.Tensor | None = None,
+    objective: tuple[str, str, float] = ("kl", "decay", 3.0),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total loss (sum over steps of decay**s x masked-mean KL) and per-step count sums [steps].
+    """Total loss (sum over steps of decay**s x the masked-mean loss) and per-step count sums [steps].
+
+    `objective` is (loss, position weights, LK eta) (models/draft_losses.py): the per-row loss (KL by
+    default) and `decay` (decay**s) or `dpace` (D-PACE's weights per chain start, `decay` unused).
 
     `step_outputs` are per-step logits [B, T, D], or normed hidden states [B, T, H] with `lm_head`.
     `target_logits` are the verifier's, either [B, T, D] or only at the positions some step scores
@@ -153,6 +157,9 @@ def ttt_loss(
     receives, per step s, the bool [B, T - s] of chain starts whose step-s draft is scored and
     agrees (for `replay_decoding`).
     """
+    from speculators.models.draft_losses import dpace_total, row_loss  # (it builds on this module's tiles)
+
+    loss, position_weights, eta = objective
     length = loss_mask.shape[1]
     needed = loss_mask.bool()
     if first_step_mask is not None:
@@ -165,6 +172,9 @@ def ttt_loss(
 
     chain_ok = torch.ones_like(needed)
     total = target_p.new_zeros(())
+    starts: list[torch.Tensor] = []  # for D-PACE, per step: its scored chain starts, their losses and cross-entropies
+    losses: list[torch.Tensor] = []
+    cross_entropies: list[torch.Tensor] = []
     sums: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "count", "correct", "cond_correct", "cond_count")}
     for step, output in enumerate(step_outputs):
         span = length - step
@@ -174,21 +184,28 @@ def ttt_loss(
         targets = row_of[:, step:][rows]
         scored = output[:, :span][rows]
         logits = lm_head(scored) if lm_head is not None else scored
-        kl, predicted = KLFromLogits.apply(logits, target_p, neg_entropy, targets)
+        per_row, predicted, cross_entropy = row_loss(loss, logits, target_p, neg_entropy, target_ids, targets, eta)
         count = mask.sum()
-        total = total + decay**step * kl.sum() / count.clamp(min=1)
+        if position_weights == "dpace":
+            starts.append(rows[0] * length + rows[1])
+            losses.append(per_row)
+            cross_entropies.append(cross_entropy)
+        else:
+            total = total + decay**step * per_row.sum() / count.clamp(min=1)
         hit = predicted == target_ids[targets]
         correct = torch.zeros_like(mask)
         correct[rows] = hit
         chain_ok = chain_ok[:, :span]
         if hits is not None:
             hits.append(correct)
-        sums["kl"].append(kl.sum().detach())
+        sums["kl"].append(per_row.sum().detach())  # (named kl before the other losses: the objective's loss)
         sums["count"].append(count)
         sums["correct"].append(hit.sum())
         sums["cond_correct"].append((correct & chain_ok).sum())
         sums["cond_count"].append((mask & chain_ok).sum())
         chain_ok = chain_ok & correct  # an unscored step breaks the chain
+    if position_weights == "dpace":
+        total = dpace_total(starts, losses, cross_entropies, num_chains=needed.numel())
     return total, {k: torch.stack(v).double() for k, v in sums.items()}
 
 

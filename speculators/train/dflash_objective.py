@@ -4,9 +4,10 @@ Per pack (docs/dflash.md): up to `--max-anchors` anchors, drawn uniformly (a see
 resumed run draws the same) among the pack indices whose block has a scored target. The block at anchor a
 starts with the real token input_ids[a] and sees its document's context up to a; mask slot k (1..K) drafts
 the token k after the anchor, whose verifier distribution is the target at pack index a + k - 1 (the same
-targets EAGLE-3's step k - 1 scores from chain start a). The loss is the forward KL to the verifier over the
-draft vocabulary, weighted per slot by the published decay exp(-(k-1)/gamma) or by D-PACE (arXiv 2605.18810:
-the detached suffix sum of the block's smoothed-confidence prefix products).
+targets EAGLE-3's step k - 1 scores from chain start a). The loss (`--loss`, forward KL by default:
+models/draft_losses.py) compares the drafter with the verifier over the draft vocabulary, weighted per slot
+by the published decay exp(-(k-1)/gamma) or by D-PACE (arXiv 2605.18810: the detached suffix sum of the
+block's smoothed-confidence prefix products).
 
 Validation anchors a block at every pack index, so the slot outputs line up with EAGLE-3's step outputs and
 the shared `ttt_loss` / `replay_decoding` give the same metrics and the replayed acceptance.
@@ -17,7 +18,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from speculators.models.ttt import KLFromLogits, replay_decoding, target_distribution, ttt_loss, verifier_target_logits
+from speculators.models.draft_losses import dpace_weights, row_loss
+from speculators.models.ttt import replay_decoding, target_distribution, ttt_loss, verifier_target_logits
 from speculators.settings import TrainConfig
 
 if TYPE_CHECKING:
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from speculators.models.dflash import DFlashDrafter
     from speculators.train.data import Pack
 
-DPACE_ALPHA = 0.5  # the D-PACE paper's confidence smoothing
 VALIDATION_ANCHORS_PER_FORWARD = (
     256  # blocks per validation forward (at most): bounds the [anchors, heads, B, T] scores
 )
@@ -69,20 +70,17 @@ def slot_weights(cross_entropy: torch.Tensor, scored: torch.Tensor, kind: str, g
     slots = torch.arange(scored.shape[1], device=scored.device, dtype=torch.float32)
     if kind == "decay":
         return torch.exp(-slots / gamma).expand(scored.shape) * scored
-    with torch.no_grad():
-        confidence = torch.exp(-cross_entropy.float())
-        smooth = torch.where(scored, (1 - DPACE_ALPHA) * confidence + DPACE_ALPHA, torch.ones_like(confidence))
-        prefix = torch.cumprod(smooth, dim=-1) * scored
-        return prefix.flip(-1).cumsum(-1).flip(-1) * scored
+    return dpace_weights(cross_entropy, scored)
 
 
 class DFlashObjective:
-    """Blocks at random anchors per pack, their KL to the verifier weighted per slot; validation at every anchor."""
+    """Blocks at random anchors per pack, their loss to the verifier weighted per slot; validation at every anchor."""
 
     def __init__(self, config: TrainConfig, drafter: DFlashDrafter, head: tuple[nn.Module, torch.Tensor]):
         self.num_tokens = drafter.config.speculative_tokens  # K mask slots per block
         self.max_anchors, self.seed = config.max_anchors, config.seed
-        self.loss_kind, self.gamma = config.dflash_loss, config.dflash_gamma
+        self.loss_kind, self.gamma = config.weighting, config.dflash_gamma  # the slot weights
+        self.loss_name, self.eta = config.loss, config.lk_eta  # the loss per slot (models/draft_losses.py)
         self.lm_head = drafter.lm_head
         self.head = head  # the verifier's final norm and lm_head rows of the draft vocab: the targets
         # Validation forwards per pack: the same number on every rank whatever its pack's length (under FSDP2
@@ -110,7 +108,7 @@ class DFlashObjective:
         return DFlashForward(drafter)
 
     def loss(self, model: nn.Module, pack: Pack, draw: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The weighted KL of the mask slots of blocks at anchors drawn for `draw` (the pack's place in the run)."""
+        """The weighted loss of the mask slots of blocks at anchors drawn for `draw` (the pack's place in the run)."""
         import torch
 
         anchors = draw_anchors(
@@ -130,11 +128,11 @@ class DFlashObjective:
         row_of[mask] = torch.arange(target_p.shape[0], device=mask.device)
         rows = scored.nonzero(as_tuple=True)
         target_rows = row_of[clamped[rows]]
-        kl, predicted = KLFromLogits.apply(self.lm_head(normed[rows]), target_p, neg_entropy, target_rows)
-        kl_grid = normed.new_zeros(scored.shape, dtype=kl.dtype).index_put(rows, kl)
-        cross_entropy = kl_grid - normed.new_zeros(scored.shape, dtype=kl.dtype).index_put(
-            rows, neg_entropy[target_rows]
+        kl, predicted, row_cross_entropy = row_loss(
+            self.loss_name, self.lm_head(normed[rows]), target_p, neg_entropy, target_ids, target_rows, self.eta
         )
+        kl_grid = normed.new_zeros(scored.shape, dtype=kl.dtype).index_put(rows, kl)  # (kl: whichever --loss)
+        cross_entropy = normed.new_zeros(scored.shape, dtype=kl.dtype).index_put(rows, row_cross_entropy)
         weights = slot_weights(cross_entropy, scored, self.loss_kind, self.gamma)
         counts = scored.sum(0)
         total = ((weights * kl_grid).sum(0) / counts.clamp(min=1)).sum()
@@ -167,7 +165,14 @@ class DFlashObjective:
         decay = math.exp(-1 / self.gamma)
         hits: list[torch.Tensor] = []
         _, sums = ttt_loss(
-            slot_outputs, targets, pack.loss_mask, pack.document_ids, decay, lm_head=self.lm_head, hits=hits
+            slot_outputs,
+            targets,
+            pack.loss_mask,
+            pack.document_ids,
+            decay,
+            lm_head=self.lm_head,
+            hits=hits,
+            objective=(self.loss_name, "decay", self.eta),
         )
         if in_vocab is not None:
             sums.update(replay_decoding(hits, pack.loss_mask, pack.document_ids, self.num_tokens, in_vocab))

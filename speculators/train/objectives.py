@@ -50,11 +50,13 @@ class Objective(Protocol):
 
 
 class TTTObjective:
-    """EAGLE-3's training-time test: `ttt_steps` chained draft steps per pack, their forward KL to the
-    verifier's distribution (`step_decay`^s per step), and decoding replayed at the drafter's K."""
+    """EAGLE-3's training-time test: `ttt_steps` chained draft steps per pack, their `loss` to the verifier's
+    distribution (forward KL by default) weighted `step_decay`^s per step or by D-PACE, and decoding replayed at
+    the drafter's K."""
 
     def __init__(self, config: TrainConfig, drafter: Eagle3Drafter, head: tuple[nn.Module, torch.Tensor]):
         self.steps, self.decay = config.ttt_steps, config.step_decay
+        self.objective = (config.loss, config.position_weights, config.lk_eta)  # (models/draft_losses.py)
         # first-step: step 0 (computed on every position anyway) scores them all; later steps the answers
         self.first_step_everywhere = config.loss_positions == "first-step"
         self.lm_head = drafter.lm_head  # applied only where the loss looks
@@ -103,6 +105,7 @@ class TTTObjective:
             self.decay,
             lm_head=self.lm_head,
             first_step_mask=first,
+            objective=self.objective,
         )
 
     def validation_sums(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -121,7 +124,14 @@ class TTTObjective:
         targets = verifier_target_logits(pack.target_hidden_states[pack.loss_mask], *self.head)
         hits: list[torch.Tensor] = []
         _, step_sums = ttt_loss(
-            normed, targets, pack.loss_mask, pack.document_ids, self.decay, lm_head=self.lm_head, hits=hits
+            normed,
+            targets,
+            pack.loss_mask,
+            pack.document_ids,
+            self.decay,
+            lm_head=self.lm_head,
+            hits=hits,
+            objective=self.objective,
         )
         if in_vocab is not None:
             step_sums.update(replay_decoding(hits, pack.loss_mask, pack.document_ids, self.num_tokens, in_vocab))

@@ -1,19 +1,22 @@
-"""P-EAGLE's training objective (docs/peagle.md): COD-sampled depths, forward KL to the verifier at each.
+"""P-EAGLE's training objective (docs/peagle.md): COD-sampled depths, each scored against the verifier.
 
 Per pack: depth 0 is EAGLE-3's first step at every position; depth d >= 1 holds the mask slots (a, d) that
 `cod_sample` keeps (max(r^d, r_min) of the scored positions, each chain continuing one kept at depth d-1).
-Every element is scored against the verifier's distribution at a + d over the draft vocabulary, each depth's
-mean KL weighted alike. Sums are in models/ttt.py's vocabulary (per depth: kl, count, correct, and the
-conditional pair: given every earlier depth of the chain agreed), so logs and summaries read as EAGLE-3's.
-Validation keeps every chain and replays parallel decoding: one forward drafts K, the leading drafts that
-agree are accepted, the next round starts after the verifier's token (models/ttt.py replay_decoding).
+Every element is scored against the verifier's distribution at a + d over the draft vocabulary by `--loss`
+(forward KL by default, models/draft_losses.py), each depth's mean loss weighted alike, or by D-PACE per
+anchor's chain (`--position-weights dpace`). Sums are in models/ttt.py's vocabulary (per depth: kl, count,
+correct, and the conditional pair: given every earlier depth of the chain agreed), so logs and summaries
+read as EAGLE-3's. Validation keeps every chain and replays parallel decoding: one forward drafts K, the
+leading drafts that agree are accepted, the next round starts after the verifier's token (models/ttt.py
+replay_decoding).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from speculators.models.ttt import KLFromLogits, replay_decoding, target_distribution, verifier_target_logits
+from speculators.models.draft_losses import dpace_total, row_loss
+from speculators.models.ttt import replay_decoding, target_distribution, verifier_target_logits
 from speculators.settings import TrainConfig
 
 if TYPE_CHECKING:
@@ -28,7 +31,7 @@ METRICS = ("kl", "count", "correct", "cond_correct", "cond_count")
 
 
 class PEagleObjective:
-    """P-EAGLE: `ttt_steps` depths per pack (COD-sampled by `cod_ratio` / `cod_ratio_min`), equal weights,
+    """P-EAGLE: `ttt_steps` depths per pack (COD-sampled by `cod_ratio` / `cod_ratio_min`), equal or D-PACE weights,
     and parallel decoding replayed at the drafter's K."""
 
     def __init__(self, config: TrainConfig, drafter: Eagle3Drafter, head: tuple[nn.Module, torch.Tensor]):
@@ -39,6 +42,7 @@ class PEagleObjective:
             config.seed,
         )
         self.first_step_everywhere = config.loss_positions == "first-step"
+        self.loss_kind, self.position_weights, self.eta = config.loss, config.position_weights, config.lk_eta
         self.lm_head = drafter.lm_head
         self.head = head  # the verifier's final norm and lm_head rows of the draft vocab: the targets
         self.num_tokens = drafter.config.speculative_tokens
@@ -94,16 +98,19 @@ class PEagleObjective:
         anchors_of = [depth0.nonzero().flatten(), *chains]
         outputs = [normed[0][0, anchors_of[0]], *(out[0] for out in normed[1:])]
         chain_ok = torch.ones(length, dtype=torch.bool, device=mask.device)
-        total = target_p.new_zeros(())
+        losses, cross_entropies = [], []
         sums: dict[str, list[torch.Tensor]] = {k: [] for k in METRICS}
         hits = []
         for depth, (anchors, output) in enumerate(zip(anchors_of, outputs, strict=True)):
             rows = row_of[anchors + depth]
-            kl, predicted = KLFromLogits.apply(self.lm_head(output), target_p, neg_entropy, rows)
+            per_row, predicted, cross_entropy = row_loss(
+                self.loss_kind, self.lm_head(output), target_p, neg_entropy, target_ids, rows, self.eta
+            )
+            losses.append(per_row)
+            cross_entropies.append(cross_entropy)
             hit = predicted == target_ids[rows]
             count = torch.tensor(anchors.numel(), device=mask.device)
-            total = total + kl.sum() / count.clamp(min=1)
-            sums["kl"].append(kl.sum().detach())
+            sums["kl"].append(per_row.sum().detach())  # (named kl before the other losses: the objective's loss)
             sums["count"].append(count)
             sums["correct"].append(hit.sum())
             sums["cond_correct"].append((hit & chain_ok[anchors]).sum())
@@ -112,6 +119,10 @@ class PEagleObjective:
             correct[anchors] = hit
             chain_ok = chain_ok & correct  # an unscored depth breaks the chain
             hits.append(correct[: length - depth][None])
+        if self.position_weights == "dpace":
+            total = dpace_total(anchors_of, losses, cross_entropies, num_chains=length)
+        else:  # each depth's mean alike
+            total = sum((per_row.sum() / max(per_row.numel(), 1) for per_row in losses), target_p.new_zeros(()))
         return total, {k: torch.stack(v).double() for k, v in sums.items()}, hits
 
     def loss(self, model: nn.Module, pack: Pack, draw: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -100,6 +100,7 @@ class TrainingSummary(BaseModel):
     best_validation: dict[str, Any] | None = None  # that validation's metrics, None without validation samples
     drafter: str  # the final drafter's folder
     config: dict[str, Any]  # the run's settings (TrainConfig) as its last resume gave them
+    objective: dict[str, str] | None = None  # the loss and position weights trained on (absent in early summaries)
     resumed: list[Resumption] = []  # each resume of the run: its step and what changed
 
     @classmethod

@@ -42,6 +42,9 @@ SHAPES_THE_RUN = frozenset(
         # the loss and what it scores
         "ttt_steps",
         "step_decay",
+        "loss",
+        "lk_eta",
+        "position_weights",
         "aux_noise",
         "loss_positions",
         # the data each step sees, and how many steps there are (the lr schedule spans them)

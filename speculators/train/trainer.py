@@ -76,6 +76,7 @@ def train_run(config: TrainConfig) -> TrainingSummary | None:
                     {
                         "event": "train",
                         "step": state.step,
+                        "objective": config.objective,
                         "wall_seconds": clock.seconds(),
                         "lr": lr_at(step, run.total_steps, config),
                         "tokens_per_second": tokens / seconds,
@@ -142,7 +143,13 @@ def validate(run: Run, state: TrainingState, log: MetricsLog, clock: WallClock) 
     )
     if metrics is None:
         return False
-    log.validation({"event": "validation", "step": state.step, "wall_seconds": clock.seconds(), **metrics}, k)
+    record = {
+        "event": "validation",
+        "step": state.step,
+        "objective": run.config.objective,
+        "wall_seconds": clock.seconds(),
+    }
+    log.validation({**record, **metrics}, k)
     best = state.best_validation_loss
     improved = best is None or sum(metrics["loss"]) < best
     if improved:
@@ -172,6 +179,7 @@ def finish(run: Run, state: TrainingState, clock: WallClock, log_path: Path) -> 
         best_validation=state.best_validation,
         drafter=str(output / "drafter"),
         config=run.config.model_dump(),
+        objective=run.config.objective,
         resumed=state.resumes,
     )
     summary.write(output / "summary.json")
