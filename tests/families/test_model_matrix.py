@@ -314,7 +314,7 @@ def test_the_rendered_commands_and_pods_use_the_profiles_gpus(name, tmp_path):
     assert flag(datagen, "--backend") == "vllm" and flag(datagen, "--verifier") == MATRIX[name][0]
     tp, dp = int(flag(datagen, "--tensor-parallel-size")), int(flag(datagen, "--data-parallel-size"))
     assert tp == capture.tensor_parallel_size and tp * dp == capture.total_gpus
-    assert flag(datagen, "--aux-layer-ids") == ",".join(map(str, v.drafter.aux_layer_ids))
+    assert flag(datagen, "--aux-layer-ids") == ",".join(map(str, v.store_aux_layer_ids))  # (the drafters' union)
     assert vocab == ["vocab", "--store", str(tmp_path / "store"), "--draft-vocab-size", "32000"]
 
     train = command_line(train_command(v, tmp_path / "store", tmp_path / "out", None), training.gpus, python="python")

@@ -304,8 +304,9 @@ def test_rank_0s_engines_serve_the_arguments_they_start_with(tiny_verifier_dir, 
         def __init__(self, **kwargs):
             started.append((kwargs, multinode.fetch_plan(rank1)))
 
-        def collective_rpc(self, *args, **kwargs):
-            return [8]  # (the tiny verifier's layers)
+        def collective_rpc(self, method, *args, **kwargs):
+            # (the tiny verifier's layers from install_capture; the runner's kind from model_runner_of)
+            return ["V1"] if method.__name__ == "model_runner_of" else [8]
 
     monkeypatch.setattr(vllm, "LLM", Engine)
     VllmGenerate(model, 8, 0.0, 0, "bfloat16", set(), 5120, 16, nodes=rank0)
