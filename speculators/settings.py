@@ -121,6 +121,17 @@ def aux_layer_ids_problem(ids: Sequence[int], count: int | None) -> str | None:
     return None
 
 
+def aux_layers_missing_problem(ids: Sequence[int], store_ids: Sequence[int]) -> str | None:
+    """What keeps a drafter from reading aux layers `ids` from a store that keeps `store_ids`, or None."""
+    missing = [i for i in ids if i not in store_ids]
+    if not missing:
+        return None
+    return (
+        f"aux layers {missing} are not in the store, which keeps {list(store_ids)}; add them to the store's layers "
+        f"(datagen --aux-layer-ids, a variant's datagen.aux_layer_ids) or read the store's"
+    )
+
+
 def checked_aux_layer_ids(value: list[int] | None, count: int | None) -> list[int] | None:
     """A settings validator's check of aux layer ids (aux_layer_ids_problem); None stays None."""
     problem = None if value is None else aux_layer_ids_problem(value, count)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from speculators.errors import SpeculatorsError
-from speculators.settings import DrafterAlgorithm, aux_layer_ids_problem
+from speculators.settings import DrafterAlgorithm, aux_layer_ids_problem, aux_layers_missing_problem
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,7 @@ class Algorithm:
         problem = aux_layer_ids_problem(ids, self.aux_layers)
         if problem:
             return problem if self.aux_layers is None else f"{problem} ({self.name} drafters read {self.aux_layers})"
-        missing = [i for i in ids if i not in store_ids]
-        if missing:
-            return (
-                f"aux layers {missing} are not in the store, which keeps {store_ids}; add them to the store's "
-                f"layers (datagen --aux-layer-ids, a variant's datagen.aux_layer_ids) or read the store's"
-            )
-        return None
+        return aux_layers_missing_problem(ids, store_ids)
 
     def part(self, which: str) -> Any:
         """The part named by field `which` ("drafter", "objective", "proposer", ...), imported now."""

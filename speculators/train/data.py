@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from speculators.data.conversation import VALIDATION_PREFIX
 from speculators.data.store import HiddenStateStore
 from speculators.errors import SpeculatorsError
+from speculators.settings import aux_layers_missing_problem
 
 if TYPE_CHECKING:
     import torch
@@ -101,12 +102,9 @@ class PackedStore:
         """Packs hold the aux states of `layer_ids` (the drafter's, in its order) of the store's layers: a store
         keeps every layer its variant's drafters read, each drafter reads its own."""
         stored = self.manifest.aux_layer_ids
-        missing = [i for i in layer_ids if i not in stored]
-        if missing:
-            raise SpeculatorsError(
-                f"aux layers {missing} are not in the store {self.store.root}, which keeps {stored}; capture them "
-                f"(datagen --aux-layer-ids) or read the store's"
-            )
+        problem = aux_layers_missing_problem(layer_ids, stored)
+        if problem:
+            raise SpeculatorsError(f"store {self.store.root}: {problem}")
         index = [stored.index(i) for i in layer_ids]
         self.aux_index = None if index == list(range(len(stored))) else index
 
