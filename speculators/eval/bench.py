@@ -166,8 +166,9 @@ def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> 
 def run_role(
     role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts, mt_bench: BenchPrompts | None = None
 ) -> dict[str, Any]:
-    """Start one server, measure the main prompts against it (measure_prompts), take each prompt's greedy
-    output with token ids, then measure MT-Bench's questions beside them (`--mt-bench`) on the same server.
+    """Start one server, measure the main prompts against it (measure_prompts), run the load sweep
+    (measure_load), take each prompt's greedy output with token ids, then measure MT-Bench's questions
+    beside them (`--mt-bench`) on the same server.
     MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
 
     with started_server(role, settings, folder) as server:
