@@ -707,11 +707,13 @@ class BenchMeasures(Settings):
     )
     fixed_length: bool = Field(
         True,
-        description="the fixed-length profiles (exact output tokens, ignore_eos: synchronous, then the concurrency "
-        "sweep); off: the natural-length profile only, for a shorter run",
+        description="the fixed-length synchronous profile (exact output tokens, ignore_eos); off: the natural-length "
+        "profile only, for a shorter run (the load sweep runs at natural length whenever that profile is on)",
     )
     concurrency: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(
-        default_factory=lambda: [2, 4], description="concurrent-stream profiles after the synchronous one"
+        default_factory=lambda: [2, 4],
+        description="the load sweep's concurrencies beyond 1 (it always measures 1): every server answers the same "
+        "prompts with this many streams in flight, reported under report.json's load_sweep",
     )
     natural_max_tokens: int = Field(
         512,
@@ -732,6 +734,45 @@ class BenchMeasures(Settings):
         description="also MT-Bench's first N questions (round-robin over its 8 categories) in two turns on the same "
         "servers, after the main prompts: a synchronous profile and the per-category pass; 0: none",
     )
+
+    sweep_k: list[Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)]] | None = Field(
+        None,
+        description="the smaller K the load sweep also serves, one more speculator server each (default: every K "
+        "from 1 to the main K - 1; empty: none)",
+        json_schema_extra={"example": "1,2", "what": "speculative token counts"},
+    )
+    load_requests: int = Field(
+        8,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="requests per load-sweep point (at least twice its concurrency, at most the prompts there are)",
+    )
+    serving_concurrency: int = Field(
+        1,
+        ge=1,
+        le=MAX_BATCH,
+        description="the concurrency the speculator is served at: 1 or one of --concurrency (the report's "
+        "speed-up there is what the benchmark gate reads)",
+    )
+
+    @model_validator(mode="after")
+    def serving_concurrency_swept(self) -> BenchMeasures:
+        if self.serving_concurrency != 1 and self.serving_concurrency not in self.concurrency:
+            swept = ",".join(map(str, self.concurrency)) or "(none)"
+            raise ValueError(
+                f"--serving-concurrency {self.serving_concurrency} is not measured by the load sweep (1 and "
+                f"--concurrency {swept}): add it to --concurrency or serve at one of those"
+            )
+        return self
+
+    def load_concurrencies(self) -> list[int]:
+        """The load sweep's concurrencies: 1, then `concurrency` ascending (each once)."""
+        return [1, *sorted(set(self.concurrency) - {1})]
+
+    def load_points(self, prompts: int) -> list[tuple[int, int]]:
+        """The load sweep: (concurrency c, requests n(c)) with n(c) = min(max(load_requests, 2c), prompts): at
+        least two requests per stream, never a prompt twice (each server reads the same first n(c) rows)."""
+        return [(c, min(max(self.load_requests, 2 * c), prompts)) for c in self.load_concurrencies()]
 
     @model_validator(mode="after")
     def some_profile(self) -> BenchMeasures:
@@ -769,11 +810,15 @@ class BenchSettings(ServerLaunch, BenchInputs, MultiNode, BenchProfile, Quantize
     guidellm_timeout: float = Field(3600.0, gt=0, le=MAX_SECONDS, description="seconds one GuideLLM profile may take")
 
     def profiles(self) -> list[dict[str, Any]]:
-        """GuideLLM profiles, each with `natural` (stop at the end of turn) or fixed-length answers."""
-        sweep = [{"kind": "synchronous"}] + [{"kind": "concurrent", "streams": n} for n in self.concurrency]
-        fixed = sweep if self.fixed_length else []
+        """The main GuideLLM profiles, one stream at a time, each with `natural` (stop at the end of turn) or
+        fixed-length answers (the load sweep is apart: load_points)."""
+        fixed = [{"natural": False, "kind": "synchronous"}] if self.fixed_length else []
         natural = [{"kind": "synchronous", "natural": True}] if self.natural_max_tokens else []
-        return [{"natural": False, **p} for p in fixed] + natural
+        return fixed + natural
+
+    def load_natural(self) -> bool:
+        """The load sweep runs at the headline length: natural where that profile is on, else fixed."""
+        return bool(self.natural_max_tokens)
 
 
 # ----- checkpoints: validate, convert, verifier, init, tiny-verifier --------------------------------

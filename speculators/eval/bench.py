@@ -2,7 +2,7 @@
 
 Both servers get the same flags, the same held-out prompts (real chat text, sent to
 /v1/chat/completions so the server applies the chat template), the same profiles, temperature 0.
-Two kinds of profile: fixed length (synchronous, then a small concurrency sweep), with an exact output
+Two kinds of profile, one stream at a time: fixed length (`synchronous`), with an exact output
 budget per request (ignore_eos: every request decodes the same number of tokens, so latencies compare
 like for like); and natural length (`synchronous-natural`), where each answer stops at its end of
 turn (up to a cap), which is what users decode: text after an end-of-turn token is not
@@ -30,11 +30,20 @@ speculators/eval/machine_load.py): a run with more than a tenth of a core taken 
 progress line, and report.json's `machine_load` / report.md say whether every speed figure was measured
 on a quiet machine.
 
+The load sweep (report.json's `load_sweep`, report.md's "Under load"): after its main profiles each main
+server answers the first n(c) prompts at every concurrency c (1, then `--concurrency`), one GuideLLM run
+per point at the headline length; then one more speculator server per smaller K (`--sweep-k`, default
+every K below the main one) runs the sweep alone. speculators/eval/load_sweep.py turns the points and the
+headline acceptance into the speed-up measured and predicted per K and c, the best K per c and the
+concurrency where the main K stops paying.
+
 Report folder:
   prompts.jsonl  prompts-natural.jsonl  what GuideLLM read (fixed length, natural length; each prompt twice)
-  baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl
+  baseline/ speculator/                 vllm.log, guidellm-<profile>.{json,html,log}, outputs.jsonl,
+                                        guidellm-load-c<c>.{json,html,log} (the load sweep's points)
+  speculator-k<K>/                      the smaller K's server: vllm.log and its load-sweep points
   report.json  report.md                the comparison, versions, hardware, settings
-  acceptance.png  latency.png  throughput.png
+  acceptance.png  latency.png  throughput.png  concurrency.png (the load sweep's speed-ups)
   mt-bench-answers.jsonl                MT-Bench: the baseline's turn-1 answers the turn-2 prompts hold
   mt-bench/                             --mt-bench N: its prompt files and turn-1 answers (GuideLLM's files in
                                         baseline/ and speculator/ as guidellm-mt-bench-<profile>.*)
@@ -54,7 +63,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +88,7 @@ from speculators.eval.guidellm import (
     read_guidellm_report,
     run_guidellm,
 )
+from speculators.eval.load_sweep import load_sweep_section
 from speculators.eval.machine_load import load_note, load_snapshot, other_load
 from speculators.eval.output_judge import JUDGE_TOP_LOGITS, OutputJudge, compare_served_outputs
 from speculators.eval.served import (
@@ -104,15 +115,35 @@ if TYPE_CHECKING:
     from speculators.data.conversation import Conversation
 
 
-def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> ServerSettings:
-    """The vLLM server of one role (baseline: the verifier alone; speculator: with the drafter), the
-    one place its settings are made. Over several nodes (bench's --nnodes) it is node rank 0's server,
-    whose engine arguments the other nodes' `speculators follow` take."""
+def sweep_role(k: int) -> str:
+    """The role (and report subfolder) of the speculator server at a smaller K that runs the load sweep alone."""
+    return f"speculator-k{k}"
 
+
+def role_k(role: str, settings: BenchSettings) -> int:
+    """The drafts per step a role's server makes: 0 for the verifier alone, the main K, or a sweep role's own."""
+    if role == "baseline":
+        return 0
+    return int(role.removeprefix("speculator-k")) if role.startswith("speculator-k") else settings_k(settings)
+
+
+def settings_k(settings: BenchSettings) -> int:
+    if settings.num_speculative_tokens is None:
+        raise SpeculatorsError("bench resolves K before it starts a server; this is a bug")
+    return settings.num_speculative_tokens
+
+
+def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> ServerSettings:
+    """The vLLM server of one role (baseline: the verifier alone; speculator: with the drafter at the main K;
+    speculator-k{K}: with the drafter at a smaller K), the one place its settings are made. Over several
+    nodes (bench's --nnodes) it is node rank 0's server, whose engine arguments the other nodes'
+    `speculators follow` take."""
+
+    k = role_k(role, settings)
     return ServerSettings(
         verifier=settings.verifier,
-        speculator=settings.speculator if role == "speculator" else None,
-        num_speculative_tokens=settings.num_speculative_tokens,
+        speculator=settings.speculator if k else None,
+        num_speculative_tokens=k or settings.num_speculative_tokens,
         port=0,
         dtype=settings.dtype,
         quantization=settings.quantization,
@@ -135,43 +166,122 @@ def role_server_settings(role: str, settings: BenchSettings, role_dir: Path) -> 
 def run_role(
     role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts, mt_bench: BenchPrompts | None = None
 ) -> dict[str, Any]:
-    """Start one server, measure the main prompts against it (measure_prompts), take each prompt's greedy
-    output with token ids, then measure MT-Bench's questions beside them (`--mt-bench`) on the same server.
+    """Start one server, measure the main prompts against it (measure_prompts), run the load sweep
+    (measure_load), take each prompt's greedy output with token ids, then measure MT-Bench's questions
+    beside them (`--mt-bench`) on the same server.
     MT-Bench's prompts are completed by the first server started, the baseline (complete_mt_bench)."""
 
-    role_dir = folder / role
-    role_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
-    with VllmServer(role_server_settings(role, settings, role_dir)) as server:
+    with started_server(role, settings, folder) as server:
         results: dict[str, Any] = {"server": server.describe()}
-        print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
-        warm_up(server.url, server.model_name)
         results.update(measure_prompts(role, server, settings, folder, prompts, settings.profiles()))
-        requests = len(prompts.conversations)
-        started_outputs = time.perf_counter()
-        compared = min(settings.lossless_prompts or requests, requests)
-        results["outputs"] = greedy_outputs(
-            server.url,
-            server.model_name,
-            folder / "prompts.jsonl",
-            settings.output_tokens,
-            compared,
-            top_logits=JUDGE_TOP_LOGITS if role == "baseline" else 0,
-        )
-        write_text_atomic(
-            role_dir / "outputs.jsonl", "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in results["outputs"])
-        )
-        print(
-            f"[{role}] greedy outputs of {len(results['outputs'])} prompts, one at a time, with token ids "
-            f"({time.perf_counter() - started_outputs:.0f} s)",
-            flush=True,
-        )
+        results["load"] = measure_load(role, server, settings, folder, len(prompts.conversations))
+        results["outputs"] = served_greedy_outputs(role, server, settings, folder, len(prompts.conversations))
         if mt_bench is not None:
             results["mt_bench"] = measure_prompts(
                 role, server, mt_bench_settings(settings), folder, mt_bench, [mt_bench_profile(settings)], MT_BENCH_DIR
             )
     return results
+
+
+def run_sweep_role(role: str, settings: BenchSettings, folder: Path, prompts: BenchPrompts) -> dict[str, Any]:
+    """A speculator server at a smaller K (sweep_role): the load sweep alone, on the prompt files the main
+    servers read."""
+    with started_server(role, settings, folder) as server:
+        load = measure_load(role, server, settings, folder, len(prompts.conversations))
+        return {"server": server.describe(), "load": load}
+
+
+@contextmanager
+def started_server(role: str, settings: BenchSettings, folder: Path) -> Iterator[VllmServer]:
+    """One role's vLLM server, started, ready and warmed up (its log in the role's folder); stopped after."""
+    role_dir = folder / role
+    role_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    print(f"[{role}] starting vLLM (log {role_dir / 'vllm.log'})", flush=True)
+    with VllmServer(role_server_settings(role, settings, role_dir)) as server:
+        print(f"[{role}] ready at {server.url} after {time.perf_counter() - started:.0f} s", flush=True)
+        warm_up(server.url, server.model_name)
+        yield server
+
+
+def served_greedy_outputs(
+    role: str, server: VllmServer, settings: BenchSettings, folder: Path, requests: int
+) -> list[dict[str, Any]]:
+    """Each prompt's greedy output with token ids, one at a time (the lossless comparison's input), also
+    written to the role's outputs.jsonl."""
+    started_outputs = time.perf_counter()
+    compared = min(settings.lossless_prompts or requests, requests)
+    outputs = greedy_outputs(
+        server.url,
+        server.model_name,
+        folder / "prompts.jsonl",
+        settings.output_tokens,
+        compared,
+        top_logits=JUDGE_TOP_LOGITS if role == "baseline" else 0,
+    )
+    lines = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs)
+    write_text_atomic(folder / role / "outputs.jsonl", lines)
+    print(
+        f"[{role}] greedy outputs of {len(outputs)} prompts, one at a time, with token ids "
+        f"({time.perf_counter() - started_outputs:.0f} s)",
+        flush=True,
+    )
+    return outputs
+
+
+# A load-sweep point keeps what the analysis and the report read of a GuideLLM run's summary.
+LOAD_POINT_KEYS = (
+    *("output_tokens_per_s", "tpot_ms", "itl_ms", "ttft_ms", "output_tokens_mean"),
+    *("requests", "spec_decode", "machine_load"),
+)
+
+
+def measure_load(role: str, server: VllmServer, settings: BenchSettings, folder: Path, prompts: int) -> dict[int, Any]:
+    """The load sweep on one server: one GuideLLM run per concurrency (synchronous at 1, else that many
+    streams) on the first n(c) prompts (BenchSettings.load_points), at the headline length, the counters,
+    prefix cache and machine load taken around it as for every profile (run_profile). c -> the point."""
+    role_dir = folder / role
+    natural = settings.load_natural()
+    data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
+    k = role_k(role, settings)
+    points: dict[int, Any] = {}
+    for c, requests in settings.load_points(prompts):
+        paths = {kind: role_dir / f"guidellm-load-c{c}.{kind}" for kind in ("json", "html", "log")}
+        profile = {"kind": "synchronous"} if c == 1 else {"kind": "concurrent", "streams": c}
+        run_started = time.perf_counter()
+        command = guidellm_command(
+            server.url,
+            server.model_name,
+            server.model_dir,
+            data,
+            profile,
+            requests,
+            paths["json"],
+            paths["html"],
+            settings.natural_max_tokens if natural else None,
+        )
+        summary = run_profile(server, command, paths, requests, folder, settings, f"[{role}] load c={c}")
+        refuse_errored_requests(summary, role, paths["json"], role_dir)
+        point = {key: summary[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
+        points[c] = point
+        acceptance = summary["spec_decode"]["acceptance_length"]
+        print(
+            f"[{role}] load c={c}: {requests} requests, {summary['output_tokens_per_s']:.1f} output tokens/s, "
+            f"TPOT {summary['tpot_ms']:.2f} ms"
+            + (f", acceptance length {acceptance:.2f}" if k and acceptance else "")
+            + f" ({time.perf_counter() - run_started:.0f} s)"
+            + load_note(summary["machine_load"]),
+            flush=True,
+        )
+    return points
+
+
+def refuse_errored_requests(summary: dict[str, Any], role: str, json_path: Path, role_dir: Path) -> None:
+    if summary["requests"].get("errored"):
+        raise SpeculatorsError(
+            f"{summary['requests']['errored']} GuideLLM requests failed against the "
+            f"{role} server; see {json_path} and {role_dir / 'vllm.log'}"
+        )
 
 
 MT_BENCH_DIR = "mt-bench"  # the report folder's subfolder for MT-Bench beside the main prompts (--mt-bench)
@@ -236,11 +346,7 @@ def measure_prompts(
             settings.natural_max_tokens if natural else None,
         )
         summary = run_profile(server, command, paths, requests, folder, settings, f"[{label}] {name}")
-        if summary["requests"].get("errored"):
-            raise SpeculatorsError(
-                f"{summary['requests']['errored']} GuideLLM requests failed against the "
-                f"{role} server; see {paths['json']} and {role_dir / 'vllm.log'}"
-            )
+        refuse_errored_requests(summary, role, paths["json"], role_dir)
         results["profiles"][name] = summary
         acceptance = summary["spec_decode"]["acceptance_length"]
         print(
@@ -325,6 +431,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         )
     folder = Path(settings.output)
     config = read_speculator_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
+    sweep_ks = smaller_ks(settings, settings.num_speculative_tokens or config.speculative_tokens)
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
 
     # (the node group: bench's own flags, which the other nodes follow; over several nodes, only what they accept)
@@ -347,9 +454,23 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         mt_bench = BenchPrompts(MT_BENCH_DIR, questions=mt_bench_questions(settings.mt_bench))
     started = time.perf_counter()
     runs = {role: run_role(role, settings, folder, prompts, mt_bench) for role in ROLES}
+    for smaller in sweep_ks:  # (after the main servers: their prompt files, MT-Bench's included, are written)
+        runs[sweep_role(smaller)] = run_sweep_role(sweep_role(smaller), settings, folder, prompts)
     report = measurements_report(settings, prompts, runs, mt_bench, started)
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization, max_chunk=k + 1)
     return judge_and_write(report, folder, lambda: compare_served_outputs(*served_outputs(runs), judge))
+
+
+def smaller_ks(settings: BenchSettings, k: int) -> list[int]:
+    """The smaller K the load sweep serves beside the main K (`sweep_k`; default every K from 1 to K - 1)."""
+    chosen = list(range(1, k)) if settings.sweep_k is None else settings.sweep_k
+    wrong = [each for each in chosen if not 1 <= each < k]
+    if wrong:
+        raise SpeculatorsError(
+            f"--sweep-k {','.join(map(str, chosen))}: {wrong[0]} is not a smaller K than the main K = {k}; "
+            f"pick values in 1..{k - 1} (or --sweep-k= for none)"
+        )
+    return sorted(set(chosen))
 
 
 def served_outputs(runs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -369,7 +490,7 @@ def measurements_report(
         "prompts": prompts.info,
         "versions": versions(),
         "hardware": hardware(),
-        "servers": {role: runs[role]["server"] for role in ROLES},
+        "servers": {role: run["server"] for role, run in runs.items()},
         **prompt_set_report(runs["baseline"], runs["speculator"], settings),
         "outputs": {"not_judged": "the lossless comparison runs after the measurements are written"},
         "wall_time_s": round(time.perf_counter() - started, 1),
@@ -381,8 +502,28 @@ def measurements_report(
                 runs["baseline"]["mt_bench"], runs["speculator"]["mt_bench"], mt_bench_settings(settings)
             ),
         }
+    report["load_sweep"] = load_sweep_report(settings, prompts, runs, report["acceptance"])
     report["machine_load"] = machine_load_summary(report)
     return report
+
+
+def load_sweep_report(
+    settings: BenchSettings, prompts: BenchPrompts, runs: dict[str, Any], acceptance: dict[str, Any]
+) -> dict[str, Any]:
+    """report.json's `load_sweep`: every server's points (k -> c) and their analysis against the headline
+    acceptance profile (speculators.eval.load_sweep)."""
+    points = {role_k(role, settings): run["load"] for role, run in runs.items()}
+    length = acceptance.get("length", "fixed")
+    profile = "synchronous-natural" if length == "natural" else "synchronous"
+    return load_sweep_section(
+        length="natural" if settings.load_natural() else "fixed",
+        requests=dict(settings.load_points(len(prompts.conversations))),
+        k=settings_k(settings),
+        serving_concurrency=settings.serving_concurrency,
+        acceptance=acceptance,
+        source=f"the main K's {profile} profile on the {prompts.info.get('count')} prompts of {prompts.source}",
+        points=points,
+    )
 
 
 def judge_and_write(report: dict[str, Any], folder: Path, compare: Callable[[], dict[str, Any]]) -> dict[str, Any]:

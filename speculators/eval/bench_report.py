@@ -103,7 +103,7 @@ def prompt_set_report(baseline: dict[str, Any], speculator: dict[str, Any], sett
 
 
 def machine_load_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """Over every GuideLLM run of both servers (main prompts and MT-Bench beside them): the most cores
+    """Over every GuideLLM run of every server (main prompts, MT-Bench beside them, the load sweep): the most cores
     other processes and the hypervisor took during any run, the runs that were not quiet, and `quiet`
     (every run was; None where no run could be measured, off Linux)."""
     runs = {}
@@ -111,6 +111,9 @@ def machine_load_summary(report: dict[str, Any]) -> dict[str, Any]:
         for name, profile in part.get("profiles", {}).items():
             for role in ROLES:
                 runs[f"{prefix}{name} {role}"] = profile[role].get("machine_load")
+    for k, points in (report.get("load_sweep") or {}).get("points", {}).items():
+        for c, point in points.items():
+            runs[f"load K={k} c={c}"] = point.get("machine_load")
     measured = {run: load for run, load in runs.items() if load}
     if not measured:
         return {"quiet": None, "runs": len(runs), "busy_runs": []}
@@ -191,7 +194,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         else ""
     )
     fixed_profiles = (
-        f"fixed-length profiles: {s['output_tokens']} output tokens per request (ignore_eos)"
+        f"fixed-length profile: {s['output_tokens']} output tokens per request (ignore_eos)"
         if s.get("fixed_length", True)
         else "no fixed-length profile"
     )
@@ -222,6 +225,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
     lines += category_lines(report.get("per_category"), s["num_speculative_tokens"])
     lines += ["", *profile_table(report["profiles"])]
+    lines += load_sweep_lines(report.get("load_sweep"))
     beside = report.get("mt_bench")
     if beside:
         lines += mt_bench_lines(beside, s["num_speculative_tokens"])
@@ -236,6 +240,48 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def load_sweep_lines(sweep: dict[str, Any] | None) -> list[str]:
+    """report.md's "Under load": per concurrency the verifier's tokens/s and each K's speed-up measured and
+    predicted from the acceptance profile, the best K per concurrency, the break-even and the largest error."""
+    if not sweep:
+        return []
+    k, drafting = sweep["k"], [each for each in sweep["ks"] if each]
+    profile = sweep["profile"]
+    lines = [
+        "",
+        "## Under load",
+        "",
+        f"Every server answers the same prompts ({sweep['length']} length) with c streams in flight; speed-up: "
+        f"aggregate output tokens/s over the verifier alone's at the same c, measured / predicted. Predicted: "
+        f"the tokens per step the acceptance profile expects at that K (per position "
+        f"{' / '.join(f'{rate:.3f}' for rate in profile['acceptance_per_position'])}: {profile['source']}) over "
+        f"the measured cost of a step against the verifier alone's.",
+        "",
+        "| concurrency | requests | baseline tokens/s | " + " | ".join(f"K={each}" for each in drafting) + " |",
+        "|---:|---:|---:|" + "---:|" * len(drafting),
+    ]
+    for c in map(str, sweep["concurrency"]):
+        cells = [f"{sweep['speedup'][str(e)][c]:.3f}x / {sweep['predicted_speedup'][str(e)][c]:.3f}x" for e in drafting]
+        base = sweep["points"]["0"][c]["output_tokens_per_s"]
+        lines.append(f"| {c} | {sweep['requests'][c]} | {base:.1f} | " + " | ".join(cells) + " |")
+    best = [
+        f"c={c}: K={b['chosen']} (gain over K={k}: predicted {b['predicted_gain']:.3f}x, measured "
+        f"{b['measured_gain']:.3f}x; measured best K={b['measured_best']})"
+        for c, b in sweep["best_k"].items()
+    ]
+    break_even = sweep["break_even_concurrency"]
+    return [
+        *lines,
+        "",
+        f"**Best K** (predicted; K=0: the verifier alone): {'; '.join(best)}.",
+        "",
+        f"**Break-even concurrency** of K={k}: {break_even['note']}.",
+        "",
+        f"Largest prediction error: {sweep['prediction_error_max']:.1%}; speed-up at the serving concurrency "
+        f"c={sweep['serving_concurrency']}: **{sweep['speedup_at_serving_concurrency']:.3f}x**.",
+    ]
 
 
 def mt_bench_lines(beside: dict[str, Any], k: int) -> list[str]:
@@ -375,3 +421,31 @@ def plot_report(report: dict[str, Any], folder: Path) -> None:
         fig.tight_layout()
         write_with(folder / filename, partial(fig.savefig, format="png", dpi=100))
         plt.close(fig)
+    if report.get("load_sweep"):
+        plot_load_sweep(report["load_sweep"], folder)
+
+
+def plot_load_sweep(sweep: dict[str, Any], folder: Path) -> None:
+    """concurrency.png: each K's speed-up against concurrency (log2), measured solid and predicted dashed,
+    y = 1 (the verifier alone) and the main K's break-even concurrency."""
+    import matplotlib.pyplot as plt
+
+    concurrencies = sweep["concurrency"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for index, each in enumerate(e for e in sweep["ks"] if e):
+        color = f"C{index}"
+        for key, style, what in (("speedup", "-", "measured"), ("predicted_speedup", "--", "predicted")):
+            values = [sweep[key][str(each)][str(c)] for c in concurrencies]
+            ax.plot(concurrencies, values, style, marker="o", color=color, label=f"K={each} {what}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    value = sweep["break_even_concurrency"]["value"]
+    if value is not None:
+        ax.axvline(value, color="tab:red", linestyle=":", label=f"break-even c={value:.1f} (K={sweep['k']})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrency (streams in flight)")
+    ax.set_ylabel("speed-up over the verifier alone")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    write_with(folder / "concurrency.png", partial(fig.savefig, format="png", dpi=100))
+    plt.close(fig)

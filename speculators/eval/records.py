@@ -87,6 +87,42 @@ class MachineLoad(ReportRecord):
     other_cores_max: float = 0.0
 
 
+class BreakEven(ReportRecord):
+    """Where the main K stops paying: the interpolated concurrency, or None with the note saying why."""
+
+    value: float | None = None
+    note: str = ""
+
+
+class BestK(ReportRecord):
+    """At one concurrency: the K the acceptance profile and the step costs pick, the K measured best, and
+    each one's gain over the main K."""
+
+    chosen: int
+    measured_best: int
+    predicted_gain: float
+    measured_gain: float
+
+
+class LoadSweep(ReportRecord):
+    """`load_sweep`: every server at every concurrency (c = 1 first), the speed-ups measured and predicted
+    from the acceptance profile, the best K per concurrency and the break-even concurrency (keys of the
+    dicts: K and c as strings; speculators.eval.load_sweep computes them)."""
+
+    length: str
+    concurrency: list[int]
+    k: int
+    ks: list[int]
+    serving_concurrency: int = 1
+    speedup: dict[str, dict[str, float]]
+    predicted_speedup: dict[str, dict[str, float]]
+    step_cost_ratio: dict[str, dict[str, float]]
+    prediction_error_max: float
+    best_k: dict[str, BestK]
+    break_even_concurrency: BreakEven
+    speedup_at_serving_concurrency: float
+
+
 class ReportedSettings(ReportRecord):
     num_speculative_tokens: int  # K as the servers ran it
 
@@ -101,3 +137,4 @@ class BenchReport(PromptSetReport):
     outputs: OutputComparison
     machine_load: MachineLoad | None = None  # (absent in early reports)
     mt_bench: MtBenchReport | None = None
+    load_sweep: LoadSweep | None = None  # (absent in reports made before the load sweep)

@@ -105,7 +105,7 @@ drafter: {algorithm: dflash, speculative_tokens: 3}
 training: {epochs: 80, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32, block_size: 4,
            max_anchors: 64}
 benchmark: {requests: 4, output_tokens: 16, natural_max_tokens: 48, concurrency: [], dtype: float32,
-            max_model_len: 512, enforce_eager: true, kv_cache_gib: 1, fixed_length: false}
+            max_model_len: 512, enforce_eager: true, kv_cache_gib: 1, fixed_length: false, sweep_k: []}
 gates: {min_acceptance_length: 1.2, min_vocab_coverage: 0.5}
 """)
     monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(variants))
@@ -206,7 +206,7 @@ def test_the_demo_command_materializes_through_dagster_and_prints_the_results(li
 
 def test_bench_writes_a_complete_sane_report(lineage):
     """`speculators bench` as the tiny lineage's benchmark step ran it (4 held-out prompts, 16 tokens,
-    synchronous and 2 concurrent streams; the Dagster tests check how it got there)."""
+    synchronous profiles, then the load sweep at 1 and 2 streams; the Dagster tests check how it got there)."""
     assert lineage["first"].success
     (report_json,) = (lineage["base"] / "storage" / "tiny_llama" / "benchmark_report").glob("*/report.json")
     out = report_json.parent
@@ -222,11 +222,21 @@ def test_bench_writes_a_complete_sane_report(lineage):
     ):
         assert (out / name).stat().st_size > 0, name
     for role in ("baseline", "speculator"):
-        for profile in ("synchronous", "concurrent-2", "synchronous-natural"):
+        for profile in ("synchronous", "synchronous-natural", "load-c1", "load-c2"):
             for kind in ("json", "html"):
                 assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
     report = json.loads((out / "report.json").read_text())
-    assert list(report["profiles"]) == ["synchronous", "concurrent-2", "synchronous-natural"]
+    assert list(report["profiles"]) == ["synchronous", "synchronous-natural"]  # one stream at a time
+    sweep = report["load_sweep"]  # natural length (the headline's), every server on the same 4 prompts
+    assert (sweep["length"], sweep["concurrency"], sweep["requests"]) == ("natural", [1, 2], {"1": 4, "2": 4})
+    assert sweep["ks"][0] == 0 and sweep["ks"][-1] == sweep["k"] == 3
+    for k in sweep["ks"]:
+        for c in ("1", "2"):
+            point = sweep["points"][str(k)][c]
+            assert point["requests"]["successful"] == 4 and point["output_tokens_per_s"] > 0
+            assert k == 0 or point["spec_decode"]["drafts"] > 0
+        role = {0: "baseline", 3: "speculator"}.get(k, f"speculator-k{k}")
+        assert (out / role / "guidellm-load-c2.json").stat().st_size > 1000, role
     # Fixed length: every answer is exactly 16 tokens (ignore_eos); natural length: each stops at its end
     # of turn, at most 48 tokens (the tiny variant's cap), and the headline acceptance is measured there.
     fixed_rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
@@ -242,7 +252,7 @@ def test_bench_writes_a_complete_sane_report(lineage):
     assert report["acceptance"]["drafts"] == natural["speculator"]["spec_decode"]["drafts"]
     fixed = report["acceptance_fixed_length"]
     assert fixed["drafts"] == sum(
-        report["profiles"][p]["speculator"]["spec_decode"]["drafts"] for p in ("synchronous", "concurrent-2")
+        report["profiles"][p]["speculator"]["spec_decode"]["drafts"] for p in ("synchronous",)
     )
     assert report["settings"]["num_speculative_tokens"] == 3 and report["prompts"]["count"] == 4
     assert report["versions"]["guidellm"] and report["hardware"]["cpus"] >= 1

@@ -422,7 +422,7 @@ def test_no_fixed_length_runs_the_natural_profile_alone_and_changes_the_report_k
     from speculators_assets.workload import bench_command, benchmark_key
 
     common = {"verifier": "v", "speculator": "s", "output": "o", "concurrency": [2]}
-    assert [p["kind"] for p in BenchSettings(**common).profiles()] == ["synchronous", "concurrent", "synchronous"]
+    assert [p["kind"] for p in BenchSettings(**common).profiles()] == ["synchronous", "synchronous"]
     alone = BenchSettings(**common, fixed_length=False).profiles()
     assert alone == [{"natural": True, "kind": "synchronous"}]
 
@@ -520,6 +520,7 @@ def test_bench_mt_bench_measures_both_turns_per_category_on_both_servers(peaked_
         natural_max_tokens=32,
         fixed_length=False,  # the natural-length profile alone
         concurrency=[],
+        sweep_k=[],  # the load sweep: c = 1 on the two main servers alone
         dtype="float32",
         max_model_len=1024,
         enforce_eager=True,

@@ -486,15 +486,16 @@ def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_
     from speculators.settings import BenchSettings
 
     settings = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[2], natural_max_tokens=300)
-    profiles = settings.profiles()
-    assert [profile_name(p) for p in profiles] == ["synchronous", "concurrent-2", "synchronous-natural"]
-    assert guidellm_profile(profiles[1]) == {"kind": "concurrent", "streams": 2}
+    profiles = settings.profiles()  # one stream at a time (the concurrencies are the load sweep's)
+    assert [profile_name(p) for p in profiles] == ["synchronous", "synchronous-natural"]
+    assert guidellm_profile(profiles[0]) == {"kind": "synchronous"}
+    assert profile_name({"kind": "concurrent", "streams": 2}) == "concurrent-2"
     command = guidellm_command(
         "http://h",
         "m",
         "tok",
         tmp_path / "d.jsonl",
-        guidellm_profile(profiles[2]),
+        guidellm_profile(profiles[1]),
         4,
         tmp_path / "a.json",
         tmp_path / "a.html",
@@ -516,3 +517,66 @@ def test_bench_profiles_and_guidellm_requests_for_fixed_and_natural_lengths(tmp_
     assert json.loads(fixed[fixed.index("--profile") + 1]) == {"kind": "synchronous"}
     off = BenchSettings(verifier="v", speculator="s", output=tmp_path, concurrency=[], natural_max_tokens=0)
     assert [profile_name(p) for p in off.profiles()] == ["synchronous"]
+
+
+@pytest.mark.slow
+def test_bench_load_sweep_serves_every_k_at_every_concurrency_and_its_analysis_is_the_points(
+    peaked_verifier, trained_drafter, tmp_path
+):
+    """The real `speculators bench` at K = 2 with --sweep-k 1 and --concurrency 2: three servers (the
+    verifier alone, K = 2, K = 1) each measured at 1 and 2 streams on the same prompts; the K = 1 server
+    runs the sweep alone; report.json's analysis is load_sweep.py's over the points it holds."""
+    from speculators.cli import main
+    from speculators.eval.load_sweep import analyse_load, expected_tokens
+
+    out = tmp_path / "bench"
+    prompts = write_peaked_prompts(tmp_path / "prompts.jsonl")  # the drafter's own: acceptance well above 1
+    arguments = [
+        "bench", "--verifier", str(peaked_verifier), "--speculator", str(trained_drafter), "--output", str(out),
+        "--prompts", str(prompts), "-k", "2", "--concurrency", "2", "--sweep-k", "1", "--load-requests", "2",
+        "--serving-concurrency", "2",
+        "--requests", "4", "--output-tokens", "16", "--natural-max-tokens", "32", "--no-fixed-length",
+        "--lossless-prompts", "2", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+        "--kv-cache-gib", "1",
+    ]  # fmt: skip
+    assert main(arguments) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["profiles"]) == ["synchronous-natural"]  # single-stream: the headline's
+    sweep = report["load_sweep"]
+    assert (sweep["length"], sweep["k"], sweep["ks"], sweep["concurrency"]) == ("natural", 2, [0, 1, 2], [1, 2])
+    assert sweep["requests"] == {"1": 2, "2": 4}  # n(c) = min(max(2, 2c), 4 prompts)
+    for k, role in ((0, "baseline"), (1, "speculator-k1"), (2, "speculator")):
+        for c in (1, 2):
+            for kind in ("json", "html", "log"):
+                assert (out / role / f"guidellm-load-c{c}.{kind}").stat().st_size > 0, (role, c, kind)
+            point = sweep["points"][str(k)][str(c)]
+            assert point["requests"]["successful"] == sweep["requests"][str(c)] and point["output_tokens_per_s"] > 0
+            if k:  # each server drafted at its own K
+                assert point["spec_decode"]["drafts"] > 0
+                assert point["spec_decode"]["draft_tokens"] == k * point["spec_decode"]["drafts"]
+            else:
+                assert "spec_decode" not in point
+    # the K = 1 server ran the sweep alone: no main profile, no greedy outputs
+    assert sorted(p.name for p in (out / "speculator-k1").glob("guidellm-*.json")) == [
+        "guidellm-load-c1.json", "guidellm-load-c2.json"
+    ]  # fmt: skip
+    assert not (out / "speculator-k1" / "outputs.jsonl").exists() and "speculator-k1" in report["servers"]
+
+    # The profile is the headline acceptance, and the analysis is load_sweep.py's over the points as written.
+    rates = sweep["profile"]["acceptance_per_position"]
+    assert rates == (report["acceptance"]["acceptance_per_position"] + [0.0, 0.0])[:2] and rates[0] > 0.3
+    points = {int(k): {int(c): p for c, p in by_c.items()} for k, by_c in sweep["points"].items()}
+    recomputed = analyse_load(points, rates, 2, 2)
+    for key, value in recomputed.items():
+        assert sweep[key] == value, key  # (floats survive JSON exactly)
+    for k in (1, 2):
+        for c in ("1", "2"):
+            measured_al = sweep["points"][str(k)][c]["spec_decode"]["acceptance_length"]
+            ratio = sweep["predicted_speedup"][str(k)][c] / sweep["speedup"][str(k)][c]
+            assert ratio == pytest.approx(expected_tokens(rates, k) / measured_al)
+    assert sweep["speedup_at_serving_concurrency"] == pytest.approx(sweep["speedup"]["2"]["2"])
+    markdown = (out / "report.md").read_text()
+    assert "## Under load" in markdown and "| concurrency | requests | baseline tokens/s | K=1 | K=2 |" in markdown
+    assert f"**Break-even concurrency** of K=2: {sweep['break_even_concurrency']['note']}." in markdown
+    assert (out / "concurrency.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["machine_load"]["runs"] == 2 + 6  # the profile on two servers, six sweep points
