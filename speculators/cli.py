@@ -24,7 +24,7 @@ from speculators.flags import add_flags, from_args
 from speculators.models.algorithms import algorithm_named
 from speculators.precision import compute_dtype
 from speculators.serving.multinode import follow
-from speculators.serving.serve import ServerSettings, serve_forever
+from speculators.serving.serve import ServerSettings, k_at_serving_concurrency, serve_forever
 from speculators.settings import (
     BenchSettings,
     CaptureSettings,
@@ -232,6 +232,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     s: ServeSettings = from_args(ServeSettings, args)
+    if s.serving_concurrency is not None:
+        k, why = k_at_serving_concurrency(s.speculator, s.num_speculative_tokens, s.serving_concurrency)
+        print(why, flush=True)
+        s = s.model_copy(update={"num_speculative_tokens": k})
     settings = ServerSettings(
         **s.model_dump(include=set(Server.model_fields)), extra_args=passthrough(args), nodes=node_group_of(s)
     )
