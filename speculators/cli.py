@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from speculators.checkpoint.acceptance_profile import k_at_serving_concurrency
 from speculators.checkpoint.convert import convert_checkpoint
 from speculators.checkpoint.validation import validate_checkpoint
 from speculators.data.capture import run_capture
@@ -24,7 +25,7 @@ from speculators.flags import add_flags, from_args
 from speculators.models.algorithms import algorithm_named
 from speculators.precision import compute_dtype
 from speculators.serving.multinode import follow
-from speculators.serving.serve import ServerSettings, k_at_serving_concurrency, serve_forever
+from speculators.serving.serve import ServerSettings, serve_forever
 from speculators.settings import (
     BenchSettings,
     CaptureSettings,

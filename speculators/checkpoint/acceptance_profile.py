@@ -235,7 +235,8 @@ def identity_problems(profile: dict[str, Any], config: Any, verifier_fingerprint
             f"algorithm {profile.get('algorithm')!r} is not the checkpoint's {config.speculators_model_type!r}; "
             f"the profile was measured on another drafter"
         )
-    verifier = profile.get("verifier") if isinstance(profile.get("verifier"), dict) else {}
+    recorded = profile.get("verifier")
+    verifier: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     name = config.speculators_config.verifier.name_or_path
     if verifier.get("name") != name:
         problems.append(f"verifier {verifier.get('name')!r} is not the checkpoint's verifier {name!r}")
@@ -318,3 +319,47 @@ def profile_summary(profile: dict[str, Any]) -> str:
         by_c = sorted(load["recommended_k"].items(), key=lambda item: int(item[0]))
         line += ", K by concurrency: " + ", ".join(f"{c}->{k}" for c, k in by_c)
     return line
+
+
+def k_at_serving_concurrency(
+    speculator: str | Path | None, num_speculative_tokens: int | None, concurrency: int
+) -> tuple[int, str]:
+    """`speculators serve --serving-concurrency N`: the K the checkpoint's acceptance profile recommends at
+    N concurrent streams, and the line that says why (its predicted speed-up). A profile that is missing or
+    invalid, a K of 0 (the drafter does not pay at that load), or -k given as well: one-line errors."""
+    from speculators.models.algorithms import read_speculator_checkpoint
+
+    flag = f"--serving-concurrency {concurrency}"
+    if speculator is None:
+        raise SpeculatorsError(f"{flag} picks a speculator's K from its acceptance profile; pass --speculator")
+    if num_speculative_tokens is not None:
+        raise SpeculatorsError(
+            f"pass -k {num_speculative_tokens} or {flag}, not both: the flag chooses K from the acceptance profile"
+        )
+    profile = read_profile(speculator)
+    if profile is None:
+        raise SpeculatorsError(
+            f"{speculator} has no {PROFILE_FILE}; make one with `speculators bench ... --attach-profile` or pass -k"
+        )
+    problems = profile_problems(profile, read_speculator_checkpoint(speculator).config)
+    if problems:
+        raise SpeculatorsError(
+            f"{speculator}/{PROFILE_FILE} is not usable ({problems[0]}); run `speculators validate {speculator}`"
+        )
+    k = recommended_k(profile, concurrency)
+    at = swept_concurrency(profile, concurrency)
+    served_k = profile["measured"]["served_k"]
+    main = predicted_speedup(profile, served_k, concurrency)
+    main_text = f"{main:.2f}x" if main is not None else "not measured"
+    if k == 0:
+        raise SpeculatorsError(
+            f"at {concurrency} concurrent streams the drafter does not pay: the acceptance profile recommends K = 0 "
+            f"(measured up to c = {at}; K = {served_k} predicts {main_text}); serve the verifier alone (omit "
+            f"--speculator) or pass -k to serve the drafter anyway"
+        )
+    chosen = predicted_speedup(profile, k, concurrency)
+    chosen_text = f"{chosen:.2f}x" if chosen is not None else "not measured"
+    return k, (
+        f"serving K = {k} for {concurrency} concurrent streams: the acceptance profile's choice at c = {at}, "
+        f"predicted speed-up {chosen_text} over the verifier alone (K = {served_k}: {main_text})"
+    )

@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 
 import speculators.cli as cli
-from speculators.checkpoint.acceptance_profile import PROFILE_FILE, profile_from_report, write_profile
+from speculators.checkpoint.acceptance_profile import (
+    PROFILE_FILE,
+    k_at_serving_concurrency,
+    profile_from_report,
+    write_profile,
+)
 from speculators.cli import main
 from speculators.errors import SpeculatorsError
-from speculators.serving.serve import k_at_serving_concurrency
 from tests.unit.checkpoint.bench_reports import RATES, THROUGHPUT, bench_report, load_sweep
 
 
