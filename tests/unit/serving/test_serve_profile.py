@@ -3,7 +3,9 @@ any vLLM starts."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,60 @@ def test_the_serve_command_serves_the_chosen_k_and_says_why(profiled, monkeypatc
     assert main(["serve", "--speculator", str(profiled), "--serving-concurrency", "16"]) != 0
     assert len(served) == 1
     assert "does not pay" in capsys.readouterr().err
+
+
+def completion_ids(url: str, model: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
+    """Greedy completions of token-id prompts, one request each, their output token ids."""
+    outputs = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps({**body, "return_token_ids": True}).encode(), JSON
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            outputs.append(json.loads(response.read())["choices"][0]["token_ids"])
+    return outputs
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_checkpoint_with_its_profile_at_the_k_the_profile_chose(
+    trained_drafter, peaked_verifier, tmp_path, monkeypatch
+):
+    """`vllm serve <checkpoint>` (the one-command deployment: the checkpoint names its verifier) with an
+    acceptance_profile.json beside config.json: vLLM ignores the file, serves, and drafts at the K that
+    `speculators serve --serving-concurrency 4` picked from it."""
+    from speculators.checkpoint.validation import validate_checkpoint
+    from speculators.data.prompt_set import load_prompts
+    from speculators.eval.evaluate import tokenize_prompts
+    from speculators.serving.serve import ServerSettings, VllmServer, acceptance_from_counters
+    from speculators.verifier.loading import load_verifier
+    from tests.conftest import write_peaked_prompts
+
+    drafter = Path(shutil.copytree(trained_drafter, tmp_path / "drafter"))
+    report = bench_report(sweep=load_sweep(RATES, THROUGHPUT))
+    write_profile(drafter, profile_from_report(report, drafter, peaked_verifier))
+    assert validate_checkpoint(drafter, verifier=str(peaked_verifier)).ok
+    k, _ = k_at_serving_concurrency(drafter, None, 4)
+    assert k == 2  # (the sweep's choice at c = 4; the checkpoint's own K is 3)
+
+    tokenizer = load_verifier(peaked_verifier, dtype="float32").tokenizer
+    conversations = load_prompts(str(write_peaked_prompts(tmp_path / "p.jsonl")))
+    prompts = [ids for _, ids in tokenize_prompts(tokenizer, conversations)]
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)  # (an offline engine in this process sets it)
+    server_settings = dict(port=0, dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_gib=1)
+    # what cmd_serve builds for `speculators serve --speculator <checkpoint> --serving-concurrency 4`
+    settings = ServerSettings(
+        verifier=None, speculator=str(drafter), num_speculative_tokens=k, **server_settings, log_path=tmp_path / "log"
+    )
+    with VllmServer(settings) as server:
+        command = server.command()
+        assert command[command.index("--model") + 1] == str(drafter.resolve())
+        before = server.metrics()
+        outputs = completion_ids(server.url, server.model_name, prompts[:4])
+        served = acceptance_from_counters(before, server.metrics())
+    assert [len(ids) for ids in outputs] == [32] * 4
+    assert served["drafts"] > 0 and served["draft_tokens"] == k * served["drafts"]  # K = 2, the profile's
+    assert served["accepted_tokens"] > 0 and len(served["accepted_per_position"]) == k
