@@ -259,18 +259,28 @@ def profile_problems(profile: dict[str, Any], config: Any, verifier_fingerprint:
             f"{PROFILE_FORMAT!r} version {PROFILE_VERSION}; rebuild it with {HOW_TO_MEASURE}"
         ]
     problems = identity_problems(profile, config, verifier_fingerprint)
-    served_k = (profile.get("measured") or {}).get("served_k")
+    served_k = object_at(profile, "measured").get("served_k")
     if not (isinstance(served_k, int) and served_k >= 1):
         problems.append(f"measured.served_k {served_k!r} is not a K of at least 1")
         served_k = None
     problems += rates_problems(
         "overall", profile.get("acceptance_length"), profile.get("acceptance_per_position"), served_k
     )
-    for name, column in (profile.get("per_category") or {}).items():
+    categories = profile.get("per_category") or {}
+    if not isinstance(categories, dict):
+        return [*problems, "per_category is not an object (category -> acceptance)"]
+    for name, column in categories.items():
+        column = column if isinstance(column, dict) else {}
         problems += rates_problems(
             f"category {name}", column.get("acceptance_length"), column.get("acceptance_per_position"), served_k
         )
     return problems + load_problems(profile.get("load"), served_k)
+
+
+def object_at(profile: dict[str, Any], key: str) -> dict[str, Any]:
+    """profile[key] where it is a JSON object, else {} (its fields then read as missing)."""
+    value = profile.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 # ----- using --------------------------------------------------------------------------------------
@@ -310,13 +320,13 @@ def predicted_speedup(profile: dict[str, Any], k: int, concurrency: int) -> floa
 
 def profile_summary(profile: dict[str, Any]) -> str:
     """validate's line: "AL 2.31 on mt-bench (16 prompts), K by concurrency: 1->3, 4->2, 16->0"."""
-    prompts = profile.get("prompts") or {}
+    prompts = object_at(profile, "prompts")
     length = profile.get("acceptance_length")
     shown = f"{length:.2f}" if isinstance(length, int | float) else repr(length)
     line = f"AL {shown} on {prompts.get('source')} ({prompts.get('count')} prompts)"
     load = profile.get("load")
     if isinstance(load, dict) and isinstance(load.get("recommended_k"), dict):
-        by_c = sorted(load["recommended_k"].items(), key=lambda item: int(item[0]))
+        by_c = sorted(load["recommended_k"].items(), key=lambda item: concurrency_order(item[0]))
         line += ", K by concurrency: " + ", ".join(f"{c}->{k}" for c, k in by_c)
     return line
 
@@ -363,3 +373,9 @@ def k_at_serving_concurrency(
         f"serving K = {k} for {concurrency} concurrent streams: the acceptance profile's choice at c = {at}, "
         f"predicted speed-up {chosen_text} over the verifier alone (K = {served_k}: {main_text})"
     )
+
+
+def concurrency_order(key: Any) -> tuple[bool, int, str]:
+    """Concurrency keys in numeric order, anything else (a problem validate names) after them."""
+    text = str(key)
+    return (not positive_int(text), int(text) if positive_int(text) else 0, text)

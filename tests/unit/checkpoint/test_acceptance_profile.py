@@ -15,6 +15,7 @@ from speculators.checkpoint.acceptance_profile import (
     PROFILE_FILE,
     profile_from_report,
     profile_problems,
+    profile_summary,
     read_profile,
     recommended_k,
     verifier_identity,
@@ -176,6 +177,26 @@ def test_each_problem_of_a_profile_is_one_line_naming_it(profile, checkpoint, ch
     assert len(problems) == 1, problems
     assert "\n" not in problems[0]
     assert re.search(problem, problems[0]), problems[0]
+
+
+def test_a_profile_of_the_wrong_shapes_is_problems_never_an_exception(checkpoint):
+    garbage = {
+        "format": "speculators-acceptance-profile",
+        "version": 1,
+        "algorithm": "eagle3",
+        "verifier": "someone",
+        "measured": "yesterday",
+        "prompts": [],
+        "acceptance_per_position": "high",
+        "per_category": [1],
+        "load": {"recommended_k": {"x": "y"}},
+    }
+    problems = profile_problems(garbage, config_of(checkpoint))
+    assert "verifier None is not the checkpoint's verifier" in problems[0]
+    assert "measured.served_k None is not a K of at least 1" in problems
+    assert "overall: acceptance_per_position 'high' is not a list of numbers" in problems
+    assert "per_category is not an object (category -> acceptance)" in problems
+    assert profile_summary(garbage) == "AL None on None (None prompts), K by concurrency: x->y"
 
 
 def test_a_profile_measured_on_other_weights_is_a_problem_only_where_both_are_known(profile, checkpoint):
