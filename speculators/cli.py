@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from speculators.checkpoint.acceptance_profile import k_at_serving_concurrency
 from speculators.checkpoint.convert import convert_checkpoint
 from speculators.checkpoint.validation import validate_checkpoint
 from speculators.data.capture import run_capture
@@ -232,6 +233,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     s: ServeSettings = from_args(ServeSettings, args)
+    if s.serving_concurrency is not None:
+        k, why = k_at_serving_concurrency(s.speculator, s.num_speculative_tokens, s.serving_concurrency)
+        print(why, flush=True)
+        s = s.model_copy(update={"num_speculative_tokens": k})
     settings = ServerSettings(
         **s.model_dump(include=set(Server.model_fields)), extra_args=passthrough(args), nodes=node_group_of(s)
     )

@@ -674,6 +674,14 @@ class ServeSettings(MultiNode, Server):
     """`speculators serve`: one server until Ctrl-C (its more vLLM flags after `--` are the command's own)."""
 
     quiet: bool = Field(False, description="do not echo vLLM's log")
+    serving_concurrency: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_BATCH,
+        description="serve the K the checkpoint's acceptance_profile.json recommends at this many concurrent streams "
+        "(instead of -k)",
+        json_schema_extra=PARSE_CHECK,
+    )
 
 
 class FollowSettings(MultiNode):
@@ -808,6 +816,11 @@ class BenchInputs(Settings):
 class BenchSettings(ServerLaunch, BenchInputs, MultiNode, BenchProfile, QuantizedVerifier):
     vllm_args: list[str] = Field(default_factory=list, description="more flags for both vLLM servers")
     guidellm_timeout: float = Field(3600.0, gt=0, le=MAX_SECONDS, description="seconds one GuideLLM profile may take")
+    attach_profile: bool = Field(
+        False,
+        description="also write the report's acceptance_profile.json into the speculator checkpoint (vLLM ignores it; "
+        "`speculators serve --serving-concurrency` reads it)",
+    )
 
     def profiles(self) -> list[dict[str, Any]]:
         """The main GuideLLM profiles, one stream at a time, each with `natural` (stop at the end of turn) or

@@ -113,6 +113,8 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
                 f"{report['mt_bench_acceptance_length']:.3f}, time per output token "
                 f"{report['mt_bench_tpot_speedup']:.2f}x faster; per category {categories}"
             )
+        if "speedup_by_concurrency" in report:  # (the load sweep ran)
+            lines.append(load_line(report))
         lines.append(f"outputs with and without the speculator (token ids): {report['greedy_outputs']}")
         lines.append(f"report: {Path(report['path']) / 'report.md'}")
     failed = sorted(name for name, passed in checks.items() if not passed)
@@ -120,6 +122,24 @@ def headline(meta: dict[str, dict[str, Any]], checks: dict[str, bool]) -> list[s
         f"checks: {sum(checks.values())} of {len(checks)} passed" + (f"; failed: {', '.join(failed)}" if failed else "")
     )
     return lines
+
+
+def load_line(report: dict[str, Any]) -> str:
+    """The load sweep: the drafter's measured speed-up at each concurrency, the K the report chose at each,
+    the break-even concurrency, the prediction's largest miss."""
+    speedups = ", ".join(f"c={c} {s:.2f}x" for c, s in sorted(report["speedup_by_concurrency"].items(), key=by_int))
+    chosen = ", ".join(f"{c}->{k}" for c, k in sorted(report["recommended_k"].items(), key=by_int))
+    even = report["break_even_concurrency"]
+    where = f"at c = {even['value']:.1f}" if even.get("value") is not None else f"none ({even.get('note')})"
+    return (
+        f"under load (output tokens/s over the verifier alone's): {speedups}; K by concurrency {chosen}; "
+        f"break-even {where}; prediction off by at most {report['prediction_error_max']:.1%}; declared serving "
+        f"concurrency {report['serving_concurrency']}"
+    )
+
+
+def by_int(item: tuple[str, Any]) -> int:
+    return int(item[0])
 
 
 def run_demo(variant: str = "smollm2_135m", dagster_home: str | None = None, storage: str | None = None) -> int:

@@ -79,7 +79,7 @@ def image_markdown(path: Path, title: str) -> str:
     return f"![{title}](data:image/png;base64,{data})"
 
 
-BENCH_REPORT_FORMAT = 3  # part of the report's key: a report of an older shape is rebuilt, never reused
+BENCH_REPORT_FORMAT = 4  # part of the report's key: a report of an older shape is rebuilt, never reused
 
 
 def key_of(*parts: Any) -> str:
@@ -89,7 +89,8 @@ def key_of(*parts: Any) -> str:
 def dump_for_key(settings: BaseModel, added_later: dict[str, Any]) -> dict[str, Any]:
     """A settings section as a key hashes it: fields added after keys existed (`added_later`, name ->
     default) are left out while at their default, so artifacts made before them keep their keys."""
-    at_default = {name for name, value in added_later.items() if getattr(settings, name) == value}
+    # (a name the settings do not have yet is at its default: the key is the same before and after it exists)
+    at_default = {name for name, value in added_later.items() if getattr(settings, name, value) == value}
     return settings.model_dump(exclude=at_default)
 
 
@@ -826,11 +827,21 @@ def release_followers(v: Variant, step: str) -> None:
         print(f"node ranks {missing} did not ask for the end of the step; stop their pods", flush=True)
 
 
+# The benchmark fields added after report keys existed, at their defaults (the load sweep's among them).
+BENCHMARK_FIELDS_ADDED_LATER: dict[str, Any] = {
+    "mt_bench": 0,
+    "fixed_length": True,
+    "sweep_k": None,
+    "load_requests": 8,
+    "serving_concurrency": 1,
+}
+
+
 def benchmark_key(v: Variant, drafter_key: str) -> str:
     """The report's key: the published drafter's, the benchmark settings, the eval prompts, the verifier's
     quantization. `mt_bench` and `fixed_length` are hashed only where they differ from their defaults: a
     variant without them keeps its earlier key."""
-    profile = dump_for_key(v.benchmark, {"mt_bench": 0, "fixed_length": True})
+    profile = dump_for_key(v.benchmark, BENCHMARK_FIELDS_ADDED_LATER)
     return key_of(drafter_key, profile, v.prompts.eval_source, *quantization_key(v), BENCH_REPORT_FORMAT)
 
 
@@ -858,15 +869,10 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
     outputs = report.outputs
     identical = outputs.identical == outputs.compared
     lossless = outputs.diverged == 0
-    files = ["report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl"]
-    missing = [name for name in files if not (out / name).is_file()]
-    step.check(
-        "speedup_at_least_1",
-        speedup >= 1.0,
-        f"synchronous TPOT speed-up {speedup:.3f}x",
-        severity="WARN",
-        speedup=speedup,
-    )
+    missing = [name for name in report_files(report) if not (out / name).is_file()]
+    faster, verdict, gate_metadata = serving_gate(report)
+    step.check("faster_at_serving_concurrency", faster, verdict, **gate_metadata)
+    profile = attach_acceptance_profile(out, published)
     # A speed-up measured while other work shared the machine says little (bench's machine_load).
     from speculators.eval.bench_report import load_text
 
@@ -896,14 +902,78 @@ def benchmark_report(step: Step) -> tuple[Metadata, str]:
         "report": md((out / "report.md").read_text()),
         "plots": md("\n\n".join(image_markdown(out / name, name) for name in PLOTS if (out / name).is_file())),
         "path": path_value(out),
+        **({"acceptance_profile": path_value(profile)} if profile else {}),
     }
+    metadata.update(load_metadata(report))
     metadata.update(profile_metadata(report))
     if report.mt_bench is not None:
         metadata.update(mt_bench_metadata(report.mt_bench, report.settings.num_speculative_tokens))
     return metadata, key
 
 
-PLOTS = ("acceptance.png", "latency.png", "throughput.png")
+PLOTS = ("acceptance.png", "latency.png", "throughput.png", "concurrency.png")
+REPORT_FILES = ("report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl")
+
+
+def load_sweep_of(report: BenchReport) -> dict[str, Any] | None:
+    """report.json's `load_sweep` (bench's concurrency sweep) as its JSON object; None in a report from
+    before it. (Read as the record's field or, where the record names none, as a key it keeps.)"""
+    sweep = getattr(report, "load_sweep", None)
+    return sweep.model_dump() if isinstance(sweep, BaseModel) else sweep
+
+
+def report_files(report: BenchReport) -> list[str]:
+    """The files a complete report folder holds: the sweep's plot where the sweep ran, and the acceptance
+    profile bench writes beside report.json."""
+    from speculators.checkpoint.acceptance_profile import PROFILE_FILE
+
+    sweep = ["concurrency.png"] if load_sweep_of(report) else []
+    return [*REPORT_FILES, *sweep, PROFILE_FILE]
+
+
+def serving_gate(report: BenchReport) -> tuple[bool, str, Metadata]:
+    """faster_at_serving_concurrency: the drafter at its K is not slower than the verifier alone at the
+    variant's declared serving concurrency (the sweep's measured output tokens/s there); a report from
+    before the sweep falls back to the synchronous TPOT speed-up."""
+    sweep = load_sweep_of(report)
+    if not sweep:
+        synchronous = report.profiles.get("synchronous") or report.profiles["synchronous-natural"]
+        speedup = synchronous.speedup.tpot_ms
+        return speedup >= 1.0, f"synchronous TPOT speed-up {speedup:.3f}x (no load sweep)", {"speedup": speedup}
+    streams, k = sweep["serving_concurrency"], sweep["k"]
+    measured = sweep.get("speedup_at_serving_concurrency")
+    if measured is None:
+        return False, f"no speed-up was measured at serving concurrency {streams}", {"serving_concurrency": streams}
+    verdict = f"K = {k} at {streams} concurrent streams: {measured:.3f}x the verifier alone's output tokens/s"
+    return measured >= 1.0, verdict, {"speedup": float(measured), "serving_concurrency": streams}
+
+
+def load_metadata(report: BenchReport) -> Metadata:
+    """The load sweep in the UI: the main K's measured speed-up per concurrency, the K chosen at each, the
+    break-even concurrency, how far the profile's prediction missed, the declared serving concurrency."""
+    sweep = load_sweep_of(report)
+    if not sweep:
+        return {}
+    return {
+        "speedup_by_concurrency": {"raw_value": sweep["speedup"].get(str(sweep["k"]), {}), "type": "json"},
+        "recommended_k": {"raw_value": {c: best["chosen"] for c, best in sweep["best_k"].items()}, "type": "json"},
+        "break_even_concurrency": {"raw_value": sweep["break_even_concurrency"], "type": "json"},
+        "prediction_error_max": float(sweep["prediction_error_max"]),
+        "serving_concurrency": int(sweep["serving_concurrency"]),
+    }
+
+
+def attach_acceptance_profile(report_folder: Path, checkpoint: Path) -> Path | None:
+    """The report folder's acceptance_profile.json copied into the published checkpoint (atomically, again
+    when the report is reused), where `vllm serve` ignores it and `speculators serve --serving-concurrency`
+    reads it; None where bench wrote none."""
+    from speculators.atomic_io import write_text_atomic
+    from speculators.checkpoint.acceptance_profile import PROFILE_FILE
+
+    source = report_folder / PROFILE_FILE
+    if not source.is_file():
+        return None
+    return write_text_atomic(checkpoint / PROFILE_FILE, source.read_text(encoding="utf-8"))
 
 
 def acceptance_metadata(report: BenchReport) -> Metadata:

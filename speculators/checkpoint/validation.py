@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculators.checkpoint.acceptance_profile import (
+    PROFILE_FILE,
+    profile_problems,
+    profile_summary,
+    read_profile,
+    verifier_identity,
+)
 from speculators.errors import CheckpointFormatError, SpeculatorsError
 from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.config import NORM_FLAGS, Eagle3Config
@@ -121,4 +128,22 @@ def validate_checkpoint(directory: str | Path, verifier: str | None = None) -> V
         report.problems.extend(
             check_against_verifier(checkpoint.config, verifier_config, "embed_tokens.weight" in checkpoint.tensors)
         )
+    check_profile(report, checkpoint.config, verifier)
     return report
+
+
+def check_profile(report: ValidationReport, config: Eagle3Config, verifier: str | None) -> None:
+    """The acceptance profile beside config.json (acceptance_profile.py), where there is one: its summary
+    line, and each of its problems (against the checkpoint and, given one, the verifier's weights)."""
+    try:
+        profile = read_profile(report.directory)
+    except SpeculatorsError as error:
+        report.summary["acceptance profile"] = "unreadable"
+        report.problems.append(f"{PROFILE_FILE}: {error}")
+        return
+    if profile is None:
+        report.summary["acceptance profile"] = "none"
+        return
+    report.summary["acceptance profile"] = profile_summary(profile)
+    fingerprint = verifier_identity(verifier)[0] if verifier is not None else None
+    report.problems.extend(f"{PROFILE_FILE}: {problem}" for problem in profile_problems(profile, config, fingerprint))

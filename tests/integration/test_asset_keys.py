@@ -15,26 +15,26 @@ FINGERPRINT, CONVERSATIONS, STORE, DRAFTER = "f" * 16, "c" * 64, "0123456789ab",
 # variant -> keys of raw_prompts, verifier_hidden_states, trained_drafter and benchmark_report
 # (speculator_checkpoint's is the drafter's)
 KEYS = {
-    "gpt_oss_120b": ("88b1ad0e7cf0", "aee7cd69f7c8", "8d0fee525ba5", "7f806b07c5c5"),
-    "gpt_oss_20b": ("88b1ad0e7cf0", "82c39c788e7d", "613a159680b7", "7f806b07c5c5"),
-    "llama3_1_8b": ("88b1ad0e7cf0", "66c21202f85d", "6c64ade51fb3", "7f806b07c5c5"),
-    "llama3_3_70b": ("88b1ad0e7cf0", "2db3eda263b1", "23ad77fc6df9", "7f806b07c5c5"),
-    "llama3_3_70b_fp8": ("88b1ad0e7cf0", "d0b1fbd46f25", "23ad77fc6df9", "064fbe8800d0"),
-    "mistral_large_3": ("88b1ad0e7cf0", "ea632d659ea7", "7557595d7ea0", "7f806b07c5c5"),
-    "qwen3_14b": ("88b1ad0e7cf0", "6335a9dc3878", "b94a4aa6f746", "7f806b07c5c5"),
-    "qwen3_235b_a22b": ("88b1ad0e7cf0", "12a7bee48696", "7f667d610697", "7f806b07c5c5"),
-    "qwen3_30b_a3b": ("88b1ad0e7cf0", "86a3a30def87", "a6807c9ff15a", "7f806b07c5c5"),
-    "qwen3_32b": ("88b1ad0e7cf0", "7e026fd31ab4", "d8c6a4195e0a", "7f806b07c5c5"),
+    "gpt_oss_120b": ("88b1ad0e7cf0", "aee7cd69f7c8", "8d0fee525ba5", "0721fd75a25e"),
+    "gpt_oss_20b": ("88b1ad0e7cf0", "82c39c788e7d", "613a159680b7", "0721fd75a25e"),
+    "llama3_1_8b": ("88b1ad0e7cf0", "66c21202f85d", "6c64ade51fb3", "0721fd75a25e"),
+    "llama3_3_70b": ("88b1ad0e7cf0", "2db3eda263b1", "23ad77fc6df9", "0721fd75a25e"),
+    "llama3_3_70b_fp8": ("88b1ad0e7cf0", "d0b1fbd46f25", "23ad77fc6df9", "2a69c887099b"),
+    "mistral_large_3": ("88b1ad0e7cf0", "ea632d659ea7", "7557595d7ea0", "0721fd75a25e"),
+    "qwen3_14b": ("88b1ad0e7cf0", "6335a9dc3878", "b94a4aa6f746", "0721fd75a25e"),
+    "qwen3_235b_a22b": ("88b1ad0e7cf0", "12a7bee48696", "7f667d610697", "0721fd75a25e"),
+    "qwen3_30b_a3b": ("88b1ad0e7cf0", "86a3a30def87", "a6807c9ff15a", "0721fd75a25e"),
+    "qwen3_32b": ("88b1ad0e7cf0", "7e026fd31ab4", "d8c6a4195e0a", "0721fd75a25e"),
     # qwen3_8b's store keeps the DFlash partition's five aux layers beside EAGLE-3's three (re-keyed for them)
-    "qwen3_8b": ("88b1ad0e7cf0", "1d8e358e3d12", "31538243df5a", "7f806b07c5c5"),
-    "qwen3_8b_dflash": ("88b1ad0e7cf0", "1d8e358e3d12", "e61b3443c317", "7f806b07c5c5"),  # qwen3_8b's data
-    "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "7f806b07c5c5"),
-    "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "7f806b07c5c5"),
-    "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "5de701319670"),
-    "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "e4e56e04a89d"),
+    "qwen3_8b": ("88b1ad0e7cf0", "1d8e358e3d12", "31538243df5a", "0721fd75a25e"),
+    "qwen3_8b_dflash": ("88b1ad0e7cf0", "1d8e358e3d12", "e61b3443c317", "0721fd75a25e"),  # qwen3_8b's data
+    "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "0721fd75a25e"),
+    "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "0721fd75a25e"),
+    "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "4d0f1a951276"),
+    "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "263943c1b353"),
     # data_from smollm2_135m: its prompts' and store's keys are that partition's
-    "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "5de701319670"),
-    "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "5de701319670"),
+    "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "4d0f1a951276"),
+    "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "4d0f1a951276"),
 }
 
 

@@ -438,7 +438,7 @@ def test_single_node_commands_and_engines_are_unchanged(tiny_verifier_dir, cuda_
     ]  # fmt: skip
     assert bench_command(v, data / "latest", data / "report") == [
         "bench", "--verifier", verifier, "--speculator", str(data / "latest"), "--output", str(data / "report"),
-        "--requests", "128", "--output-tokens", "256", "--concurrency", "4,16", "--dtype", "bfloat16",
+        "--requests", "128", "--output-tokens", "256", "--concurrency", "2,4,8,16,32", "--dtype", "bfloat16",
         "--max-model-len", "8192", "--prompts", "demo:eval", "--tensor-parallel-size", "8",
     ]  # fmt: skip
     runner = PipelineRunner(mode="k8s")
