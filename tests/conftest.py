@@ -143,7 +143,7 @@ datagen: {{regenerate: true, backend: transformers, max_length: 256, max_new_tok
 drafter: {{draft_vocab_size: 128, aux_layer_ids: [1, 4, 6], speculative_tokens: 3}}
 training: {{epochs: 40, lr: 0.01, token_budget: 512, validation_share: 0.0, precision: fp32}}
 benchmark: {{requests: 4, output_tokens: 16, natural_max_tokens: 48, concurrency: [2], dtype: float32,
-            max_model_len: 512, enforce_eager: true, kv_cache_gib: 1, mt_bench: 2}}
+            max_model_len: 512, enforce_eager: true, kv_cache_gib: 1, mt_bench: 2, sweep_k: [1]}}
 gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
 """)
 

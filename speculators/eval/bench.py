@@ -175,7 +175,9 @@ def run_role(
     with started_server(role, settings, folder) as server:
         results: dict[str, Any] = {"server": server.describe()}
         results.update(measure_prompts(role, server, settings, folder, prompts, settings.profiles()))
-        results["load"] = measure_load(role, server, settings, folder, len(prompts.conversations))
+        results["load"] = measure_load(
+            role, server, settings, folder, len(prompts.conversations), single_stream_profile(settings, results)
+        )
         results["outputs"] = served_greedy_outputs(role, server, settings, folder, len(prompts.conversations))
         if mt_bench is not None:
             results["mt_bench"] = measure_prompts(
@@ -237,16 +239,35 @@ LOAD_POINT_KEYS = (
 )
 
 
-def measure_load(role: str, server: VllmServer, settings: BenchSettings, folder: Path, prompts: int) -> dict[int, Any]:
+def single_stream_profile(settings: BenchSettings, results: dict[str, Any]) -> dict[str, Any] | None:
+    """The main synchronous profile at the sweep's length, which the sweep's c = 1 point reuses where it
+    measured the same prompts (n(1) = every prompt): one GuideLLM run fewer on each main server."""
+    return results["profiles"].get("synchronous-natural" if settings.load_natural() else "synchronous")
+
+
+def measure_load(
+    role: str,
+    server: VllmServer,
+    settings: BenchSettings,
+    folder: Path,
+    prompts: int,
+    single_stream: dict[str, Any] | None = None,
+) -> dict[int, Any]:
     """The load sweep on one server: one GuideLLM run per concurrency (synchronous at 1, else that many
     streams) on the first n(c) prompts (BenchSettings.load_points), at the headline length, the counters,
-    prefix cache and machine load taken around it as for every profile (run_profile). c -> the point."""
+    prefix cache and machine load taken around it as for every profile (run_profile). c -> the point.
+    `single_stream`: the server's main synchronous profile at this length, taken as the c = 1 point when
+    it sent the same prompts (n(1) = all of them)."""
     role_dir = folder / role
     natural = settings.load_natural()
     data = folder / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
     k = role_k(role, settings)
     points: dict[int, Any] = {}
     for c, requests in settings.load_points(prompts):
+        if c == 1 and single_stream is not None and requests == prompts:
+            points[c] = {key: single_stream[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
+            print(f"[{role}] load c=1: the main synchronous profile's {requests} requests", flush=True)
+            continue
         paths = {kind: role_dir / f"guidellm-load-c{c}.{kind}" for kind in ("json", "html", "log")}
         profile = {"kind": "synchronous"} if c == 1 else {"kind": "concurrent", "streams": c}
         run_started = time.perf_counter()

@@ -248,6 +248,19 @@ def test_bench_sweeps_a_server_on_the_first_n_prompts_at_each_concurrency(tmp_pa
     assert (server.speculator, server.num_speculative_tokens) == ("s", 2)
     assert bench.role_server_settings("baseline", settings, tmp_path).speculator is None
 
+    # A main server's synchronous profile of every prompt is its c = 1 point; of fewer, it is measured again.
+    runs.clear()
+    main = {"output_tokens_per_s": 7.0, "tpot_ms": 1.0, "itl_ms": 1.0, "ttft_ms": 1.0, "output_tokens_mean": 9.0,
+            "requests": {"successful": 10}, "spec_decode": {"acceptance_length": 2.0, "drafts": 9}, "duration_s": 3.0,
+            "machine_load": {"quiet": True}}  # fmt: skip
+    every = settings.model_copy(update={"load_requests": 10})
+    reused = bench.measure_load("speculator", SweptServer(), every, tmp_path, prompts=10, single_stream=main)
+    assert [r[3] for r in runs] == ["[speculator] load c=4"] and reused[1]["output_tokens_per_s"] == 7.0
+    assert "duration_s" not in reused[1]
+    runs.clear()
+    bench.measure_load("speculator", SweptServer(), settings, tmp_path, prompts=10, single_stream=main)
+    assert [r[3] for r in runs] == ["[speculator] load c=1", "[speculator] load c=4"]
+
 
 def test_report_md_has_the_under_load_section_and_the_plot_is_drawn(tmp_path):
     from speculators.eval.bench_report import load_sweep_lines, machine_load_summary, plot_load_sweep

@@ -394,7 +394,8 @@ def test_mt_bench_beside_the_eval_prompts_reaches_bench_and_the_report_key(tmp_p
     without = demo.model_copy(update={"benchmark": type(demo.benchmark)(**section)})
     assert "--mt-bench" not in bench_command(without, tmp_path / "latest", tmp_path / "report")
     earlier = without.benchmark.model_dump()
-    del earlier["mt_bench"], earlier["fixed_length"]  # what the key hashed before the fields
+    for added_later in ("mt_bench", "fixed_length", "sweep_k", "load_requests", "serving_concurrency"):
+        del earlier[added_later]  # what the key hashed before the fields
     assert benchmark_key(without, "drafter") == key_of(
         "drafter", earlier, without.prompts.eval_source, BENCH_REPORT_FORMAT
     )
