@@ -30,7 +30,7 @@ KEYS = {
     "qwen3_8b_dflash": ("88b1ad0e7cf0", "1d8e358e3d12", "e61b3443c317", "56c5df9d1979"),  # qwen3_8b's data
     "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "0721fd75a25e"),
     "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "0721fd75a25e"),
-    "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "4d0f1a951276"),
+    "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "27a20f27c883"),
     "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "263943c1b353"),
     # data_from smollm2_135m: its prompts' and store's keys are that partition's
     "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "ce9554573a1d"),
