@@ -222,7 +222,7 @@ def test_bench_writes_a_complete_sane_report(lineage):
     ):
         assert (out / name).stat().st_size > 0, name
     for role in ("baseline", "speculator"):
-        for profile in ("synchronous", "synchronous-natural", "load-c1", "load-c2"):
+        for profile in ("synchronous", "synchronous-natural", "load-c2"):  # (c = 1: the natural profile itself)
             for kind in ("json", "html"):
                 assert (out / role / f"guidellm-{profile}.{kind}").stat().st_size > 1000
     report = json.loads((out / "report.json").read_text())
@@ -237,6 +237,11 @@ def test_bench_writes_a_complete_sane_report(lineage):
             assert k == 0 or point["spec_decode"]["drafts"] > 0
         role = {0: "baseline", 3: "speculator"}.get(k, f"speculator-k{k}")
         assert (out / role / "guidellm-load-c2.json").stat().st_size > 1000, role
+        # A main server's c = 1 point is its synchronous-natural profile (the same 4 prompts), not a run again.
+        assert (out / role / "guidellm-load-c1.json").exists() == role.startswith("speculator-k"), role
+    for k, role in ((0, "baseline"), (3, "speculator")):
+        single = report["profiles"]["synchronous-natural"][role]
+        assert sweep["points"][str(k)]["1"]["output_tokens_per_s"] == single["output_tokens_per_s"]
     # Fixed length: every answer is exactly 16 tokens (ignore_eos); natural length: each stops at its end
     # of turn, at most 48 tokens (the tiny variant's cap), and the headline acceptance is measured there.
     fixed_rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
