@@ -31,10 +31,10 @@ KEYS = {
     "qwen3_vl_235b_a22b": ("be2b87cf1983", "d6b25ea6350c", "df34acbc2c3f", "0721fd75a25e"),
     "qwen3_vl_8b": ("be2b87cf1983", "4a8d5fb6e1c2", "ce28f61c8807", "0721fd75a25e"),
     "smollm2_135m": ("833306b68c26", "a0c1839e1c69", "62af1c8012a8", "27a20f27c883"),
-    "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "263943c1b353"),
+    "smollm2_135m_full": ("90399ddb5b28", "228105f2aa7e", "5beabbff2c9f", "d1f45cabbd4a"),
     # data_from smollm2_135m: its prompts' and store's keys are that partition's
-    "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "ce9554573a1d"),
-    "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "ae744826c11b"),
+    "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "1413b283c63e"),
+    "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "f8cd70862116"),
 }
 
 
