@@ -271,19 +271,8 @@ def measure_load(
         paths = {kind: role_dir / f"guidellm-load-c{c}.{kind}" for kind in ("json", "html", "log")}
         profile = {"kind": "synchronous"} if c == 1 else {"kind": "concurrent", "streams": c}
         run_started = time.perf_counter()
-        command = guidellm_command(
-            server.url,
-            server.model_name,
-            server.model_dir,
-            data,
-            profile,
-            requests,
-            paths["json"],
-            paths["html"],
-            settings.natural_max_tokens if natural else None,
-        )
-        summary = run_profile(server, command, paths, requests, folder, settings, f"[{role}] load c={c}")
-        refuse_errored_requests(summary, role, paths["json"], role_dir)
+        cap, label = settings.natural_max_tokens if natural else None, f"[{role}] load c={c}"
+        summary = guidellm_run(role, server, settings, folder, data, profile, requests, paths, cap, label)
         point = {key: summary[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
         points[c] = point
         acceptance = summary["spec_decode"]["acceptance_length"]
@@ -296,6 +285,36 @@ def measure_load(
             flush=True,
         )
     return points
+
+
+def guidellm_run(
+    role: str,
+    server: VllmServer,
+    settings: BenchSettings,
+    folder: Path,
+    data: Path,
+    profile: dict[str, Any],
+    requests: int,
+    paths: dict[str, Path],
+    max_tokens: int | None,
+    label: str,
+) -> dict[str, Any]:
+    """One GuideLLM run of `requests` rows of `data` against the server (run_profile, with what moved
+    around it); `max_tokens` caps answers of natural length. A failed request fails bench."""
+    command = guidellm_command(
+        server.url,
+        server.model_name,
+        server.model_dir,
+        data,
+        guidellm_profile(profile),
+        requests,
+        paths["json"],
+        paths["html"],
+        max_tokens,
+    )
+    summary = run_profile(server, command, paths, requests, folder, settings, label)
+    refuse_errored_requests(summary, role, paths["json"], folder / role)
+    return summary
 
 
 def refuse_errored_requests(summary: dict[str, Any], role: str, json_path: Path, role_dir: Path) -> None:
@@ -356,19 +375,8 @@ def measure_prompts(
         print(f"[{label}] {name}: GuideLLM sends {requests} requests, {length} (log {paths['log']})", flush=True)
         run_started = time.perf_counter()
         data = data_dir / ("prompts-natural.jsonl" if natural else "prompts.jsonl")
-        command = guidellm_command(
-            server.url,
-            server.model_name,
-            server.model_dir,
-            data,
-            guidellm_profile(profile),
-            requests,
-            paths["json"],
-            paths["html"],
-            settings.natural_max_tokens if natural else None,
-        )
-        summary = run_profile(server, command, paths, requests, folder, settings, f"[{label}] {name}")
-        refuse_errored_requests(summary, role, paths["json"], role_dir)
+        cap = settings.natural_max_tokens if natural else None
+        summary = guidellm_run(role, server, settings, folder, data, profile, requests, paths, cap, f"[{label}] {name}")
         results["profiles"][name] = summary
         acceptance = summary["spec_decode"]["acceptance_length"]
         print(

@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from speculators.cli import main
 from speculators_assets.demo import materialized
 from speculators_assets.steps import NAMES, STEPS
 from speculators_assets.variants import load_variants
@@ -47,7 +48,13 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     assert report["acceptance_length"] > 1.5 and "| synchronous | tpot_ms (median) |" in report["report"]
     assert report["tpot_speedup_natural"] > 0 and 1 <= report["output_tokens_natural"] <= 48
     assert report["acceptance_length_fixed"] > 1.5
-    assert report["plots"].count("data:image/png;base64,") == 3
+    assert report["plots"].count("data:image/png;base64,") == 4  # acceptance, latency, throughput, concurrency
+    # The load sweep (c = 1 and 2; K = 1 beside K = 3): its choice per concurrency, the declared concurrency the
+    # gate read, and the acceptance profile copied into the published checkpoint, which validate accepts.
+    assert set(report["recommended_k"]) == {"1", "2"} and set(report["recommended_k"].values()) <= {0, 1, 3}
+    assert report["serving_concurrency"] == 1 and report["prediction_error_max"] >= 0
+    assert Path(report["acceptance_profile"]).parent == latest.resolve()
+    assert main(["validate", str(latest)]) == 0
     # MT-Bench beside the eval prompts on the same servers: 2 questions (writing, roleplay), both turns.
     assert report["mt_bench_questions"] == 2 and report["mt_bench_acceptance_length"] > 1.0
     assert list(report["mt_bench_per_category"]) == ["writing", "roleplay", "overall"]
@@ -60,7 +67,8 @@ def test_the_lineage_materializes_with_checks_and_a_rerun_reuses_everything(line
     # How busy the machine was around every GuideLLM run, both servers, main prompts and MT-Bench.
     loads = [p[role]["machine_load"] for p in saved["profiles"].values() for role in ("baseline", "speculator")]
     assert all(load["seconds"] > 0 and load["cores"] == os.cpu_count() for load in loads)
-    assert saved["machine_load"]["runs"] == len(loads) + 2 and saved["machine_load"]["quiet"] in (True, False)
+    points = sum(len(by_c) for by_c in saved["load_sweep"]["points"].values())  # (and every load-sweep point)
+    assert saved["machine_load"]["runs"] == len(loads) + 2 + points and saved["machine_load"]["quiet"] in (True, False)
     assert "**Machine load** during the speed measurements:" in report["report"]
     answers = (Path(report["path"]) / "mt-bench" / "mt-bench-answers.jsonl").read_text().splitlines()
     assert [json.loads(a)["id"] for a in answers] == ["mt-bench-81", "mt-bench-91"]

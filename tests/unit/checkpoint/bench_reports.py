@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
 # p_i: the share of drafts whose first i tokens were accepted (non-increasing), served K = 3
@@ -126,3 +127,11 @@ def bench_report(
     if sweep is not None:
         report["load_sweep"] = sweep
     return report
+
+
+def untrained_drafter(verifier: Path, output: Path) -> Path:
+    """An untrained K = 3 drafter for the verifier, as `speculators init` writes it (a checkpoint to profile)."""
+    from speculators.cli import main
+
+    assert main(["init", "--verifier", str(verifier), "--output", str(output), "--dtype", "float32"]) == 0
+    return output

@@ -26,7 +26,7 @@ from speculators.cli import main
 from speculators.errors import SpeculatorsError
 from speculators.models.algorithms import read_speculator_checkpoint
 from speculators.verifier.loading import weights_fingerprint
-from tests.unit.checkpoint.bench_reports import RATES, THROUGHPUT, bench_report, load_sweep
+from tests.unit.checkpoint.bench_reports import RATES, THROUGHPUT, bench_report, load_sweep, untrained_drafter
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,7 @@ def verifier(tiny_verifier_dir) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(verifier, tmp_path_factory) -> Path:
     """An untrained K = 3 drafter for the tiny verifier, as `speculators init` writes it."""
-    output = tmp_path_factory.mktemp("profile") / "drafter"
-    assert main(["init", "--verifier", str(verifier), "--output", str(output), "--dtype", "float32"]) == 0
-    return output
+    return untrained_drafter(verifier, tmp_path_factory.mktemp("profile") / "drafter")
 
 
 @pytest.fixture

@@ -22,7 +22,9 @@ MISTRAL_LARGE_3 = ROOT_DIR / "tests" / "data" / "model_configs" / "mistral_large
 
 def measured_report(tmp_path) -> dict:
     """report.json's content from two servers' (made-up) measurements of one synchronous profile."""
-    settings = BenchSettings(verifier="v", speculator="s", output=str(tmp_path), num_speculative_tokens=3)
+    settings = BenchSettings(
+        verifier="v", speculator="s", output=str(tmp_path), num_speculative_tokens=3, concurrency=[], sweep_k=[]
+    )
 
     def summary(tpot: float, spec: dict) -> dict:
         return {
@@ -38,11 +40,14 @@ def measured_report(tmp_path) -> dict:
 
     none = spec_decode_record(0, 0, 0, [])
     drafted = spec_decode_record(drafts=10, draft_tokens=30, accepted=12, per_position=[6, 4, 2])
-    runs = {
+    runs = {  # (the load sweep's one point, c = 1: the synchronous profile itself)
         "baseline": {"server": {"role": "baseline"}, "profiles": {"synchronous": summary(10.0, none)}},
         "speculator": {"server": {"role": "speculator"}, "profiles": {"synchronous": summary(8.0, drafted)}},
     }
-    return measurements_report(settings, SimpleNamespace(info={"count": 4}), runs, None, 0.0)
+    for run in runs.values():
+        run["load"] = {1: run["profiles"]["synchronous"]}
+    prompts = SimpleNamespace(info={"count": 4}, conversations=[None] * 4, source="demo:eval")
+    return measurements_report(settings, prompts, runs, None, 0.0)
 
 
 def test_bench_writes_its_measurements_before_the_judge_and_keeps_them_when_the_judge_fails(tmp_path):

@@ -249,6 +249,7 @@ def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda
     their headless workers on node rank 1: the same EngineArgs but for the node rank."""
     from speculators.eval.bench import role_server_settings
     from speculators.eval.served import ROLES
+    from speculators.models.algorithms import read_speculator_checkpoint
     from speculators.serving.serve import VllmServer
 
     speculator = tmp_path / "speculator"
@@ -256,6 +257,9 @@ def test_every_node_of_a_bench_server_gets_rank_0s_arguments(local_variant, cuda
         main(["init", "--verifier", local_variant.verifier, "--output", str(speculator), "--layer-type", "llama"]) == 0
     )
     settings = from_args(BenchSettings, parsed(bench_command(local_variant, speculator, tmp_path / "r")), vllm_args=[])
+    # (run_bench resolves K from the checkpoint before it starts any server)
+    k = read_speculator_checkpoint(speculator).config.speculative_tokens
+    settings = settings.model_copy(update={"num_speculative_tokens": k})
     master = master_address(local_variant.name, "benchmark_report")
     for role in ROLES:
         server = VllmServer(role_server_settings(role, settings, tmp_path / role))

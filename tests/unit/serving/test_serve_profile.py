@@ -19,7 +19,7 @@ from speculators.checkpoint.acceptance_profile import (
 )
 from speculators.cli import main
 from speculators.errors import SpeculatorsError
-from tests.unit.checkpoint.bench_reports import RATES, THROUGHPUT, bench_report, load_sweep
+from tests.unit.checkpoint.bench_reports import RATES, THROUGHPUT, bench_report, load_sweep, untrained_drafter
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,7 @@ def verifier(tiny_verifier_dir) -> Path:
 @pytest.fixture(scope="module")
 def profiled(verifier, tmp_path_factory) -> Path:
     """A K = 3 drafter with the profile of a sweep where K = 3 pays at c = 1, K = 2 at c = 4, none at 16."""
-    output = tmp_path_factory.mktemp("serve-profile") / "drafter"
-    assert main(["init", "--verifier", str(verifier), "--output", str(output), "--dtype", "float32"]) == 0
+    output = untrained_drafter(verifier, tmp_path_factory.mktemp("serve-profile") / "drafter")
     write_profile(output, profile_from_report(bench_report(sweep=load_sweep(RATES, THROUGHPUT)), output, verifier))
     return output
 
