@@ -89,8 +89,7 @@ def key_of(*parts: Any) -> str:
 def dump_for_key(settings: BaseModel, added_later: dict[str, Any]) -> dict[str, Any]:
     """A settings section as a key hashes it: fields added after keys existed (`added_later`, name ->
     default) are left out while at their default, so artifacts made before them keep their keys."""
-    # (a name the settings do not have yet is at its default: the key is the same before and after it exists)
-    at_default = {name for name, value in added_later.items() if getattr(settings, name, value) == value}
+    at_default = {name for name, value in added_later.items() if getattr(settings, name) == value}
     return settings.model_dump(exclude=at_default)
 
 
@@ -915,19 +914,12 @@ PLOTS = ("acceptance.png", "latency.png", "throughput.png", "concurrency.png")
 REPORT_FILES = ("report.json", "report.md", "acceptance.png", "latency.png", "throughput.png", "prompts.jsonl")
 
 
-def load_sweep_of(report: BenchReport) -> dict[str, Any] | None:
-    """report.json's `load_sweep` (bench's concurrency sweep) as its JSON object; None in a report from
-    before it. (Read as the record's field or, where the record names none, as a key it keeps.)"""
-    sweep = getattr(report, "load_sweep", None)
-    return sweep.model_dump() if isinstance(sweep, BaseModel) else sweep
-
-
 def report_files(report: BenchReport) -> list[str]:
     """The files a complete report folder holds: the sweep's plot where the sweep ran, and the acceptance
     profile bench writes beside report.json."""
     from speculators.checkpoint.acceptance_profile import PROFILE_FILE
 
-    sweep = ["concurrency.png"] if load_sweep_of(report) else []
+    sweep = ["concurrency.png"] if report.load_sweep is not None else []
     return [*REPORT_FILES, *sweep, PROFILE_FILE]
 
 
@@ -935,31 +927,28 @@ def serving_gate(report: BenchReport) -> tuple[bool, str, Metadata]:
     """faster_at_serving_concurrency: the drafter at its K is not slower than the verifier alone at the
     variant's declared serving concurrency (the sweep's measured output tokens/s there); a report from
     before the sweep falls back to the synchronous TPOT speed-up."""
-    sweep = load_sweep_of(report)
-    if not sweep:
+    sweep = report.load_sweep
+    if sweep is None:
         synchronous = report.profiles.get("synchronous") or report.profiles["synchronous-natural"]
         speedup = synchronous.speedup.tpot_ms
         return speedup >= 1.0, f"synchronous TPOT speed-up {speedup:.3f}x (no load sweep)", {"speedup": speedup}
-    streams, k = sweep["serving_concurrency"], sweep["k"]
-    measured = sweep.get("speedup_at_serving_concurrency")
-    if measured is None:
-        return False, f"no speed-up was measured at serving concurrency {streams}", {"serving_concurrency": streams}
-    verdict = f"K = {k} at {streams} concurrent streams: {measured:.3f}x the verifier alone's output tokens/s"
-    return measured >= 1.0, verdict, {"speedup": float(measured), "serving_concurrency": streams}
+    streams, measured = sweep.serving_concurrency, sweep.speedup_at_serving_concurrency
+    verdict = f"K = {sweep.k} at {streams} concurrent streams: {measured:.3f}x the verifier alone's output tokens/s"
+    return measured >= 1.0, verdict, {"speedup": measured, "serving_concurrency": streams}
 
 
 def load_metadata(report: BenchReport) -> Metadata:
     """The load sweep in the UI: the main K's measured speed-up per concurrency, the K chosen at each, the
     break-even concurrency, how far the profile's prediction missed, the declared serving concurrency."""
-    sweep = load_sweep_of(report)
-    if not sweep:
+    sweep = report.load_sweep
+    if sweep is None:
         return {}
     return {
-        "speedup_by_concurrency": {"raw_value": sweep["speedup"].get(str(sweep["k"]), {}), "type": "json"},
-        "recommended_k": {"raw_value": {c: best["chosen"] for c, best in sweep["best_k"].items()}, "type": "json"},
-        "break_even_concurrency": {"raw_value": sweep["break_even_concurrency"], "type": "json"},
-        "prediction_error_max": float(sweep["prediction_error_max"]),
-        "serving_concurrency": int(sweep["serving_concurrency"]),
+        "speedup_by_concurrency": {"raw_value": sweep.speedup.get(str(sweep.k), {}), "type": "json"},
+        "recommended_k": {"raw_value": {c: best.chosen for c, best in sweep.best_k.items()}, "type": "json"},
+        "break_even_concurrency": {"raw_value": sweep.break_even_concurrency.model_dump(), "type": "json"},
+        "prediction_error_max": sweep.prediction_error_max,
+        "serving_concurrency": sweep.serving_concurrency,
     }
 
 

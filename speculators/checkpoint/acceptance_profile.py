@@ -297,16 +297,15 @@ def recommended_k(profile: dict[str, Any], concurrency: int) -> int:
         )
     if concurrency < 1:
         raise SpeculatorsError(f"serving concurrency {concurrency} must be at least 1")
-    swept = sorted(int(c) for c in load["recommended_k"])
-    at = max(c for c in swept if c <= concurrency) if swept and swept[0] <= concurrency else None
-    if at is None:
-        raise SpeculatorsError(f"the acceptance profile's sweep starts at concurrency {swept[:1]}; measure c = 1 too")
-    return int(load["recommended_k"][str(at)])
+    return int(load["recommended_k"][str(swept_concurrency(profile, concurrency))])
 
 
 def swept_concurrency(profile: dict[str, Any], concurrency: int) -> int:
-    """The swept concurrency recommended_k reads at `concurrency`."""
-    return max(int(c) for c in profile["load"]["recommended_k"] if int(c) <= concurrency)
+    """The swept concurrency recommended_k reads at `concurrency`: the largest one not above it."""
+    swept = sorted(int(c) for c in profile["load"]["recommended_k"])
+    if not swept or swept[0] > concurrency:
+        raise SpeculatorsError(f"the acceptance profile's sweep starts at concurrency {swept[:1]}; measure c = 1 too")
+    return max(c for c in swept if c <= concurrency)
 
 
 def predicted_speedup(profile: dict[str, Any], k: int, concurrency: int) -> float | None:

@@ -116,16 +116,19 @@ if TYPE_CHECKING:
     from speculators.data.conversation import Conversation
 
 
+SWEEP_ROLE = "speculator-k"  # + K: the role (and report subfolder) of a smaller K's server (sweep_role)
+
+
 def sweep_role(k: int) -> str:
     """The role (and report subfolder) of the speculator server at a smaller K that runs the load sweep alone."""
-    return f"speculator-k{k}"
+    return f"{SWEEP_ROLE}{k}"
 
 
 def role_k(role: str, settings: BenchSettings) -> int:
     """The drafts per step a role's server makes: 0 for the verifier alone, the main K, or a sweep role's own."""
     if role == "baseline":
         return 0
-    return int(role.removeprefix("speculator-k")) if role.startswith("speculator-k") else settings_k(settings)
+    return int(role.removeprefix(SWEEP_ROLE)) if role.startswith(SWEEP_ROLE) else settings_k(settings)
 
 
 def settings_k(settings: BenchSettings) -> int:
@@ -239,6 +242,12 @@ LOAD_POINT_KEYS = (
 )
 
 
+def load_point(summary: dict[str, Any], k: int) -> dict[str, Any]:
+    """A load-sweep point: what the analysis and the report read of a GuideLLM run's summary (the
+    spec-decode counters on a drafting server only)."""
+    return {key: summary[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
+
+
 def single_stream_profile(settings: BenchSettings, results: dict[str, Any]) -> dict[str, Any] | None:
     """The main synchronous profile at the sweep's length, which the sweep's c = 1 point reuses where it
     measured the same prompts (n(1) = every prompt): one GuideLLM run fewer on each main server."""
@@ -265,7 +274,7 @@ def measure_load(
     points: dict[int, Any] = {}
     for c, requests in settings.load_points(prompts):
         if c == 1 and single_stream is not None and requests == prompts:
-            points[c] = {key: single_stream[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
+            points[c] = load_point(single_stream, k)
             print(f"[{role}] load c=1: the main synchronous profile's {requests} requests", flush=True)
             continue
         paths = {kind: role_dir / f"guidellm-load-c{c}.{kind}" for kind in ("json", "html", "log")}
@@ -273,8 +282,7 @@ def measure_load(
         run_started = time.perf_counter()
         cap, label = settings.natural_max_tokens if natural else None, f"[{role}] load c={c}"
         summary = guidellm_run(role, server, settings, folder, data, profile, requests, paths, cap, label)
-        point = {key: summary[key] for key in LOAD_POINT_KEYS if k or key != "spec_decode"}
-        points[c] = point
+        points[c] = load_point(summary, k)
         acceptance = summary["spec_decode"]["acceptance_length"]
         print(
             f"[{role}] load c={c}: {requests} requests, {summary['output_tokens_per_s']:.1f} output tokens/s, "
@@ -461,7 +469,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         )
     folder = Path(settings.output)
     config = read_speculator_checkpoint(settings.speculator).config  # fails early on a bad checkpoint
-    sweep_ks = smaller_ks(settings, settings.num_speculative_tokens or config.speculative_tokens)
+    k = settings.num_speculative_tokens or config.speculative_tokens
+    sweep_ks = smaller_ks(settings, k)
     vllm_quantization_args(settings.quantization)  # as does a scheme this vLLM cannot run
 
     # (the node group: bench's own flags, which the other nodes follow; over several nodes, only what they accept)
@@ -474,7 +483,6 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
     check_vision_serving(settings.verifier)
     folder.mkdir(parents=True, exist_ok=True)
-    k = settings.num_speculative_tokens or config.speculative_tokens
     settings = settings.model_copy(update={"num_speculative_tokens": k})
     prompts = bench_prompts(settings, folder)
     if not prompts.questions:  # (MT-Bench's `requests` count questions)

@@ -100,9 +100,9 @@ def analyse_load(points: Points, rates: Sequence[float], k: int, serving_concurr
 
     best = {}
     for c in concurrencies:
-        chosen = argmax_k({0: 1.0, **{each: predicted[each, c] for each in ks[1:]}})
         measured_at = {0: 1.0, **{each: measured[each, c] for each in ks[1:]}}
         predicted_at = {0: 1.0, **{each: predicted[each, c] for each in ks[1:]}}
+        chosen = argmax_k(predicted_at)
         best[str(c)] = {
             "chosen": chosen,
             "measured_best": argmax_k(measured_at),
