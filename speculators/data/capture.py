@@ -365,10 +365,11 @@ def store_entries(
             stored_ids, _ = shard_tokens(store.shard_file(shard_name(key), sample.id))  # (a symlink out refused)
             if stored_ids.tolist() != sample.input_ids:
                 raise SpeculatorsError(f"shard {path} does not hold sample {sample.id}'s tokens; delete it and re-run")
+        before = previous.get(key)
         if key in written:
             checksum, size = written[key]
-        elif key in previous and previous[key].bytes == path.stat().st_size:
-            checksum, size = previous[key].checksum, previous[key].bytes
+        elif before is not None and before.checksum is not None and before.bytes == path.stat().st_size:
+            checksum, size = before.checksum, before.bytes
         else:
             checksum, size = file_sha256(path), path.stat().st_size
         entries.append(

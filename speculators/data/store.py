@@ -100,8 +100,15 @@ class SampleEntry(StoreRecord):
     shard: str  # its shard's path, relative to the store
     num_tokens: int  # its tokens
     supervised_tokens: int  # its supervised (loss mask) tokens
-    checksum: str  # its shard's sha256
-    bytes: int  # its shard's size
+    # its shard's sha256 and size; None and 0 in an index (datagen --index-only): the states are not computed,
+    # a streamed training run computes them into its spool
+    checksum: str | None = None
+    bytes: int = 0
+
+    @property
+    def computed(self) -> bool:
+        """Whether the store holds this sample's states (not an index-only entry)."""
+        return self.checksum is not None
 
 
 class StoreManifest(StoreRecord):
@@ -158,6 +165,11 @@ class StoreManifest(StoreRecord):
                 f"store's own place for its key ({place}): the manifest was altered and none of its shards is "
                 f"opened; {FRESH_STORE}"
             )
+
+    @property
+    def uncomputed(self) -> list[SampleEntry]:
+        """The entries whose states the store does not hold (an index's: datagen --index-only)."""
+        return [entry for entry in self.samples if not entry.computed]
 
     def write(self, path: Path) -> Path:
         """Atomically, as one-space-indented JSON."""

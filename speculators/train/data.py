@@ -12,7 +12,6 @@ it never changes when the store grows. A pack is moved to its device, and noised
 from __future__ import annotations
 
 import hashlib
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from speculators.data.conversation import VALIDATION_PREFIX
 from speculators.data.store import HiddenStateStore
 from speculators.errors import SpeculatorsError
 from speculators.settings import aux_layers_missing_problem
+from speculators.train.plan import pack_plan
 
 if TYPE_CHECKING:
     import torch
@@ -108,24 +108,14 @@ class PackedStore:
         index = [stored.index(i) for i in layer_ids]
         self.aux_index = None if index == list(range(len(stored))) else index
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The entries' tokens, in the store's order (what the training plan packs)."""
+        return tuple(e.num_tokens for e in self.entries)
+
     def pack_plan(self, epoch: int) -> list[list[int]]:
         """Entry indices per pack; the order is shuffled per epoch (not for validation: seed < 0)."""
-        order = list(range(len(self.entries)))
-        if self.seed >= 0:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        packs: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        for index in order:
-            length = min(self.entries[index].num_tokens - 1, self.token_budget)
-            if current and used + length > self.token_budget:
-                packs.append(current)
-                current, used = [], 0
-            current.append(index)
-            used += length
-        if current:
-            packs.append(current)
-        return packs
+        return pack_plan(self.lengths, self.token_budget, self.seed, epoch)
 
     def load_pack(self, indices: list[int]) -> Pack:
         import torch

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculators.errors import INT64_MAX, SpeculatorsError
+from speculators.errors import SpeculatorsError
 from speculators.models.algorithms import algorithm_named, algorithm_of_checkpoint
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.settings import TrainConfig
@@ -16,6 +16,7 @@ from speculators.train.data import PackedStore
 from speculators.train.distributed import init_distributed, uses_bf16, wrap_model
 from speculators.train.objectives import objective_for
 from speculators.train.optim import build_optimizer
+from speculators.train.plan import TrainingPlan
 from speculators.train.validation import greedy_in_draft_vocab
 from speculators.train.vocab import load_draft_vocab
 from speculators.verifier.loading import VerifierHead, checkpoint_verifier_name, default_aux_layer_ids, local_model_dir
@@ -45,6 +46,7 @@ class Run:
     train_packs: PackedStore
     val_packs: PackedStore
     in_vocab: dict[int, torch.Tensor]  # per validation pack: the verifier's greedy token is in the draft vocab
+    plan: TrainingPlan  # which samples each optimizer step's packs hold (the producers' too, when streamed)
     steps_per_epoch: int
     total_steps: int
 
@@ -60,18 +62,6 @@ def packed_stores(config: TrainConfig) -> tuple[PackedStore, PackedStore]:
     store, budget, share = config.store, config.token_budget, config.validation_share
     train_packs = PackedStore(store, budget, "train", share, config.seed, loss_positions=config.loss_positions)
     return train_packs, PackedStore(store, budget, "validation", share, seed=-1)
-
-
-def steps_of_epochs(epochs: float, steps_per_epoch: int) -> int:
-    """Optimizer steps of `epochs` passes: at least 1, and a count a step counter holds (--epochs 1e308
-    would otherwise overflow, or train for ever)."""
-    steps = epochs * steps_per_epoch
-    if not steps < INT64_MAX:  # (also inf)
-        raise SpeculatorsError(
-            f"--epochs {epochs:g} makes {steps:g} optimizer steps ({steps_per_epoch} per epoch), more than a step "
-            f"counter holds; give fewer --epochs, or --max-steps"
-        )
-    return max(1, int(steps))
 
 
 def start_run(config: TrainConfig) -> Run:
@@ -95,14 +85,8 @@ def start_run(config: TrainConfig) -> Run:
     del verifier
     objective = objective_for(config, drafter, head)
     model = wrap_model(objective.forward_module(drafter), drafter, world, device, config.fsdp)
-    packs_per_step = world * config.grad_accumulation
-    steps_per_epoch = len(train_packs.pack_plan(0)) // packs_per_step
-    if steps_per_epoch == 0:
-        raise SpeculatorsError(
-            f"the store has fewer training packs ({len(train_packs.pack_plan(0))}) than one optimizer step uses "
-            f"({packs_per_step}); lower --token-budget or --grad-accumulation, or add data"
-        )
-    total_steps = config.max_steps or steps_of_epochs(config.epochs, steps_per_epoch)
+    plan = training_plan(config, train_packs, world)
+    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     return Run(
         config,
         rank,
@@ -115,8 +99,22 @@ def start_run(config: TrainConfig) -> Run:
         train_packs,
         val_packs,
         in_vocab,
+        plan,
         steps_per_epoch,
         total_steps,
+    )
+
+
+def training_plan(config: TrainConfig, train_packs: PackedStore, world: int) -> TrainingPlan:
+    """The run's plan over the training packs' samples on `world` processes."""
+    return TrainingPlan(
+        lengths=train_packs.lengths,
+        token_budget=config.token_budget,
+        seed=config.seed,
+        world=world,
+        grad_accumulation=config.grad_accumulation,
+        epochs=config.epochs,
+        max_steps=config.max_steps,
     )
 
 

@@ -25,14 +25,10 @@ def optimizer_step(run: Run, step: int, window: LogWindow) -> None:
     import torch
 
     config, world, model = run.config, run.world, run.model
-    epoch, in_epoch = divmod(step, run.steps_per_epoch)
-    plan = run.train_packs.pack_plan(epoch)
     set_lr(run.optimizers, lr_at(step, run.total_steps, config))
     losses: list[tuple[torch.Tensor, list[int], Pack]] = []
     for micro in range(config.grad_accumulation):
-        pack_index = (in_epoch * config.grad_accumulation + micro) * world + run.rank
-        # Greedy packing of another epoch's order may give a pack less than epoch 0 did.
-        entries = plan[pack_index % len(plan)]
+        entries = run.plan.pack_of(step, run.rank, micro)  # (speculators.train.plan: the pack-index rule)
         pack = to_device(run.train_packs.load_pack(entries), run.device)
         draw = (step * config.grad_accumulation + micro) * world + run.rank  # the pack's place in the run
         if config.aux_noise:  # seeded by the draw: a resumed run draws the same
