@@ -360,7 +360,7 @@ def index_samples(
     chosen = set(probe_indices(len(samples), probe))
     batches = [batch for batch in plan_batches(samples, batch_size) if chosen.intersection(batch)]
     probes = sorted(i for batch in batches for i in batch)
-    max_length = max((len(samples[i].input_ids) for i in probes), default=1)
+    max_length = max(len(s.input_ids) for s in samples)  # (datagen's: vLLM's chunking follows it)
     engines: list[CaptureFn] = []
     starting = 0.0  # seconds the engine took to start: not capture time
 
