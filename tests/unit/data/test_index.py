@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from speculators.atomic_io import write_jsonl_atomic
 from speculators.data.capture import capture_samples, index_samples, plan_batches, probe_indices
@@ -226,3 +227,19 @@ def test_cli_index_only_writes_its_report(tiny_verifier_dir, samples, full_store
     }
     actual = sum(e.bytes for e in full)
     assert abs(report["full_store_bytes_estimate"] - actual) < 0.05 * actual
+
+
+def test_the_tokens_file_keeps_tokens_and_image_parts_by_key(tmp_path):
+    from speculators.data.store import IndexTokens
+
+    parts = [{"type": "image", "path": "cat.png", "sha256": "ab" * 32}]
+    rows = [("0f" * 16, [5, 6, 7], [0, 1, 1], []), ("a1" * 16, [9, 8], [1, 0], parts)]
+    IndexTokens.write(tmp_path / INDEX_TOKENS, rows)
+    index = IndexTokens(tmp_path / INDEX_TOKENS)
+    ids, mask = index.tokens("a1" * 16)
+    assert ids.dtype == torch.long and ids.tolist() == [9, 8] and mask.tolist() == [True, False]
+    assert index.tokens("0f" * 16)[0].tolist() == [5, 6, 7] and index.tokens("00" * 16) is None
+    assert index.images == {"a1" * 16: parts}
+    (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SpeculatorsError, match=r"cannot be read as an index's tokens .*re-run 'speculators datagen"):
+        IndexTokens(tmp_path / "other.safetensors")
