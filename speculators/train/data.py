@@ -12,18 +12,22 @@ it never changes when the store grows. A pack is moved to its device, and noised
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.data.conversation import VALIDATION_PREFIX
-from speculators.data.store import HiddenStateStore
+from speculators.data.store import HiddenStateStore, index_refusal
 from speculators.errors import SpeculatorsError
 from speculators.settings import aux_layers_missing_problem
 from speculators.train.plan import pack_plan
 
 if TYPE_CHECKING:
     import torch
+
+# Set by a streamed run's supervisor for its trainer: the spool it reads the states from.
+STREAM_SPOOL_ENV = "SPECULATORS_STREAM_SPOOL"
 
 
 @dataclass
@@ -97,6 +101,10 @@ class PackedStore:
             raise SpeculatorsError(
                 f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
             )
+        # A trainer fed by a streamed run's spool reads the states the store lacks from there.
+        refusal = None if os.environ.get(STREAM_SPOOL_ENV) else index_refusal(self.manifest, store_dir, self.entries)
+        if refusal:
+            raise SpeculatorsError(refusal)
 
     def read_aux_layers(self, layer_ids: list[int]) -> None:
         """Packs hold the aux states of `layer_ids` (the drafter's, in its order) of the store's layers: a store

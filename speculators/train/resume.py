@@ -114,14 +114,15 @@ def store_content(store: str | Path) -> str:
     """Identity of a store's data: its verifier's fingerprint, the samples in data order (ids, content
     keys, shard checksums), the aux layers and storage, and the draft vocabulary's bytes. A store moved
     elsewhere keeps its identity; one with a sample more, less or recomputed, or a rebuilt vocabulary,
-    does not."""
+    does not. An index (datagen --index-only) has an identity too: its entries without states hash as
+    'none', so it differs from the complete store of the same data."""
     folder = Path(store)
     manifest = StoreManifest.read(folder / "manifest.json")
     digest = hashlib.sha256()
     header = [manifest.verifier.fingerprint, manifest.aux_layer_ids, manifest.target_layer_id, manifest.storage]
     digest.update(json.dumps(header).encode())
     for entry in manifest.samples:
-        digest.update(f"\n{entry.id}|{entry.key}|{entry.checksum}".encode())
+        digest.update(f"\n{entry.id}|{entry.key}|{entry.checksum or 'none'}".encode())  # (none: an index entry)
     vocab = folder / "draft_vocab.safetensors"
     digest.update(f"\nvocab:{file_sha256(vocab) if vocab.is_file() else 'none'}".encode())
     return digest.hexdigest()[:24]
