@@ -128,7 +128,8 @@ def test_a_bad_hidden_states_section_is_one_clear_error(tmp_path, hidden_states,
     path.write_text(json.dumps({**BASE, "hidden_states": hidden_states, "compute": compute}))
     with pytest.raises(VariantError) as error:
         load_variant(path)
-    assert str(error.value) == f"variant file {path}: {message}; fix that value (see speculators_assets/variants/*.yaml)"
+    hint = "fix that value (see speculators_assets/variants/*.yaml)"
+    assert str(error.value) == f"variant file {path}: {message}; {hint}"
 
 
 def test_a_data_from_variant_shares_its_partitions_mode(tmp_path, monkeypatch):
@@ -221,8 +222,7 @@ def test_the_index_and_the_streamed_run_report_their_metadata(tmp_path):
         fingerprint="f", name_or_path="v", model_type="llama", num_layers=8, hidden_size=64, vocab_size=512, dtype="f"
     )
     entries = [
-        SampleEntry(id=f"s{i}", key=f"k{i}", shard=f"shards/k{i}", num_tokens=10, supervised_tokens=5)
-        for i in range(5)
+        SampleEntry(id=f"s{i}", key=f"k{i}", shard=f"shards/k{i}", num_tokens=10, supervised_tokens=5) for i in range(5)
     ]
     entries[2] = entries[2].model_copy(update={"checksum": "c" * 64, "bytes": 2560})
     manifest = StoreManifest(
@@ -296,4 +296,3 @@ def test_the_k8s_trainer_pod_mounts_a_memory_spool_of_the_cap_where_it_is_off_th
     cases += [(variant({**GPU_STREAMED, "hidden_states": h}), TRAINED_DRAFTER) for h in (on_storage, left_out)]
     for v, step in cases:
         assert [volume.name for volume in built_pod(runner, v, step).spec.volumes] == ["storage", "dshm"], step
-
