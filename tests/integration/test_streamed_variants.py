@@ -296,3 +296,27 @@ def test_the_k8s_trainer_pod_mounts_a_memory_spool_of_the_cap_where_it_is_off_th
     cases += [(variant({**GPU_STREAMED, "hidden_states": h}), TRAINED_DRAFTER) for h in (on_storage, left_out)]
     for v, step in cases:
         assert [volume.name for volume in built_pod(runner, v, step).spec.volumes] == ["storage", "dshm"], step
+
+
+def test_the_demo_headline_shows_the_index_and_the_streamed_run():
+    from speculators_assets.demo import headline
+
+    hidden = {
+        "mode": "streamed", "samples": 720, "tokens": 200_000, "computed_samples": 16, "probe_tokens_per_second": 812.4,
+        "full_store_bytes_estimate": 943_718_400, "store_bytes": 3 * 2**20,
+    }  # fmt: skip
+    drafter = {
+        "steps": 300, "tokens_per_second": 5000.0, "full_accuracy_per_step": [0.5, 0.25], "acceptance_length": 1.5,
+        "acceptance_length_source": "replayed on validation samples", "mode": "streamed", "verifier_passes": 3.0,
+        "capture_tokens_per_second": 1500.0, "trainer_wait_share": 0.125, "producer_wait_share": 0.5,
+        "spool_peak_bytes": 2**29, "kept_bytes": 0,
+    }  # fmt: skip
+    lines = headline({"verifier_hidden_states": hidden, "trained_drafter": drafter}, {})
+    assert lines[0] == (
+        "hidden states: streamed; an index of 720 samples, 200000 tokens (16 probe shards: capture 812 tokens/s; a "
+        "full store would take 900.0 MiB, the index takes 3.0)"
+    )
+    assert lines[2] == (
+        "streamed states: 3.00 verifier passes over the training split at 1500 tokens/s; the trainer waited 12% of "
+        "its time, the producers 50%; spool peak 512.0 MiB, kept 0.0 MiB"
+    )
