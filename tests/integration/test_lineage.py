@@ -430,6 +430,6 @@ def test_a_streamed_partition_materializes_all_five_assets_without_a_store(linea
     assert summary["stream"]["mode"] == "streamed" and summary["stream"]["backend"] == "transformers"
     checkpoint = meta["speculator_checkpoint"]
     assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
-    assert meta["benchmark_report"]["acceptance_length"] > 1.5
+    assert meta["benchmark_report"]["acceptance_length"] > 1.2
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["values_finite"] and checks["counts_match_prepared_data"] and checks["passes_validate"]
