@@ -558,12 +558,16 @@ def index_metadata(manifest: StoreManifest, capture: DatagenReport, tokens: int)
     real, their capture tokens/s) and the bytes a full store of these samples would take, estimated from the
     probe's bytes per token (what streamed training does not write)."""
     computed = sum(1 for entry in manifest.samples if entry.computed)
-    per_token = capture.bytes_per_token
+    # (datagen --index-only reports both; a report without them: from its computed tokens and bytes per token)
+    estimate = getattr(capture, "full_store_bytes_estimate", None)
+    if estimate is None:
+        estimate = round(capture.bytes_per_token * tokens) if capture.bytes_per_token else 0
+    rate = getattr(capture, "probe_tokens_per_second", None) or capture.tokens_per_second or 0.0
     return {
         "computed_samples": computed,  # the probe, and any shards kept by streamed runs
         "index_samples": len(manifest.samples) - computed,
-        "probe_tokens_per_second": capture.tokens_per_second or 0.0,
-        "full_store_bytes_estimate": round(per_token * tokens) if per_token else 0,
+        "probe_tokens_per_second": rate,
+        "full_store_bytes_estimate": estimate,
     }
 
 
@@ -832,7 +836,12 @@ def stream_metadata(v: Variant, summary: TrainingSummary, out: Path) -> Metadata
             f"{out / 'summary.json'} records no `stream` section for a streamed run; train again with "
             f"--hidden-states streamed (materialize {TRAINED_DRAFTER} with force)"
         )
-    return {"mode": "streamed", **{name: stream.get(name, 0) for name in STREAM_METADATA}}
+    # (a rate is None where nothing was computed: every sample came from the store)
+    return {"mode": "streamed", **{name: none_as_zero(stream.get(name)) for name in STREAM_METADATA}}
+
+
+def none_as_zero(value: Any) -> Any:
+    return 0 if value is None else value
 
 
 @registered(

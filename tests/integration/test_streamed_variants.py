@@ -240,6 +240,9 @@ def test_the_index_and_the_streamed_run_report_their_metadata(tmp_path):
         "probe_tokens_per_second": 812.5,
         "full_store_bytes_estimate": 12800,
     }
+    measured = {"probe_tokens_per_second": 900.0, "full_store_bytes_estimate": 12000}  # (datagen --index-only's)
+    indexed = DatagenReport.model_validate({**report.model_dump(), "mode": "index", **measured})
+    assert index_metadata(manifest, indexed, 50) == {"computed_samples": 1, "index_samples": 4, **measured}
 
     summary = {
         "steps": 4, "epochs": 1.0, "train_tokens": 40, "train_seconds": 1.0, "tokens_per_second": 40.0,
@@ -262,6 +265,9 @@ def test_the_index_and_the_streamed_run_report_their_metadata(tmp_path):
         "kept_bytes": 0,
         "capture_tokens_per_second": 95.5,
     }
+    from_store = {**stream, "capture_tokens_per_second": None, "verifier_passes": 0.0}  # (nothing computed)
+    metadata = stream_metadata(streamed, TrainingSummary.model_validate({**summary, "stream": from_store}), tmp_path)
+    assert (metadata["capture_tokens_per_second"], metadata["verifier_passes"]) == (0, 0.0)
     assert stream_metadata(variant(BASE), TrainingSummary.model_validate(summary), tmp_path) == {"mode": "stored"}
     with pytest.raises(StepFailed, match=re.escape(f"{tmp_path / 'summary.json'} records no `stream` section")):
         stream_metadata(streamed, TrainingSummary.model_validate(summary), tmp_path)
