@@ -413,7 +413,10 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         **regeneration,
         **(quantized if answers else {}),  # (tokenizing alone runs no model)
     )
-    # (transformers keeps its default batch: padded eager attention grows with it)
+    # (transformers keeps its default batch: padded eager attention grows with it.) Streamed: the probe's
+    # batches are the producers' (its tokens/s is then theirs; it computes each probe sample's whole batch, so a
+    # regeneration-sized batch would compute most of a small data set).
+    probe_batch = {"batch_size": stream_batch_size(v)} if v.hidden_states.streamed else {}
     capture = CaptureSettings(
         data=str(data / "samples.jsonl"),
         verifier=v.verifier,
@@ -426,7 +429,7 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         # The store is this asset's own: when the variant's verifier or aux ids change it follows them
         # (its other shards stay, keyed by content).
         overwrite=True,
-        **({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}),
+        **{**({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}), **probe_batch},
         **quantized,
         **nodes,
     )

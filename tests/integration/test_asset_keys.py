@@ -37,7 +37,7 @@ KEYS = {
     "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "f8cd70862116"),
     # the demo's data with streamed hidden states: its prompts' key is the demo's; its store is an index (own key)
     # and its drafter's key holds how the states are computed
-    "smollm2_135m_streamed": ("833306b68c26", "33129206e25b", "38a623183b7a", "27a20f27c883"),
+    "smollm2_135m_streamed": ("833306b68c26", "527e4952ffb7", "e0750d5a0d20", "27a20f27c883"),
 }
 
 

@@ -55,7 +55,8 @@ def test_the_streamed_demo_is_the_demo_with_streamed_hidden_states_and_every_oth
     streamed, demo = variants["smollm2_135m_streamed"], variants["smollm2_135m"]
     assert [name for name, v in variants.items() if v.hidden_states.streamed] == ["smollm2_135m_streamed"]
     hidden = streamed.hidden_states
-    assert (hidden.mode, hidden.keep, hidden.spool, hidden.spool_gib, hidden.probe) == ("streamed", "none", None, 2, 16)
+    assert (hidden.mode, hidden.keep, hidden.spool, hidden.spool_gib) == ("streamed", "none", None, 2)
+    assert (hidden.batch_size, hidden.probe) == (8, 4)
     assert streamed.data_from is None and not streamed.needs_gpu and streamed.trainer_processes == 1
     left_out = {"name", "description", "hidden_states"}
     assert streamed.model_dump(exclude=left_out) == demo.model_dump(exclude=left_out)
@@ -162,8 +163,14 @@ def test_a_streamed_variants_store_is_an_index_with_a_probe(tmp_path):
     prepare, datagen, vocab = hidden_state_commands(streamed, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
     stored = hidden_state_commands(demo, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
     assert prepare == stored[0] and vocab == stored[2]  # the same tokenization and vocabulary command
-    assert datagen == [*stored[1], "--index-only", "--probe", "16"]
-    assert "--index-only" not in stored[1]
+    # the probe runs at the producers' batch (8), not the demo's regeneration-sized capture batch (256)
+    at = stored[1].index("--batch-size")
+    assert stored[1][at : at + 2] == ["--batch-size", "256"]
+    assert datagen == [*stored[1][: at + 1], "8", *stored[1][at + 2 :], "--index-only", "--probe", "4"]
+    # transformers: datagen's capture batch (4) unless hidden_states.batch_size says otherwise
+    tiny = variant({**BASE, "hidden_states": {"mode": "streamed", "batch_size": 1, "probe": 1}})
+    _, index, _ = hidden_state_commands(tiny, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
+    assert index[-6:] == ["--batch-size", "1", "--overwrite", "--index-only", "--probe", "1"]
 
 
 def test_a_streamed_variant_trains_with_the_streamed_flags(tmp_path):
@@ -176,7 +183,7 @@ def test_a_streamed_variant_trains_with_the_streamed_flags(tmp_path):
         *stored,
         *("--hidden-states", "streamed", "--spool-gib", "2", "--lookahead-steps", "4", "--keep", "none"),
         *("--stream-backend", "vllm", "--stream-replicas", "1", "--stream-tensor-parallel-size", "1"),
-        *("--stream-batch-size", "256", "--stream-dtype", "auto", "--trainer-processes", "1"),
+        *("--stream-batch-size", "8", "--stream-dtype", "auto", "--trainer-processes", "1"),
     ]
     # On 8 GPUs: 3 verifier replicas of TP 2 take 6, the trainer the other 2 (the supervisor starts its torchrun),
     # in a spool folder of the run's own under hidden_states.spool.
