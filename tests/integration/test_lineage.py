@@ -414,7 +414,7 @@ def test_a_streamed_partition_materializes_all_five_assets_without_a_store(linea
     assert (hidden["computed_samples"], hidden["index_samples"]) == (1, 7)
     assert hidden["data_version"] == stored["verifier_hidden_states"]["data_version"]
     assert hidden["probe_tokens_per_second"] > 0 and hidden["full_store_bytes_estimate"] > 0
-    assert hidden["store_bytes"] < stored["verifier_hidden_states"]["store_bytes"] / 4
+    assert hidden["store_bytes"] < stored["verifier_hidden_states"]["store_bytes"] / 2  # (one shard of eight)
     store = Path(hidden["path"])
     drafter = meta["trained_drafter"]
     assert drafter["mode"] == "streamed" and drafter["key"] != stored["trained_drafter"]["key"]
