@@ -322,7 +322,6 @@ class BenchmarkSettings(BenchProfile, Strict):
     pass
 
 
-HIDDEN_STATES_MODES = ("stored", "streamed")
 KEEP_FORM = "none, all, or a number of GiB above 0 (e.g. 20)"
 MAX_PROBE_SAMPLES = 4096  # a probe measures: a few dozen samples tell the capture tokens/s and finite values
 
