@@ -516,7 +516,7 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
     step.check(
         "values_finite",
         verified.returncode == 0,
-        ("every probe shard" if streamed else "every shard") + " re-read: checksums, shapes and finite values"
+        ("every computed shard" if streamed else "every shard") + " re-read: checksums, shapes and finite values"
         if verified.returncode == 0
         else (verified.stdout + verified.stderr).strip()[-2000:],
     )
