@@ -7,7 +7,8 @@
 - new: the worker casts each layer to the store's format before the copy (storage = the store's).
 
 For each store format (bfloat16, fp8_e4m3) each path writes OUT/<path>-<format>/ through datagen's own
-capture_missing; OUT/dtypes.json says what each path handed the host (the dtype of the first prompt's states).
+capture_missing; OUT/dtypes.json says what each path handed the host (the dtype of the first prompt's states),
+OUT/threads.json this process's torch threads before, while and after the engine runs.
 The verifier runs in fp32, so the bf16 cast and the fp8 quantization are real work on either side.
 """
 
@@ -17,6 +18,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from speculators.data.capture import capture_missing, plan_batches, sample_keys
 from speculators.data.capture_vllm import VllmCapture
@@ -28,6 +31,7 @@ AUX = [0, 2, 4]
 
 
 def main(verifier: str, samples_path: str, out: str) -> None:
+    threads_before = torch.get_num_threads()
     facts = VerifierFacts.from_source(verifier, dtype="float32")
     samples = read_samples(samples_path)
     capture_ids = [*AUX, facts.num_layers]
@@ -47,8 +51,11 @@ def main(verifier: str, samples_path: str, out: str) -> None:
                 samples, keys, batches, store, facts, storage, lambda: capture.capture, False, time.perf_counter()
             )
             assert len(written) == len(samples), written
+    threads = {"engine up": torch.get_num_threads()}
     capture.close()
+    threads["engine closed"] = torch.get_num_threads()
     (Path(out) / "dtypes.json").write_text(json.dumps(dtypes))
+    (Path(out) / "threads.json").write_text(json.dumps({"before": threads_before, **threads}))
     print("capture paths probe: 4 stores written", flush=True)
 
 

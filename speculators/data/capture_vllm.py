@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from speculators.data.store import CapturedStates, Fp8States, quantize_fp8
 from speculators.errors import SpeculatorsError
+from speculators.precision import on_cpu_build
 from speculators.serving.engine import shutdown_engine, verifier_engine_kwargs
 from speculators.serving.multinode import start_offline_engine
 from speculators.verifier.vision import collapse_placeholders, load_image
@@ -421,6 +422,16 @@ class VllmCapture:
         # only with this set (set before the plan, which carries it to the other nodes).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = start_offline_engine(kwargs, nodes)
+        self.host_threads: int | None = None  # this process's torch threads before the engine's start (close restores)
+        if on_cpu_build():
+            import torch
+
+            self.host_threads = torch.get_num_threads()
+            # vLLM's CPU workers hold this machine's cores (their OpenMP threads bound there; its processes
+            # busy-wait on their shared-memory queues for a second after each call): a parallel region here,
+            # assembling or writing shards, waits on a thread they deschedule (measured on 2 loaded cores:
+            # shard writes 8x slower with two threads than with one).
+            torch.set_num_threads(1)
         (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids, storage)))
         # vLLM falls back from V2 to V1 with only a log line; say which one captures (gpu_check reads it).
         self.model_runner: str = "/".join(sorted(set(self.llm.collective_rpc(model_runner_of))))
@@ -440,6 +451,10 @@ class VllmCapture:
         shutdown_engine(self.llm)
         del self.llm
         gc.collect()
+        if self.host_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.host_threads)
 
     def __call__(
         self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None

@@ -1,7 +1,8 @@
 """vLLM capture casts to the store's format in the worker (speculators/data/capture_vllm.py, record_state):
 the shards it writes are bitwise the ones the old path wrote (fp32 out of the worker, cast on the host),
 for a bf16 store and an fp8 one, with the worker handing over the store's dtype. One engine (vLLM's CPU
-build) serves both paths, in a process of its own (tests/capture_paths_probe.py)."""
+build) serves both paths, in a process of its own (tests/capture_paths_probe.py), which runs one torch
+thread while the engine's workers hold the cores."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_shards_written_from_states_cast_in_the_worker_equal_the_old_paths_bitwi
         "old-fp8_e4m3": "torch.float32",
         "new-fp8_e4m3": "torch.float8_e4m3fn",  # (and one fp32 scale per token and layer)
     }
+    threads = json.loads((out / "threads.json").read_text())  # (pytest runs with OMP_NUM_THREADS set or not)
+    assert threads["engine up"] == 1 and threads["engine closed"] == threads["before"]  # vLLM's workers own the cores
     for storage in ("bfloat16", "fp8_e4m3"):
         old, new = out / f"old-{storage}", out / f"new-{storage}"
         shards = sorted(p.relative_to(old) for p in old.rglob("*.safetensors"))
