@@ -15,7 +15,9 @@ off. With tensor parallelism the residual stream is all-reduced after every laye
 the full hidden states; only TP rank 0 records them.
 
 Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
-tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
+tensors in Python) and the states come back through `collective_rpc`, already in the store's format: each
+layer is cast (or fp8-quantized) where the model ran, before its one copy to the host (record_state), so
+the copy and the transfer move the store's bytes, not fp32's. Rows are keyed by request and
 position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
 requests by their scheduled token counts (`sort_batch_req_ids`), and any runner chunks a long prefill
 over several steps. (Capture runs eager, so no step is padded for a CUDA graph; rows past a layout's

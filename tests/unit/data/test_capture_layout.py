@@ -11,7 +11,7 @@ import torch
 
 from speculators import precision
 from speculators.data import capture_vllm
-from speculators.data.store import Fp8States, quantize_fp8
+from speculators.data.store import Fp8States, HiddenStateStore, quantize_fp8
 from speculators.errors import SpeculatorsError
 from speculators.serving import engine
 from tests.engine_probe import forbid_cuda_in_this_process
@@ -117,6 +117,28 @@ def test_fp8_states_quantized_in_the_worker_assemble_bitwise_to_the_hosts_quanti
         37,
     ]
     assert states[0].values.untyped_storage().data_ptr() == first["states"].untyped_storage().data_ptr()
+
+
+def test_a_shard_written_from_fp8_states_is_the_one_written_from_the_states_and_bad_ones_are_refused(tmp_path):
+    """write_sample takes states quantized in the worker as they are: the same file as quantizing on the
+    host; an inf anywhere (its row's scale is inf) is refused as before, and fp8 states for a bf16 store
+    are refused in one line."""
+    store = HiddenStateStore(tmp_path)
+    states = reference_states([list(range(9))])[0]  # [9, 3, 4]: two aux layers and the last
+    ids, mask = torch.arange(9), torch.ones(9, dtype=torch.bool)
+    key_a, key_b = "a" * 32, "b" * 32
+    host = store.write_sample(key_a, "s", ids, mask, states[:, :-1], states[:, -1], "fp8_e4m3")
+    quantized = Fp8States(*quantize_fp8(states))
+    worker = store.write_sample(key_b, "s", ids, mask, quantized[:, :-1], quantized[:, -1], "fp8_e4m3")
+    assert host[1] == worker[1] and store.shard_path(key_a).read_bytes().replace(key_a.encode(), key_b.encode()) == (
+        store.shard_path(key_b).read_bytes()
+    )  # (the shard's metadata names its key)
+    states[4, 1, 2] = float("inf")
+    quantized = Fp8States(*quantize_fp8(states))
+    with pytest.raises(SpeculatorsError, match=r"^sample s has non-finite hidden states"):
+        store.write_sample(key_b, "s", ids, mask, quantized[:, :-1], quantized[:, -1], "fp8_e4m3")
+    with pytest.raises(SpeculatorsError, match=r"^sample s's states were quantized to fp8 for a bfloat16 store; "):
+        store.write_sample(key_b, "s", ids, mask, quantized[:2, :-1], quantized[:2, -1], "bfloat16")
 
 
 def test_a_prompt_whose_rows_are_incomplete_is_refused_with_one_line():
