@@ -397,7 +397,7 @@ def capture_engine_kwargs(
 class VllmCapture:
     """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`;
     over several nodes, `nodes`, node rank 0's engine, whose arguments the others follow), in the store's
-    format `storage` (cast on the device: on_the_host; fp8 as Fp8States; float32 keeps every bit of any
+    format `storage` (cast on the device: record_state; fp8 as Fp8States; float32 keeps every bit of any
     model dtype, as before the cast moved to the device)."""
 
     def __init__(
