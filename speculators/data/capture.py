@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,6 +29,7 @@ from speculators.atomic_io import exclusive_lock, write_text_atomic
 from speculators.data.capture_vllm import VllmCapture
 from speculators.data.store import (
     STORAGE_FORMATS,
+    CapturedStates,
     HiddenStateStore,
     IndexTokens,
     SampleEntry,
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
 
 
 # token id lists (and each one's image parts, for a vision-language verifier) -> states
-# [T, len(capture ids), H] per prompt
-CaptureFn = Callable[[list[list[int]], list[list[dict[str, str]]]], list["torch.Tensor"]]
+# [T, len(capture ids), H] per prompt (the vllm backend's already in the store's format: Fp8States for fp8)
+CaptureFn = Callable[[list[list[int]], list[list[dict[str, str]]]], Sequence[CapturedStates]]
 WINDOW = 8  # small: appended data shares at most one window (re-batched) with old data
 
 
@@ -183,7 +184,10 @@ def make_capture_fn(
     tensor_parallel_size: int = 1,
     batch_size: int = 4,
     nodes: MultiNode | None = None,
+    storage: str = "float32",
 ) -> CaptureFn:
+    """The capture function of `backend`. `storage`: the format of the store its states go to; vLLM's workers
+    cast them to it before they leave the device (float32, the default, keeps every bit for any store)."""
     if backend == "transformers":
         if not isinstance(verifier, Verifier):
             raise SpeculatorsError("the transformers backend captures with a loaded verifier (load_verifier)")
@@ -201,6 +205,7 @@ def make_capture_fn(
             image_token_id=verifier.image_inputs.tokens.image_token_id if verifier.is_vision_language else None,
             quantization=verifier.quantization,
             nodes=nodes,
+            storage=storage,
         )
     raise SpeculatorsError(f"unknown datagen backend '{backend}'; use transformers or vllm")
 
@@ -273,7 +278,9 @@ def capture_samples(
     max_length = max(len(s.input_ids) for s in samples)
 
     def start_capture() -> CaptureFn:  # on first need: a fully reused store starts no engine
-        return make_capture_fn(backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes)
+        return make_capture_fn(
+            backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes, storage
+        )
 
     written, computed, computed_tokens = capture_missing(
         samples, keys, batches, store, verifier, storage, start_capture, progress, started

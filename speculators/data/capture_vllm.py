@@ -15,7 +15,9 @@ off. With tensor parallelism the residual stream is all-reduced after every laye
 the full hidden states; only TP rank 0 records them.
 
 Each batch is prefilled once (one sampled token, prefix caching off, eager mode: the hooks record
-tensors in Python) and the states come back through `collective_rpc`. Rows are keyed by request and
+tensors in Python) and the states come back through `collective_rpc`, already in the store's format: each
+layer is cast (or fp8-quantized) where the model ran, before its one copy to the host (record_state), so
+the copy and the transfer move the store's bytes, not fp32's. Rows are keyed by request and
 position, never by submission order: CUDA vLLM 0.32 runs Model Runner V2, which orders each step's
 requests by their scheduled token counts (`sort_batch_req_ids`), and any runner chunks a long prefill
 over several steps. (Capture runs eager, so no step is padded for a CUDA graph; rows past a layout's
@@ -42,7 +44,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from speculators.data.store import CapturedStates, Fp8States, quantize_fp8
 from speculators.errors import SpeculatorsError
+from speculators.precision import on_cpu_build
 from speculators.serving.engine import shutdown_engine, verifier_engine_kwargs
 from speculators.serving.multinode import start_offline_engine
 from speculators.verifier.vision import collapse_placeholders, load_image
@@ -58,6 +62,34 @@ if TYPE_CHECKING:
 _RECORDS: list[dict[str | int, Any]] = []
 _RUNNER: Any = None  # the worker's model runner, whose batch layout each record takes
 _V2_LAYOUT: dict[str, list] | None = None  # Model Runner V2: the layout of the step about to run
+
+
+def record_state(
+    record: dict[str | int, Any], layer_id: int, value: torch.Tensor, capture_ids: list[int], storage: str
+) -> None:
+    """Put one layer's states of a forward pass into its record, cast to the store's format `storage` on the
+    device (where the model ran) before the one copy to the host: the copy, and collective_rpc's transfer
+    after it, move the store's bytes (bf16: half of fp32's; fp8: values and per-row scales, quantize_fp8's)
+    rather than fp32. Casting there or on the host rounds alike, so the shards are bitwise the same. The
+    record's host buffer is layer-major ([len(capture_ids), rows, H]): each layer lands in one contiguous
+    copy, and the rows of a request are views of it (no stacking on the host)."""
+    import torch
+
+    value = value.detach()
+    if storage == "fp8_e4m3":
+        values, scale = quantize_fp8(value)
+    else:
+        values, scale = value.to(torch.bfloat16 if storage == "bfloat16" else torch.float32), None
+    if "states" not in record:
+        record["states"] = torch.empty((len(capture_ids), *values.shape), dtype=values.dtype)
+        if scale is not None:
+            record["scales"] = torch.empty((len(capture_ids), *scale.shape), dtype=scale.dtype)
+    for column, wanted in enumerate(capture_ids):
+        if wanted == layer_id:
+            record["states"][column].copy_(values)
+            if scale is not None:
+                record["scales"][column].copy_(scale)
+    record["recorded"].append(layer_id)
 
 
 def batch_layout(req_ids: Sequence[str], starts: Iterable[Any], counts: Iterable[Any]) -> dict[str, list]:
@@ -151,8 +183,9 @@ def language_model_of(model: Any) -> Any:
     return model.get_language_model() if hasattr(model, "get_language_model") else model
 
 
-def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
-    """Runs in each worker: records input ids and the requested residual-stream states; returns N."""
+def install_capture_hooks(capture_ids: list[int], model: Any, storage: str = "float32") -> int:
+    """Runs in each worker: records input ids and the requested residual-stream states (cast to `storage`,
+    the store's format, on the device: record_state); returns N."""
     base = getattr(language_model_of(model), "model", None)
     needed = ("embed_input_ids", "layers")
     exposes = hasattr(base, "_maybe_add_hidden_state") or hasattr(base, "aux_hidden_state_layers")
@@ -171,14 +204,14 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
         # Every forward embeds its token ids first (the compiled-model wrapper skips module hooks).
         embeddings = type(base).embed_input_ids(base, input_ids)
         if recording:
-            _RECORDS.append({"layout": current_layout(), "input_ids": input_ids.detach().cpu().clone()})
+            _RECORDS.append({"layout": current_layout(), "input_ids": input_ids.detach().cpu().clone(), "recorded": []})
             if returned_aux and 0 in wanted:  # id 0, the embeddings (see install_returned_aux_capture)
-                _RECORDS[-1][0] = embeddings.detach().float().cpu().clone()
+                record_state(_RECORDS[-1], 0, embeddings, capture_ids, storage)
         return embeddings
 
     base.embed_input_ids = embed_input_ids
     if returned_aux:
-        return install_returned_aux_capture(base, wanted, recording)
+        return install_returned_aux_capture(base, capture_ids, recording, storage)
     original = type(base)._maybe_add_hidden_state
 
     def maybe_add_hidden_state(
@@ -186,7 +219,7 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     ) -> list[torch.Tensor]:
         if recording and layer_idx in wanted:
             value = hidden if residual is None else hidden + residual
-            _RECORDS[-1][layer_idx] = value.detach().float().cpu().clone()
+            record_state(_RECORDS[-1], layer_idx, value, capture_ids, storage)
         return original(base, aux, layer_idx, hidden, residual)
 
     # Instance attributes shadow the class methods that the model's forward calls.
@@ -194,13 +227,13 @@ def install_capture_hooks(capture_ids: list[int], model: Any) -> int:
     return len(base.layers)
 
 
-def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -> int:
+def install_returned_aux_capture(base: Any, capture_ids: list[int], recording: bool, storage: str) -> int:
     """For models whose forward adds `hidden + residual` itself for the ids in `aux_hidden_state_layers`
     and returns them beside its output (vLLM's DeepseekV2Model: DeepSeek-V2/V3, Mistral Large 3): ask
     for our ids, record what comes back and return the output alone, as without EAGLE-3. Id 0 (the
     embeddings) is recorded where they are made: this forward adds `hidden + residual` with no residual
     yet there (a TypeError in vLLM; its drafters never ask for id 0)."""
-    ids = tuple(sorted(wanted - {0}))
+    ids = tuple(sorted(set(capture_ids) - {0}))
     served = base.aux_hidden_state_layers
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -210,7 +243,7 @@ def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -
         hidden, aux = output
         if recording:  # one state per requested id, in increasing id order
             for layer_id, value in zip(ids, aux, strict=True):
-                _RECORDS[-1][layer_id] = value.detach().float().cpu().clone()
+                record_state(_RECORDS[-1], layer_id, value, capture_ids, storage)
         return hidden
 
     forward.served_aux_layers = served  # type: ignore[attr-defined]
@@ -219,15 +252,15 @@ def install_returned_aux_capture(base: Any, wanted: set[int], recording: bool) -
     return len(base.layers)
 
 
-def install_capture(worker: Any, capture_ids: list[int]) -> int:
+def install_capture(worker: Any, capture_ids: list[int], storage: str = "float32") -> int:
     """Runs in each worker (LLM.collective_rpc): the layout probe on its model runner, the hooks on its
-    model; returns the verifier's layer count."""
+    model (recording states in `storage`, the store's format); returns the verifier's layer count."""
     global _RUNNER
     runner = worker.model_runner
     if runner_is_v2(runner):
         install_v2_layout_probe(runner)
     _RUNNER = runner
-    return install_capture_hooks(capture_ids, worker.get_model())
+    return install_capture_hooks(capture_ids, worker.get_model(), storage)
 
 
 def model_runner_of(worker: Any) -> str:
@@ -266,37 +299,53 @@ def fetch_records(model: Any) -> list[dict[str | int, Any]] | None:
 
 def assemble_states(
     records: list[dict[str | int, Any]], prompts: list[list[int]], capture_ids: list[int]
-) -> list[torch.Tensor]:
-    """Each prompt's [T, len(capture_ids), H] states from the forward passes' records, in any row order
-    and any chunking: rows are keyed by (request, position) through each record's layout (a position
-    computed twice, as after a preemption, keeps its later row); each request's positions must run
-    from 0 without a gap, and its token ids pick its prompt (identical prompts have identical states,
-    so either may take either). A row past a prompt's end (a decode step) is ignored."""
+) -> list[CapturedStates]:
+    """Each prompt's [T, len(capture_ids), H] states (Fp8States for an fp8 store) from the forward passes'
+    records, in any row order and any chunking: rows are keyed by (request, position) through each record's
+    layout (a position computed twice, as after a preemption, keeps its later row); each request's positions
+    must run from 0 without a gap, and its token ids pick its prompt (identical prompts have identical
+    states, so either may take either). A row past a prompt's end (a decode step) is ignored. A prompt
+    prefilled in one step keeps its rows as views of the record's buffer (no copy on the host)."""
     import torch
 
-    runs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # request -> (start, ids, states)
+    # request -> (start, ids, (states, scales?)), the states [rows, n, H] and scales [rows, n] of one step
+    runs: dict[str, list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]]] = {}
     for record in records:
         layout = record.get("layout")
         if layout is None:  # a batch the runner made up (profiling, a dummy run): no request's rows
             continue
+        missing = sorted(set(capture_ids) - set(record["recorded"]))
+        if missing:
+            raise SpeculatorsError(
+                f"a vLLM forward pass recorded no states at layer ids {missing}; this is a bug in capture: capture "
+                f"the store with --backend transformers meanwhile"
+            )
+        columns = [record[name].transpose(0, 1) for name in ("states", "scales") if name in record]
         row = 0
         for req, start, count in zip(layout["req_ids"], layout["starts"], layout["counts"], strict=True):
-            chunk = torch.stack([record[i][row : row + count] for i in capture_ids], dim=1)
+            chunk = tuple(column[row : row + count] for column in columns)
             runs.setdefault(req, []).append((start, record["input_ids"][row : row + count], chunk))
             row += count
-    states: dict[str, torch.Tensor] = {}
+    states: dict[str, tuple[torch.Tensor, ...]] = {}
     by_tokens: dict[tuple[int, ...], list[str]] = {}  # a request's tokens from position 0 without a gap
     for req, parts in runs.items():
         length = max(start + len(ids) for start, ids, _ in parts)
         tokens = torch.full((length,), -1, dtype=parts[0][1].dtype)
         filled = torch.zeros(length, dtype=torch.bool)
-        states[req] = parts[0][2].new_zeros((length, *parts[0][2].shape[1:]))
+        one_step = len(parts) == 1 and parts[0][0] == 0
+        if one_step:
+            states[req] = parts[0][2]
+        else:
+            states[req] = tuple(column.new_zeros((length, *column.shape[1:])) for column in parts[0][2])
         for start, ids, chunk in parts:  # in forward order: a recomputed position keeps its later row
             end = start + len(ids)
-            tokens[start:end], states[req][start:end], filled[start:end] = ids, chunk, True
+            tokens[start:end], filled[start:end] = ids, True
+            if not one_step:
+                for whole, piece in zip(states[req], chunk, strict=True):
+                    whole[start:end] = piece
         complete = int(filled.long().cumprod(0).sum())
         by_tokens.setdefault(tuple(tokens[:complete].tolist()), []).append(req)
-    out = []
+    out: list[CapturedStates] = []
     for index, prompt in enumerate(prompts):
         key = tuple(prompt)
         candidates = by_tokens.get(key)
@@ -310,7 +359,8 @@ def assemble_states(
                 f"bug in capture: capture the store with --backend transformers meanwhile"
             )
         req = candidates.pop(0)
-        out.append(states[req][: len(prompt)])
+        found = [column[: len(prompt)] for column in states[req]]
+        out.append(Fp8States(*found) if len(found) == 2 else found[0])
     return out
 
 
@@ -346,7 +396,9 @@ def capture_engine_kwargs(
 
 class VllmCapture:
     """Captures [T, len(capture_ids), H] states per prompt with a vLLM engine (TP over `tensor_parallel_size`;
-    over several nodes, `nodes`, node rank 0's engine, whose arguments the others follow)."""
+    over several nodes, `nodes`, node rank 0's engine, whose arguments the others follow), in the store's
+    format `storage` (cast on the device: record_state; fp8 as Fp8States; float32 keeps every bit of any
+    model dtype, as before the cast moved to the device)."""
 
     def __init__(
         self,
@@ -359,6 +411,7 @@ class VllmCapture:
         image_token_id: int | None = None,
         quantization: str | None = None,
         nodes: MultiNode | None = None,
+        storage: str = "float32",
     ):
 
         self.capture_ids = list(capture_ids)
@@ -371,12 +424,26 @@ class VllmCapture:
         # only with this set (set before the plan, which carries it to the other nodes).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = start_offline_engine(kwargs, nodes)
-        (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids,)))
+        self.host_threads: int | None = None  # this process's torch threads before the engine's start (close restores)
+        if on_cpu_build():
+            import torch
+
+            self.host_threads = torch.get_num_threads()
+            # vLLM's CPU workers hold this machine's cores (their OpenMP threads bound there; its processes
+            # busy-wait on their shared-memory queues for a second after each call): a parallel region here,
+            # assembling or writing shards, waits on a thread they deschedule (measured on 2 loaded cores:
+            # shard writes 8x slower with two threads than with one).
+            torch.set_num_threads(1)
+        (num_layers,) = set(self.llm.collective_rpc(install_capture, args=(self.capture_ids, storage)))
         # vLLM falls back from V2 to V1 with only a log line; say which one captures (gpu_check reads it).
         self.model_runner: str = "/".join(sorted(set(self.llm.collective_rpc(model_runner_of))))
         print(f"capture: vLLM's Model Runner {self.model_runner}", flush=True)
         if max(self.capture_ids) > num_layers:
             raise SpeculatorsError(f"layer ids {self.capture_ids} exceed the verifier's {num_layers} layers")
+
+    def record_as(self, storage: str) -> None:
+        """Record the states of later prompts in another store format (the hooks installed again)."""
+        self.llm.collective_rpc(install_capture, args=(self.capture_ids, storage))
 
     def close(self) -> None:
         """Stop vLLM's engine processes now rather than at interpreter exit (where its threads abort)."""
@@ -386,13 +453,19 @@ class VllmCapture:
         shutdown_engine(self.llm)
         del self.llm
         gc.collect()
+        if self.host_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.host_threads)
 
     def __call__(
         self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None
-    ) -> list[torch.Tensor]:
+    ) -> list[CapturedStates]:
         return self.capture(prompts, images)
 
-    def capture(self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None) -> list[torch.Tensor]:
+    def capture(
+        self, prompts: list[list[int]], images: list[list[dict[str, str]]] | None = None
+    ) -> list[CapturedStates]:
         """States of each prompt; a prompt with images holds their expanded placeholders, which are
         collapsed to one per image for vLLM (its processor expands them again from the pixels)."""
         from vllm import SamplingParams

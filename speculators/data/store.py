@@ -308,6 +308,29 @@ class IndexTokens:
         return ids, self.handle.get_slice("loss_mask")[start:end].to(torch.bool)
 
 
+@dataclass(frozen=True)
+class Fp8States:
+    """States already quantized (`quantize_fp8`, where they were computed: vLLM's worker casts on the device so a
+    quarter of the fp32 bytes reach the host): `values` [..., H] float8_e4m3fn and `scale` [...] fp32, one per
+    row. Indexing applies to both, as it would to the states they stand for (never index the last dim)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def __getitem__(self, index: typing.Any) -> Fp8States:
+        return Fp8States(self.values[index], self.scale[index])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+CapturedStates = typing.Union["torch.Tensor", Fp8States]  # a capture's states: as computed, or quantized for fp8
+
+
 @dataclass
 class StoredSample:
     input_ids: torch.Tensor  # [T] long
@@ -390,16 +413,20 @@ class HiddenStateStore:
         sample_id: str,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        aux: torch.Tensor,
-        target: torch.Tensor,
+        aux: CapturedStates,
+        target: CapturedStates,
         storage: str,
         position_ids: torch.Tensor | None = None,
     ) -> tuple[str, int]:
-        """Write one shard atomically; returns (sha256, bytes). Refuses non-finite states."""
+        """Write one shard atomically; returns (sha256, bytes). Refuses non-finite states. `aux` and `target`
+        may come quantized already (Fp8States, for an fp8 store): written as they are."""
         import torch
         from safetensors.torch import save_file
 
-        if not (torch.isfinite(aux).all() and torch.isfinite(target).all()):
+        # A quantized row with an inf or a NaN has a non-finite scale (amax propagates both), so the scales
+        # tell what the states would have.
+        finite = [x.scale if isinstance(x, Fp8States) else x for x in (aux, target)]
+        if not all(torch.isfinite(x).all() for x in finite):
             raise SpeculatorsError(
                 f"sample {sample_id} has non-finite hidden states; the verifier overflows in this dtype "
                 f"(try --dtype float32)"
@@ -408,7 +435,15 @@ class HiddenStateStore:
             "input_ids": input_ids.to(torch.long).contiguous(),
             "loss_mask": loss_mask.to(torch.bool).contiguous(),
         }
-        if storage == "fp8_e4m3":
+        if isinstance(aux, Fp8States) or isinstance(target, Fp8States):
+            if storage != "fp8_e4m3" or not (isinstance(aux, Fp8States) and isinstance(target, Fp8States)):
+                raise SpeculatorsError(
+                    f"sample {sample_id}'s states were quantized to fp8 for a {storage} store; capture them for "
+                    f"storage {storage} (make_capture_fn's storage)"
+                )
+            tensors["aux_hidden_states"], tensors["aux_scale"] = aux.values, aux.scale
+            tensors["target_hidden_states"], tensors["target_scale"] = target.values, target.scale
+        elif storage == "fp8_e4m3":
             tensors["aux_hidden_states"], tensors["aux_scale"] = quantize_fp8(aux)
             tensors["target_hidden_states"], tensors["target_scale"] = quantize_fp8(target)
         else:

@@ -185,9 +185,10 @@ def test_capture_hooks_take_deepseeks_returned_aux_states_and_restore_the_model(
     assert torch.equal(output, input_ids.float()[:, None].repeat(1, 3) * 10**4)
     (record,) = vllm_capture.fetch_records(wrapper)
     embeddings = input_ids.float()[:, None].repeat(1, 3)
-    assert torch.equal(record["input_ids"], input_ids) and sorted(k for k in record if isinstance(k, int)) == [0, 2, 4]
-    assert torch.equal(record[0], embeddings)
-    assert torch.equal(record[2], embeddings * 100 + 2) and torch.equal(record[4], embeddings * 10**4 + 100)
+    assert torch.equal(record["input_ids"], input_ids) and record["recorded"] == [0, 2, 4]
+    states = record["states"]  # [ids, rows, H], in the ids' order
+    assert torch.equal(states[0], embeddings)
+    assert torch.equal(states[1], embeddings * 100 + 2) and torch.equal(states[2], embeddings * 10**4 + 100)
 
     vllm_capture.remove_capture_hooks(wrapper)
     assert base.aux_hidden_state_layers == () and "forward" not in base.__dict__

@@ -11,6 +11,7 @@ import torch
 
 from speculators import precision
 from speculators.data import capture_vllm
+from speculators.data.store import Fp8States, HiddenStateStore, quantize_fp8
 from speculators.errors import SpeculatorsError
 from speculators.serving import engine
 from tests.engine_probe import forbid_cuda_in_this_process
@@ -53,7 +54,8 @@ def v2_records(prompts, references, budget, padding=3, decode_after=()):
         rows_states.append(torch.full((padding, len(IDS), HIDDEN), -5.0))
         ids, states = torch.cat(rows_ids), torch.cat(rows_states)
         layout = capture_vllm.batch_layout(order, [done[r] for r in order], [scheduled[r] for r in order])
-        records.append({"layout": layout, "input_ids": ids, **{i: states[:, k] for k, i in enumerate(IDS)}})
+        # (as the worker's hooks record them: record_state's layer-major host buffer)
+        records.append({"layout": layout, "input_ids": ids, "states": states.transpose(0, 1).clone(), "recorded": IDS})
         for req, count in scheduled.items():
             done[req] += count
     return records
@@ -81,14 +83,62 @@ def test_identical_prompts_each_get_their_states_and_a_recomputed_position_keeps
     references[1] = references[0].clone()  # identical prompts: identical states
     records = v2_records(prompts, references, budget=3)
     again = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in records[0].items()}
-    for i in IDS:
-        again[i][:] = 1.5  # the same rows recomputed later (after a preemption): the later ones win
+    again["states"][:] = 1.5  # the same rows recomputed later (after a preemption): the later ones win
     states = capture_vllm.assemble_states([*records, again], prompts, IDS)
     assert records[0]["layout"] == {"req_ids": ["req-0-x7"], "starts": [0], "counts": [3]}  # the budget: 3 tokens
     recomputed = references[0].clone()
     recomputed[:3] = 1.5
     assert torch.equal(states[0], recomputed)  # the first twin's request, rows 0-2 recomputed
     assert torch.equal(states[1], references[1]) and torch.equal(states[2], references[2])
+
+
+def test_fp8_states_quantized_in_the_worker_assemble_bitwise_to_the_hosts_quantization_of_each_prompt():
+    """For an fp8 store the worker sends each layer's fp8 values and per-row scales (record_state); put
+    together per prompt (chunked, permuted) they are bitwise what quantizing the prompt's states on the host
+    gives, so a shard written from them is the one the old path wrote. A prompt prefilled in one step comes
+    back as a view of its step's buffer (no copy on the host)."""
+    references = reference_states(PROMPTS)
+    records = []
+    for record in v2_records(PROMPTS, references, budget=40):
+        fp8 = {**record, "recorded": []}
+        del fp8["states"]
+        for column, layer_id in enumerate(IDS):
+            capture_vllm.record_state(fp8, layer_id, record["states"][column], IDS, "fp8_e4m3")
+        assert fp8["recorded"] == IDS and fp8["states"].dtype == torch.float8_e4m3fn
+        records.append(fp8)
+    states = capture_vllm.assemble_states(records, PROMPTS, IDS)
+    for got, want in zip(states, references, strict=True):
+        assert isinstance(got, Fp8States)
+        values, scale = quantize_fp8(want)
+        assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8)) and torch.equal(got.scale, scale)
+    first = records[0]  # a 40-token budget: all of prompt 0 (37 tokens), the start of prompt 1
+    assert sorted(first["layout"]["req_ids"]) == ["req-0-x7", "req-1-x7"] and sorted(first["layout"]["counts"]) == [
+        3,
+        37,
+    ]
+    assert states[0].values.untyped_storage().data_ptr() == first["states"].untyped_storage().data_ptr()
+
+
+def test_a_shard_written_from_fp8_states_is_the_one_written_from_the_states_and_bad_ones_are_refused(tmp_path):
+    """write_sample takes states quantized in the worker as they are: the same file as quantizing on the
+    host; an inf anywhere (its row's scale is inf) is refused as before, and fp8 states for a bf16 store
+    are refused in one line."""
+    store = HiddenStateStore(tmp_path)
+    states = reference_states([list(range(9))])[0]  # [9, 3, 4]: two aux layers and the last
+    ids, mask = torch.arange(9), torch.ones(9, dtype=torch.bool)
+    key_a, key_b = "a" * 32, "b" * 32
+    host = store.write_sample(key_a, "s", ids, mask, states[:, :-1], states[:, -1], "fp8_e4m3")
+    quantized = Fp8States(*quantize_fp8(states))
+    worker = store.write_sample(key_b, "s", ids, mask, quantized[:, :-1], quantized[:, -1], "fp8_e4m3")
+    assert host[1] == worker[1] and store.shard_path(key_a).read_bytes().replace(key_a.encode(), key_b.encode()) == (
+        store.shard_path(key_b).read_bytes()
+    )  # (the shard's metadata names its key)
+    states[4, 1, 2] = float("inf")
+    quantized = Fp8States(*quantize_fp8(states))
+    with pytest.raises(SpeculatorsError, match=r"^sample s has non-finite hidden states"):
+        store.write_sample(key_b, "s", ids, mask, quantized[:, :-1], quantized[:, -1], "fp8_e4m3")
+    with pytest.raises(SpeculatorsError, match=r"^sample s's states were quantized to fp8 for a bfloat16 store; "):
+        store.write_sample(key_b, "s", ids, mask, quantized[:2, :-1], quantized[:2, -1], "bfloat16")
 
 
 def test_a_prompt_whose_rows_are_incomplete_is_refused_with_one_line():
