@@ -505,10 +505,10 @@ class Supervisor:
                     f"{len(left)} for --trainer-processes {config.trainer_processes}; lower --stream-replicas or "
                     f"--stream-tensor-parallel-size"
                 )
-            producers = [
+            on_gpus: list[dict[str, Any]] = [
                 {"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * tp : (r + 1) * tp])}} for r in range(replicas)
             ]
-            return producers, {"CUDA_VISIBLE_DEVICES": ",".join(left)}, None
+            return on_gpus, {"CUDA_VISIBLE_DEVICES": ",".join(left)}, None
         cores = sorted(os.sched_getaffinity(0))
         left_cores = cores[need:]
         if not left_cores:
