@@ -182,11 +182,7 @@ class Spool:
 
     def bytes_used(self) -> int:
         """Bytes of the finished and half-written units, plus the claims' estimates for what is not written yet."""
-        used = 0
-        if self.units.is_dir():
-            for path in self.units.rglob("*"):
-                with suppress(FileNotFoundError):  # (deleted by GC meanwhile)
-                    used += path.stat().st_size if path.is_file() else 0
+        used = folder_bytes(self.units)
         claims = self.root / "claims"
         if claims.is_dir():
             for claim in claims.glob("*.json"):
@@ -194,8 +190,7 @@ class Spool:
                     data = json.loads(claim.read_text())
                 except (FileNotFoundError, ValueError):
                     continue
-                partials = list(self.units.glob(f".partial-{claim.stem}-*"))
-                written = sum(p.stat().st_size for d in partials for p in d.rglob("*") if p.is_file())
+                written = sum(folder_bytes(d) for d in self.units.glob(f".partial-{claim.stem}-*"))
                 used += max(0, int(data["bytes"]) - written)
         return used
 
@@ -262,6 +257,16 @@ def refuse_foreign_spool(spool: Path) -> None:
         )
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder`; what another process deletes meanwhile (GC) counts as gone."""
+    total = 0
+    for parent, _, files in os.walk(folder):  # (os.walk skips a folder deleted under it; rglob raises)
+        for name in files:
+            with suppress(FileNotFoundError):
+                total += os.stat(os.path.join(parent, name)).st_size
+    return total
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
@@ -318,5 +323,5 @@ def progress_signature(spool: Spool) -> tuple[Any, ...]:
                 with suppress(FileNotFoundError):
                     found.append((path.name, path.stat().st_mtime_ns))
     for partial in spool.units.glob(".partial-*") if spool.units.is_dir() else []:
-        found.append(sum(1 for _ in partial.rglob("*")))
+        found.append(folder_bytes(partial))
     return tuple(sorted(map(str, found)))

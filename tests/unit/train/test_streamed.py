@@ -1,0 +1,187 @@
+"""Streamed training (speculators/train/stream.py): producers compute the plan's units into a bounded spool while
+the trainer reads them; the drafter equals the one trained from a computed store, bit for bit (transformers
+producers, fp32, capture batches of 1); keep, back-pressure, resume after kills, failures and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from speculators.data.store import HiddenStateStore, StoreManifest, StoreTotals
+from speculators.data.tokenization import TokenizedSample
+from speculators.errors import SpeculatorsError
+from speculators.train.plan import TrainingPlan, replica_steps
+from speculators.train.trainer import TrainConfig, train
+from tests.conftest import PEAKED_AUX
+from tests.paths import ROOT_DIR
+
+STEPS = 8
+
+
+def store_samples(store: Path) -> list[TokenizedSample]:
+    """The store's samples (ids and tokens), read back from its shards."""
+    held = HiddenStateStore(store)
+    samples = []
+    for entry in held.manifest().samples:
+        ids, mask = held.read_tokens(entry)
+        samples.append(TokenizedSample(entry.id, ids.tolist(), mask.int().tolist()))
+    return samples
+
+
+def make_index(store: Path, folder: Path, computed: tuple[str, ...] = ()) -> Path:
+    """An index of `store` as `datagen --index-only` writes one (until it lands here: a test helper): the manifest
+    with every entry's checksum None and bytes 0 but those of `computed` (their shards copied), the draft
+    vocabulary, and the samples' tokens in index_tokens.safetensors."""
+    from safetensors.torch import save_file
+
+    held = HiddenStateStore(store)
+    manifest = held.manifest()
+    folder.mkdir(parents=True)
+    tokens = {}
+    entries = []
+    for entry in manifest.samples:
+        ids, mask = held.read_tokens(entry)
+        tokens[f"{entry.key}/input_ids"], tokens[f"{entry.key}/loss_mask"] = ids, mask
+        if entry.id in computed:
+            target = folder / entry.shard
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(held.shard_path(entry.key), target)
+            entries.append(entry)
+        else:
+            entries.append(entry.model_copy(update={"checksum": None, "bytes": 0}))
+    save_file(tokens, str(folder / "index_tokens.safetensors"))
+    for vocab in store.glob("draft_vocab.*"):
+        shutil.copyfile(vocab, folder / vocab.name)
+    index = manifest.model_copy(update={"samples": entries, "totals": StoreTotals.over(entries)})
+    index.write(folder / "manifest.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def batch1_store(store, peaked_verifier, tmp_path_factory):
+    """The `store` fixture's samples captured one per forward (as the streamed runs below capture them)."""
+    from speculators.data.capture import capture_samples
+    from speculators.verifier.loading import load_verifier
+
+    folder = tmp_path_factory.mktemp("batch1-store")
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    capture_samples(
+        store_samples(store), verifier, folder, aux_layer_ids=PEAKED_AUX, batch_size=1, storage="float32", progress=False
+    )
+    for vocab in store.glob("draft_vocab.*"):
+        shutil.copyfile(vocab, folder / vocab.name)
+    return folder
+
+
+def config_for(store, verifier, output, **overrides) -> TrainConfig:
+    options = dict(
+        store=str(store),
+        verifier=str(verifier),
+        output=str(output),
+        token_budget=128,
+        lr=2e-3,
+        precision="fp32",
+        log_every=2,
+        eval_every=4,
+        checkpoint_every=2,
+        progress=False,
+        validation_share=0.15,
+        max_steps=STEPS,
+    )
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def streamed(index, verifier, output, **overrides) -> TrainConfig:
+    options = dict(
+        hidden_states="streamed",
+        stream_backend="transformers",
+        stream_batch_size=1,
+        spool_gib=0.05,
+        lookahead_steps=2,
+        stream_timeout=60.0,
+    )
+    options.update(overrides)
+    return config_for(index, verifier, output, **options)
+
+
+@pytest.fixture(scope="module")
+def stored_run(batch1_store, peaked_verifier, tmp_path_factory):
+    """The offline run every streamed run is compared with."""
+    output = tmp_path_factory.mktemp("stored-run")
+    train(config_for(batch1_store, peaked_verifier, output))
+    return output
+
+
+def run_files(output: Path) -> dict[str, bytes]:
+    """What must be bitwise equal between two runs: the drafter's and the optimizer's tensors."""
+    last = output / "checkpoints" / "last"
+    return {
+        "drafter": (last / "drafter" / "model.safetensors").read_bytes(),
+        "optimizer": (last / "optimizer.safetensors").read_bytes(),
+    }
+
+
+def log_metrics(output: Path) -> list[dict]:
+    timings = ("wall_seconds", "tokens_per_second")
+    lines = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in timings} for line in lines]
+
+
+def assert_same_training(a: Path, b: Path) -> None:
+    assert run_files(a) == run_files(b)
+    assert log_metrics(a) == log_metrics(b)
+
+
+# ----- 1. the plan ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_producers_units_are_the_trainers_packs_step_by_step(seed, world, accumulation):
+    lengths = tuple(random.Random(seed).randint(5, 90) for _ in range(41))
+    plan = TrainingPlan(lengths, 128, seed, world, accumulation, epochs=2.5)
+    total = plan.total_steps
+    trainer = {
+        s: sorted({i for r in range(world) for m in range(accumulation) for i in plan.pack_of(s, r, m)})
+        for s in range(total)
+    }
+    for replicas in (1, 2):
+        units = sorted(s for r in range(replicas) for s in replica_steps(r, replicas, 0, total))
+        assert units == list(range(total))  # every step once
+        for step in units:
+            batches = plan.step_batches(step, 3)
+            assert sorted(i for batch in batches for i in batch) == plan.step_samples(step) == trainer[step]
+        resumed = sorted(s for r in range(replicas) for s in replica_steps(r, replicas, 5, total))
+        assert resumed == list(range(5, total))
+
+
+# ----- 2. online == offline ------------------------------------------------------------------------------
+
+
+def test_streamed_training_equals_stored_training_bitwise_and_leaves_no_spool(
+    batch1_store, stored_run, peaked_verifier, tmp_path
+):
+    index = make_index(batch1_store, tmp_path / "index")
+    store_bytes = {p: p.read_bytes() for p in index.rglob("*") if p.is_file()}
+    output = tmp_path / "streamed"
+    summary = train(streamed(index, peaked_verifier, output))
+    assert_same_training(stored_run, output)
+    assert not (output / "spool").exists()
+    assert {p: p.read_bytes() for p in index.rglob("*") if p.is_file() and p.name != ".lock"} == store_bytes
+    stream = summary.stream
+    assert stream is not None and stream["mode"] == "streamed" and stream["kept_bytes"] == 0
+    assert stream["units_computed"] == STEPS + 1 and stream["samples_from_store"] == 0
+    assert stream["verifier_passes"] > 1 and stream["producer_restarts"] == 0  # (8 steps: more than an epoch)
+    assert 0 < stream["spool_peak_bytes"] <= stream["spool_cap_bytes"] == int(0.05 * (1 << 30))
+    assert json.loads((output / "summary.json").read_text())["stream"] == stream
