@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.data.store import HiddenStateStore, StoreManifest, StoreTotals
+from speculators.data.store import HiddenStateStore, StoreTotals
 from speculators.data.tokenization import TokenizedSample
 from speculators.errors import SpeculatorsError
 from speculators.train.plan import TrainingPlan, replica_steps
@@ -75,7 +76,13 @@ def batch1_store(store, peaked_verifier, tmp_path_factory):
     folder = tmp_path_factory.mktemp("batch1-store")
     verifier = load_verifier(peaked_verifier, dtype="float32")
     capture_samples(
-        store_samples(store), verifier, folder, aux_layer_ids=PEAKED_AUX, batch_size=1, storage="float32", progress=False
+        store_samples(store),
+        verifier,
+        folder,
+        aux_layer_ids=PEAKED_AUX,
+        batch_size=1,
+        storage="float32",
+        progress=False,
     )
     for vocab in store.glob("draft_vocab.*"):
         shutil.copyfile(vocab, folder / vocab.name)
@@ -106,7 +113,7 @@ def streamed(index, verifier, output, **overrides) -> TrainConfig:
         hidden_states="streamed",
         stream_backend="transformers",
         stream_batch_size=1,
-        spool_gib=0.05,
+        spool_gib=0.001,
         lookahead_steps=2,
         stream_timeout=60.0,
     )
@@ -183,5 +190,151 @@ def test_streamed_training_equals_stored_training_bitwise_and_leaves_no_spool(
     assert stream is not None and stream["mode"] == "streamed" and stream["kept_bytes"] == 0
     assert stream["units_computed"] == STEPS + 1 and stream["samples_from_store"] == 0
     assert stream["verifier_passes"] > 1 and stream["producer_restarts"] == 0  # (8 steps: more than an epoch)
-    assert 0 < stream["spool_peak_bytes"] <= stream["spool_cap_bytes"] == int(0.05 * (1 << 30))
+    assert 0 < stream["spool_peak_bytes"] <= stream["spool_cap_bytes"] == int(0.001 * (1 << 30))
     assert json.loads((output / "summary.json").read_text())["stream"] == stream
+
+
+# ----- 3. keep and hybrid ---------------------------------------------------------------------------------
+
+
+def test_hybrid_reads_the_stores_states_and_keep_all_completes_the_index(
+    batch1_store, stored_run, peaked_verifier, tmp_path
+):
+    """Two samples already computed in the index are read from it; --keep all writes every computed shard into the
+    store and its manifest, so the index becomes the full store and a datagen of the same data computes nothing."""
+    from speculators.data.capture import capture_samples
+    from speculators.verifier.loading import load_verifier
+
+    full = HiddenStateStore(batch1_store).manifest()
+    computed = (full.samples[0].id, full.samples[3].id)
+    index = make_index(batch1_store, tmp_path / "index", computed=computed)
+    output = tmp_path / "streamed"
+    summary = train(streamed(index, peaked_verifier, output, keep="all"))
+    assert_same_training(stored_run, output)
+    kept = HiddenStateStore(index).manifest()
+    assert kept.uncomputed == []
+    assert [(e.key, e.checksum, e.bytes) for e in kept.samples] == [(e.key, e.checksum, e.bytes) for e in full.samples]
+    assert kept.totals == full.totals
+    stream = summary.stream
+    assert stream is not None and stream["samples_from_store"] > 0
+    assert stream["kept_samples"] == len(full.samples) - len(computed)  # (8 steps: each sample once at least)
+    assert stream["kept_bytes"] == sum(e.bytes for e in full.samples if e.id not in computed)
+    verifier = load_verifier(peaked_verifier, dtype="float32")
+    report = capture_samples(
+        store_samples(batch1_store), verifier, index, aux_layer_ids=PEAKED_AUX, storage="float32", progress=False
+    )
+    assert report.computed == 0
+
+
+def test_refusals_are_one_line_each(batch1_store, peaked_verifier, tmp_path):
+    index = make_index(batch1_store, tmp_path / "index")
+    with pytest.raises(SpeculatorsError) as error:
+        train(streamed(index, peaked_verifier, tmp_path / "small", spool_gib=0.0001))
+    assert re.fullmatch(
+        r"--spool-gib 0\.0001 cannot hold 5 units of up to [0-9.e-]+ GiB \(--checkpoint-every 2 \+ --lookahead-steps 2 "
+        r"\+ 1 in flight\) and the validation unit: [0-9.e-]+ GiB; raise --spool-gib or lower --checkpoint-every",
+        str(error.value),
+    )
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(SpeculatorsError) as error:
+        train(streamed(index, peaked_verifier, tmp_path / "cores", stream_replicas=cores))
+    assert str(error.value) == (
+        f"{cores} producer(s) x tensor parallel 1 take {cores} of the {cores} CPU cores, leaving none for the "
+        f"trainer; lower --stream-replicas or --stream-tensor-parallel-size"
+    )
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(SpeculatorsError) as error:
+        train(streamed(index, peaked_verifier, tmp_path / "spooled", spool=str(foreign)))
+    assert str(error.value) == (
+        f"--spool {foreign} holds other files (notes.txt) and a spool is deleted when its run ends; name a new or "
+        f"empty folder"
+    )
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+# ----- 4. kills, restarts, failures --------------------------------------------------------------------
+
+
+def start_streamed(config: TrainConfig, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`speculators train --hidden-states streamed ...` as a user runs it: the supervisor in its own process."""
+    from speculators.flags import to_argv
+
+    command = [sys.executable, "-m", "speculators.cli", "train", *to_argv(config)]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT_DIR), **(env or {})},
+    )
+
+
+def kill_at_step(output: Path, spool: Path, who: str, step: int, deadline: float = 300) -> None:
+    """SIGKILL the run's `who` (trainer, producer 0) once the trainer's cursor reaches `step`."""
+    end = time.time() + deadline
+    while time.time() < end:
+        cursor = json.loads((spool / "cursor.json").read_text()) if (spool / "cursor.json").is_file() else None
+        pids = output / "stream" / "pids.json"
+        if cursor and cursor["step"] >= step and pids.is_file():
+            os.kill(json.loads(pids.read_text())[who], signal.SIGKILL)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run never reached step {step}")
+
+
+@pytest.mark.slow
+def test_killed_trainers_and_producers_resume_to_the_same_drafter(batch1_store, stored_run, peaked_verifier, tmp_path):
+    """The trainer SIGKILLed at three seeded random steps, the command rerun each time (the spool kept after the
+    first and third kill, deleted after the second); then a producer SIGKILLed: the final drafter and optimizer
+    are the uninterrupted run's, bit for bit."""
+    index = make_index(batch1_store, tmp_path / "index")
+    output = tmp_path / "killed"
+    spool = output / "spool"
+    config = streamed(index, peaked_verifier, output, lookahead_steps=1)
+    kills = sorted(random.Random(57).sample(range(1, STEPS), 3))
+    for round_, step in enumerate(kills):
+        supervisor = start_streamed(config)
+        kill_at_step(output, spool, "trainer", step)
+        _, stderr = supervisor.communicate(timeout=120)
+        assert supervisor.returncode == 2
+        assert stderr.strip().splitlines()[-1] == (
+            f"error: the trainer of the streamed run failed (killed by signal 9); see "
+            f"{output / 'stream' / 'trainer.log'}, then run the same command again to resume from its last checkpoint"
+        )
+        assert spool.is_dir()  # (kept for the rerun)
+        if round_ == 1:
+            shutil.rmtree(spool)
+    supervisor = start_streamed(config)
+    stdout, stderr = supervisor.communicate(timeout=300)
+    assert supervisor.returncode == 0, stderr[-3000:]
+    assert run_files(output) == run_files(stored_run)
+    assert not spool.exists()
+
+    producer_killed = tmp_path / "producer-killed"
+    supervisor = start_streamed(streamed(index, peaked_verifier, producer_killed, lookahead_steps=1))
+    kill_at_step(producer_killed, producer_killed / "spool", "producer 0", 2)
+    stdout, stderr = supervisor.communicate(timeout=300)
+    assert supervisor.returncode == 0, stderr[-3000:]
+    assert "stream: producer 0 stopped (killed by signal 9); restart 1 of 2" in stdout
+    assert_same_training(stored_run, producer_killed)
+    assert json.loads((producer_killed / "summary.json").read_text())["stream"]["producer_restarts"] == 1
+
+
+def test_a_producer_that_always_fails_stops_the_run_with_its_error_line(batch1_store, peaked_verifier, tmp_path):
+    index = make_index(batch1_store, tmp_path / "index")
+    output = tmp_path / "failing"
+    started = time.time()
+    supervisor = start_streamed(
+        streamed(index, peaked_verifier, output, stream_timeout=20.0), env={"SPECULATORS_STREAM_FAIL": "producer"}
+    )
+    _, stderr = supervisor.communicate(timeout=20 + 60)
+    assert time.time() - started < 20 + 60
+    assert supervisor.returncode == 2
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: producer 0 of the streamed run failed (producer 0 failed on purpose (SPECULATORS_STREAM_FAIL=producer, "
+        f"a test's fault)) after 2 restart(s); see {output / 'stream' / 'producer-0.log'}"
+    ]
+    assert json.loads((output / "spool" / "failed.json").read_text())["error"] == errors[0].removeprefix("error: ")
