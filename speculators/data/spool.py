@@ -34,6 +34,7 @@ from speculators.errors import SpeculatorsError
 
 VALIDATION_UNIT = -1  # (speculators.train.plan's: the validation samples, computed first, kept to the end)
 STREAM_SPOOL_ENV = "SPECULATORS_STREAM_SPOOL"  # set for the trainer a supervisor starts: it reads this spool
+SUPERVISOR_ENV = "SPECULATORS_STREAM_PARENT"  # the supervisor's pid: its producers and trainer exit when it is gone
 
 
 def unit_name(unit: int) -> str:

