@@ -582,7 +582,7 @@ class Supervisor:
         if self.config.trainer_processes == 1:
             return [sys.executable, *argv]
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        return [torchrun, "--standalone", "--nproc-per-node", str(self.config.trainer_processes), *argv[1:]]
+        return [torchrun, "--standalone", "--nproc-per-node", str(self.config.trainer_processes), *argv]
 
     def monitor(self, spool: Spool, streamed: StreamPlan, producers: list[Child], trainer: Child, cap: int) -> None:
         """Until the trainer ends: producers restarted when they die (then the run stopped with the error line),

