@@ -203,7 +203,7 @@ class Producer:
             if forced or unit < step + lookahead:
                 if self.spool.try_claim(unit, estimate, self.cap, self.reserve, forced):
                     return
-                time.sleep(0.05)
+                time.sleep(0.2)  # (each room check walks the spool's files)
                 self.counters.waiting_room_seconds += time.monotonic() - started
             else:
                 time.sleep(0.05)
@@ -591,6 +591,8 @@ class Supervisor:
         echoed = 0
         last_line = 0.0
         while True:
+            # (a walk over the spool's files, 5 times a second: a peak between two walks goes unseen, while the
+            # producers' room checks hold the bytes under the cap)
             self.peak_bytes = max(self.peak_bytes, spool.bytes_used())
             echoed = echo_new(trainer.log, echoed)
             for producer in producers:
@@ -625,12 +627,13 @@ class Supervisor:
             if time.monotonic() - last_line > PROGRESS_SECONDS:
                 print(self.progress_line(spool, streamed, producers, cap), flush=True)
                 last_line = time.monotonic()
-            time.sleep(0.1)
+            time.sleep(0.2)
 
     def progress_line(self, spool: Spool, streamed: StreamPlan, producers: list[Child], cap: int) -> str:
         cursor = spool.cursor()
         step = cursor.step if cursor else 0
-        ready = sum(1 for s in range(step, streamed.plan.total_steps) if spool.unit_ready(s))
+        ahead = min(streamed.plan.total_steps, step + self.config.lookahead_steps + len(producers))
+        ready = sum(1 for s in range(step, ahead) if spool.unit_ready(s))
         counters = [spool.producer_counters(r) for r in range(len(producers))]
         trainer_wait = cursor.wait_seconds if cursor else 0.0
         wall = max(time.monotonic() - self.started, 1e-9)
