@@ -62,7 +62,8 @@ FAIL_ENV = "SPECULATORS_STREAM_FAIL"  # fault injection: "producer" makes every 
 INDEX_TOKENS = "index_tokens.safetensors"  # an index's tokens: "<key>/input_ids", "<key>/loss_mask"
 GIB = 1 << 30
 PROGRESS_SECONDS = 5.0
-SHARD_OVERHEAD = 1024  # a shard's safetensors header and metadata, about
+SHARD_OVERHEAD = 2048  # a shard's safetensors header, and its lines in the unit's manifest.json and unit.json
+UNIT_OVERHEAD = 8192  # a unit's manifest.json and unit.json beyond their samples' lines
 
 
 # ----- what the supervisor and the producers share ------------------------------------------------------
@@ -110,7 +111,7 @@ class StreamPlan:
         packs, batches = self.unit_batches(unit)
         samples = [i for batch in batches for i in batch]
         tokens = sum(packs.entries[i].num_tokens for i in samples)
-        return tokens * self.bytes_per_token + SHARD_OVERHEAD * len(samples)
+        return tokens * self.bytes_per_token + SHARD_OVERHEAD * len(samples) + UNIT_OVERHEAD
 
     def largest_unit(self) -> int:
         """The largest training unit's estimate (over the first two epochs' steps: later epochs pack alike)."""
@@ -172,8 +173,6 @@ class Producer:
         self.capture: Any = None
 
     def run(self) -> None:
-        if os.environ.get(FAIL_ENV) == "producer":
-            raise SpeculatorsError(f"producer {self.replica} failed on purpose ({FAIL_ENV}=producer, a test's fault)")
         self.spool.forget_replica(self.replica, self.replicas)
         cursor = self.spool.cursor()
         start = cursor.checkpoint_step if cursor else 0
@@ -321,6 +320,8 @@ def run_producer(spool_dir: str | Path, replica: int, replicas: int) -> None:
     parent = os.environ.get(SUPERVISOR_ENV)
     if parent:
         exit_with(int(parent))
+    if os.environ.get(FAIL_ENV) == "producer":
+        raise SpeculatorsError(f"producer {replica} failed on purpose ({FAIL_ENV}=producer, a test's fault)")
     producer = Producer(spool_dir, replica, replicas)
     pin_producer(producer.devices, producer.config.stream_backend)
     producer.run()
