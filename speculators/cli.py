@@ -194,10 +194,19 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
 def cmd_verify_store(args: argparse.Namespace) -> int:
     s: VerifyStoreSettings = from_args(VerifyStoreSettings, args)
-    problems = HiddenStateStore(s.store).verify()
+    store = HiddenStateStore(s.store)
+    problems = store.verify()
     for problem in problems:
         print(f"PROBLEM: {problem}")
-    print("store: valid" if not problems else f"store: INVALID ({len(problems)} problem(s))")
+    manifest = store.manifest()
+    uncomputed = len(manifest.uncomputed)
+    index = (
+        f" (an index: {len(manifest.samples) - uncomputed} samples' states checked, {uncomputed} samples without "
+        f"states, their tokens checked)"
+        if uncomputed
+        else ""
+    )
+    print(f"store: valid{index}" if not problems else f"store: INVALID ({len(problems)} problem(s)){index}")
     return 0 if not problems else 1
 
 

@@ -420,6 +420,18 @@ class CaptureSettings(MultiNode, StoreFormat, VerifierCompute, QuantizedVerifier
         description="capture into a store made for another verifier, aux layers or storage (by default refused): "
         "its manifest then lists this run's samples; the other shards stay, keyed by content",
     )
+    index_only: bool = Field(
+        False,
+        description="write an index for streamed training (train --hidden-states streamed): every sample's entry "
+        "and tokens, the states computed only for --probe samples (the shards the store already holds stay)",
+    )
+    probe: int = Field(
+        16,
+        ge=0,
+        le=MAX_SAMPLES,
+        description="--index-only: every len/N-th sample's states are computed for real, with the rest of its "
+        "batch, to measure the capture tokens/s, check the values and estimate a full store's bytes",
+    )
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -8,6 +8,7 @@ from the variant's compute profile. The same command runs in both.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -18,12 +19,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import PurePosixPath
 from typing import Any
 
 import dagster as dg
 from dagster_pipes import PipesDefaultMessageWriter
 
 from speculators_assets.environment import LOCAL_STORAGE_ROOT, Settings
+from speculators_assets.steps import TRAINED_DRAFTER
 from speculators_assets.variants import ComputeProfile, Variant, master_address, node_group_name
 
 WORKLOAD_CONTAINER = "workload"
@@ -119,6 +122,27 @@ def whole_lines(path: str, should_stop: Callable[[], bool], poll_seconds: float 
             f"the workload's last Pipes message ends without a newline ({len(pending)} bytes: it stopped "
             f"while writing it); the step's log says why"
         )
+
+
+def spool_mount(variant: Variant, step: str, root: str) -> str | None:
+    """Where a streamed variant's trained_drafter pod mounts its spool volume: hidden_states.spool, unless
+    that lies on the storage claim (under `root`, or left out: the run's folder) and needs no volume of its
+    own; None for every other step and variant."""
+    hidden = variant.hidden_states
+    if step != TRAINED_DRAFTER or not hidden.streamed or hidden.spool is None:
+        return None
+    spool, storage = PurePosixPath(hidden.spool), PurePosixPath(root)
+    if spool == storage or storage in spool.parents:
+        return None
+    return str(spool)
+
+
+def spool_size(variant: Variant) -> str:
+    """The spool volume's size limit as a Kubernetes quantity: hidden_states.spool_gib (in Gi, else in whole Mi). The
+    supervisor keeps the spool under that cap; the kubelet evicts a pod whose memory volume outgrows it. A
+    memory volume counts against the pod's memory: the profile's `memory` must hold the spool too."""
+    gib = variant.hidden_states.spool_gib
+    return f"{int(gib)}Gi" if gib == int(gib) else f"{math.ceil(gib * 1024)}Mi"
 
 
 class PipelineRunner(dg.ConfigurableResource):
@@ -227,6 +251,11 @@ class PipelineRunner(dg.ConfigurableResource):
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             ],
         }
+        spool = spool_mount(variant, step, root)
+        if spool is not None:
+            container["volumeMounts"].append({"name": "spool", "mountPath": spool})
+            memory = {"medium": "Memory", "sizeLimit": spool_size(variant)}
+            spec["volumes"].append({"name": "spool", "emptyDir": memory})
         if profile.node_selector:
             spec["nodeSelector"] = dict(profile.node_selector)
         if profile.tolerations:

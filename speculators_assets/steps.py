@@ -47,7 +47,8 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(
         name=VERIFIER_HIDDEN_STATES,
         description="On-policy answers by the verifier, tokenized with loss masks; the verifier's aux hidden "
-        "states in the content-addressed store; the draft vocabulary.",
+        "states in the content-addressed store (streamed variants: an index of it and a probe of real shards); "
+        "the draft vocabulary.",
         kinds=frozenset({"pytorch", "vllm", "safetensors"}),
         upstream=RAW_PROMPTS,
         gpu_pool=True,
@@ -59,7 +60,9 @@ STEPS: tuple[StepSpec, ...] = (
     ),
     StepSpec(
         name=TRAINED_DRAFTER,
-        description="EAGLE-3 drafter trained with training-time test (warm-started from the last accepted one).",
+        description="The drafter (EAGLE-3, P-EAGLE or DFlash) trained with training-time test, warm-started from "
+        "the last accepted one; streamed variants compute the hidden states during training (verifier replicas "
+        "beside the trainer).",
         kinds=frozenset({"pytorch"}),
         upstream=VERIFIER_HIDDEN_STATES,
         gpu_pool=True,

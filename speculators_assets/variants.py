@@ -21,12 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from speculators.models.algorithms import ALGORITHMS
 from speculators.settings import (
+    MAX_BATCH,
     MAX_DRAFT_LAYERS,
     MAX_GPUS,
     MAX_MEMORY_GIB,
     MAX_NODES,
     MAX_VOCAB_SIZE,
     VLLM_MASTER_PORT,
+    Backend,
     BenchProfile,
     DrafterAlgorithm,
     PromptSources,
@@ -41,6 +43,7 @@ from speculators_assets.environment import Settings
 
 PACKAGE_VARIANTS = Path(__file__).with_name("variants")
 STEPS = steps.NAMES  # the keys `compute:` may set
+TRAINED_DRAFTER = steps.TRAINED_DRAFTER
 MAX_SPECULATIVE_TOKENS = 16  # a variant's K (the library allows up to MAX_DRAFT_TOKENS; no served drafter uses more)
 
 
@@ -319,6 +322,95 @@ class BenchmarkSettings(BenchProfile, Strict):
     pass
 
 
+KEEP_FORM = "none, all, or a number of GiB above 0 (e.g. 20)"
+MAX_PROBE_SAMPLES = 4096  # a probe measures: a few dozen samples tell the capture tokens/s and finite values
+
+
+def canonical_keep(value: Any) -> str:
+    """`keep` as `speculators train --keep` takes it: "none", "all", or a positive number of GiB written
+    shortest ("20", "2.5"); a YAML number (`keep: 20`) and its text are the same setting."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{one_line(repr(value), 60)} is not {KEEP_FORM}")
+    text = str(value).strip().lower()
+    if text in ("none", "all"):
+        return text
+    try:
+        gib = float(text)
+    except ValueError:
+        raise ValueError(f"{one_line(repr(value), 60)} is not {KEEP_FORM}") from None
+    if not 0 < gib <= MAX_MEMORY_GIB * 1024:  # (also refuses nan and inf)
+        raise ValueError(f"{one_line(repr(value), 60)} GiB is not {KEEP_FORM}; to keep nothing write none")
+    return f"{gib:g}"
+
+
+class HiddenStatesSettings(Strict):
+    """How trained_drafter gets the verifier's hidden states (README, "Online training").
+
+    stored: verifier_hidden_states captures every sample into the store, then training reads it.
+    streamed: verifier_hidden_states writes an index of the store (every sample, its tokens, a probe of
+    `probe` real shards) and trained_drafter runs `speculators train --hidden-states streamed`: verifier
+    replicas compute each optimizer step's states into a bounded spool just ahead of the trainer. The
+    other fields apply to streamed mode only; none of them changes the trained weights except `backend`,
+    `tensor_parallel_size` and `batch_size` (they change the verifier's arithmetic), which the drafter's
+    key holds.
+    """
+
+    mode: Literal["stored", "streamed"] = "stored"
+    # computed shards also written into the store, up to this much: a later epoch or run reads them
+    keep: str = "none"
+    # where the spool lives, an absolute path (tmpfs or local NVMe; with the k8s runner an emptyDir in memory
+    # of spool_gib is mounted there); default: the training run's folder on the storage root
+    spool: str | None = None
+    spool_gib: float = Field(8.0, gt=0, le=MAX_MEMORY_GIB)
+    lookahead_steps: int = Field(4, ge=1, le=MAX_BATCH)  # producers compute at most this many steps ahead
+    backend: Backend | None = None  # how producers run the verifier; default: datagen.backend
+    replicas: int = Field(1, ge=1, le=MAX_GPUS)  # producer processes, one verifier replica each
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS)  # GPUs per vLLM producer
+    batch_size: int | None = Field(None, gt=0, le=MAX_BATCH)  # samples per verifier forward; default: datagen's
+    # samples verifier_hidden_states captures for real into the index (capture tokens/s, finite values)
+    probe: int = Field(16, ge=0, le=MAX_PROBE_SAMPLES)
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _keep_in_form(cls, value: Any) -> str:
+        return canonical_keep(value)
+
+    @field_validator("spool")
+    @classmethod
+    def _spool_in_form(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        problem = local_path_problem(value)
+        if problem:
+            raise ValueError(problem)
+        if not value.startswith("/"):
+            raise ValueError(
+                f"{shown(value)} is not an absolute path; name a tmpfs or local NVMe folder such as "
+                f"/dev/shm/speculators-spool, or leave spool out (the training run's folder)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _streamed_settings_only_when_streamed(self) -> HiddenStatesSettings:
+        if self.mode == "stored":
+            stray = sorted(self.model_fields_set - {"mode"})
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} apply to streamed hidden states and mode is stored; set mode: streamed "
+                    f"or leave {'them' if len(stray) > 1 else 'it'} out"
+                )
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        return self.mode == "streamed"
+
+    @property
+    def verifier_gpus(self) -> int:
+        """GPUs the producers take (on a GPU pod): replicas x tensor_parallel_size."""
+        return self.replicas * self.tensor_parallel_size
+
+
 class GateSettings(Strict):
     # Acceptance lengths are 1..K+1 tokens per verifier step (Variant checks the floor against its K).
     min_acceptance_length: float = Field(1.0, ge=1.0, le=MAX_SPECULATIVE_TOKENS + 1)  # a drafter must reach it
@@ -344,6 +436,8 @@ class Variant(Strict):
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     benchmark: BenchmarkSettings = Field(default_factory=BenchmarkSettings)
     gates: GateSettings = Field(default_factory=GateSettings)
+    # stored (capture everything, then train) or streamed (verifier replicas feed the trainer; no full store)
+    hidden_states: HiddenStatesSettings = Field(default_factory=HiddenStatesSettings)
     compute: dict[str, ComputeProfile] = Field(default_factory=dict)  # per step; missing = CPU defaults
     # Another partition whose prompts and hidden-state store this one trains on (capture once, train several
     # algorithms): its raw_prompts and verifier_hidden_states folders are that partition's. Keys of the data
@@ -393,6 +487,34 @@ class Variant(Strict):
                 f"{algorithm.aux_layers}; name them in drafter.aux_layer_ids"
             )
         return self
+
+    @model_validator(mode="after")
+    def _streamed_training_fits_its_pod(self) -> Variant:
+        """Streamed training runs the producers and the trainer side by side in one pod: on GPUs the
+        verifier replicas take replicas x tensor_parallel_size of the step's GPUs and the trainer needs
+        at least one of the others."""
+        hidden = self.hidden_states
+        if not hidden.streamed:
+            return self
+        profile = self.profile(TRAINED_DRAFTER)
+        if profile.nodes > 1:
+            raise ValueError(
+                f"compute.{TRAINED_DRAFTER}.nodes {profile.nodes}: streamed hidden states run the verifier replicas "
+                f"and the trainer in one pod; give the step one node, or use hidden_states mode stored"
+            )
+        if profile.gpus and profile.gpus <= hidden.verifier_gpus:
+            raise ValueError(
+                f"compute.{TRAINED_DRAFTER}.gpus {profile.gpus} leaves no GPU for the trainer beside the verifier's "
+                f"hidden_states.replicas {hidden.replicas} x tensor_parallel_size {hidden.tensor_parallel_size}; "
+                f"give the step more GPUs or the verifier fewer"
+            )
+        return self
+
+    @property
+    def trainer_processes(self) -> int:
+        """Trainer processes of a streamed trained_drafter: the step's GPUs beside the verifier's (1 on a CPU)."""
+        gpus = self.profile(TRAINED_DRAFTER).gpus
+        return gpus - self.hidden_states.verifier_gpus if gpus else 1
 
     @property
     def store_aux_layer_ids(self) -> list[int] | None:
@@ -686,3 +808,28 @@ def inherit_shared_data(path: Path, raw: dict[str, Any], raws: dict[str, tuple[P
                 f"shares; leave {key} out (it is taken from there) or drop data_from"
             )
     inherit_store_layers(path, raw, owner_name, owner)
+    inherit_hidden_states_mode(path, raw, owner_name, owner)
+
+
+def inherit_hidden_states_mode(path: Path, raw: dict[str, Any], owner_name: str, owner: dict[str, Any]) -> None:
+    """A `data_from` variant's hidden_states.mode is its partition's: the two share verifier_hidden_states,
+    a full store when stored and an index when streamed (a stored drafter cannot train on an index, and a
+    streamed one on a full store would compute nothing). Left out, it is taken from there."""
+    owner_section = owner.get("hidden_states")
+    owner_mode = owner_section.get("mode", "stored") if isinstance(owner_section, dict) else "stored"
+    section = raw.get("hidden_states")
+    if section is None:
+        if owner_mode != "stored":
+            raw["hidden_states"] = {"mode": owner_mode}
+        return
+    if not isinstance(section, dict):
+        return  # (validation names what is wrong with it)
+    if "mode" not in section:
+        if owner_mode != "stored":
+            section["mode"] = owner_mode
+    elif section["mode"] != owner_mode:
+        raise VariantError(
+            f"variant file {path}: hidden_states.mode {one_line(repr(section['mode']), 40)} differs from data_from "
+            f"'{owner_name}' ({owner_mode}), whose verifier_hidden_states it shares; leave mode out (it is taken from "
+            f"there) or drop data_from"
+        )

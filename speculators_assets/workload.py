@@ -413,7 +413,10 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         **regeneration,
         **(quantized if answers else {}),  # (tokenizing alone runs no model)
     )
-    # (transformers keeps its default batch: padded eager attention grows with it)
+    # (transformers keeps its default batch: padded eager attention grows with it.) Streamed: the probe's
+    # batches are the producers' (its tokens/s is then theirs; it computes each probe sample's whole batch, so a
+    # regeneration-sized batch would compute most of a small data set).
+    probe_batch = {"batch_size": stream_batch_size(v)} if v.hidden_states.streamed else {}
     capture = CaptureSettings(
         data=str(data / "samples.jsonl"),
         verifier=v.verifier,
@@ -426,20 +429,26 @@ def hidden_state_commands(v: Variant, conversations: Path, data: Path, store: Pa
         # The store is this asset's own: when the variant's verifier or aux ids change it follows them
         # (its other shards stay, keyed by content).
         overwrite=True,
-        **({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}),
+        **{**({"batch_size": d.regeneration_batch(), **parallel} if vllm else {}), **probe_batch},
         **quantized,
         **nodes,
     )
+    # Streamed: an index of the store (every sample and its tokens, a probe of real shards); the states are
+    # computed while the drafter trains. (Explicit flags: written before the settings model held them.)
+    index = ["--index-only", "--probe", str(v.hidden_states.probe)] if v.hidden_states.streamed else []
     vocab = ["vocab", "--store", str(store), "--draft-vocab-size", str(v.drafter.draft_vocab_size)]
-    return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture)], vocab]
+    return [["prepare", *to_argv(prepare)], ["datagen", *to_argv(capture), *index], vocab]
 
 
 def hidden_states_key(v: Variant, conversations: str, verifier: Any) -> str:
     """The key of the prepared data, store and vocabulary: the conversations' digest, the verifier's
     identity (verifier_identity) and quantization, the datagen settings, the store's aux layers and the draft
-    vocabulary size."""
+    vocabulary size; for a streamed variant, that its store is an index and its probe's size."""
     datagen = dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
     del datagen["aux_layer_ids"]  # (keyed as the store's layers below, whichever section names them)
+    # A streamed variant's store is an index with a probe: its own key (a stored variant keeps its key, and
+    # switching modes rebuilds the store rather than reading an index as a store).
+    index = [{"index_only": True, "probe": v.hidden_states.probe}] if v.hidden_states.streamed else []
     return key_of(
         conversations,
         verifier,
@@ -447,6 +456,7 @@ def hidden_states_key(v: Variant, conversations: str, verifier: Any) -> str:
         datagen,
         v.store_aux_layer_ids,
         v.drafter.draft_vocab_size,
+        *index,
     )
 
 
@@ -502,10 +512,11 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         stored=stored,
         prepared=samples_written,
     )
+    streamed = v.hidden_states.streamed
     step.check(
         "values_finite",
         verified.returncode == 0,
-        "every shard re-read: checksums, shapes and finite values"
+        ("every computed shard" if streamed else "every shard") + " re-read: checksums, shapes and finite values"
         if verified.returncode == 0
         else (verified.stdout + verified.stderr).strip()[-2000:],
     )
@@ -536,10 +547,31 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "draft_vocab_coverage": coverage,
         "verifier_quantization": manifest.verifier.quantization or "none",
         "path": path_value(store),
+        "mode": v.hidden_states.mode,
     }
+    if streamed:
+        metadata.update(index_metadata(manifest, capture, prepared.statistics.tokens))
     version = store_version(store, manifest)
     metadata["data_version"] = version
     return metadata, version
+
+
+def index_metadata(manifest: StoreManifest, capture: DatagenReport, tokens: int) -> Metadata:
+    """What a streamed variant's index records beside the common metadata: its probe (samples computed for
+    real, their capture tokens/s) and the bytes a full store of these samples would take, estimated from the
+    probe's bytes per token (what streamed training does not write)."""
+    computed = sum(1 for entry in manifest.samples if entry.computed)
+    # (datagen --index-only reports both; a report without them: from its computed tokens and bytes per token)
+    estimate = getattr(capture, "full_store_bytes_estimate", None)
+    if estimate is None:
+        estimate = round(capture.bytes_per_token * tokens) if capture.bytes_per_token else 0
+    rate = getattr(capture, "probe_tokens_per_second", None) or capture.tokens_per_second or 0.0
+    return {
+        "computed_samples": computed,  # the probe, and any shards kept by streamed runs
+        "index_samples": len(manifest.samples) - computed,
+        "probe_tokens_per_second": rate,
+        "full_store_bytes_estimate": estimate,
+    }
 
 
 def store_version(store: Path, manifest: StoreManifest) -> str:
@@ -616,7 +648,72 @@ def train_command(v: Variant, store: Path, out: Path, warm_start: Path | None, r
         progress=False,
         restart=restart,
     )
-    return ["train", *to_argv(config)]
+    return ["train", *to_argv(config), *streamed_train_flags(v, out)]
+
+
+def torchrun_gpus(v: Variant) -> int:
+    """The GPUs trained_drafter's `speculators train` is started under torchrun on (command_line): the step's;
+    none when streamed, where the supervisor starts torchrun itself on the GPUs beside the verifier's."""
+    return 0 if v.hidden_states.streamed else v.profile(TRAINED_DRAFTER).gpus
+
+
+def stream_backend(v: Variant) -> str:
+    """How a streamed variant's producers run the verifier: hidden_states.backend, else datagen's."""
+    return v.hidden_states.backend or v.datagen.backend
+
+
+def stream_batch_size(v: Variant) -> int:
+    """Samples per verifier forward in a producer: hidden_states.batch_size, else what datagen would use with
+    that backend (vllm: the regeneration batch; transformers: datagen's capture batch)."""
+    from speculators.settings import CaptureSettings
+
+    if v.hidden_states.batch_size is not None:
+        return v.hidden_states.batch_size
+    if stream_backend(v) == "vllm":
+        return v.datagen.model_copy(update={"backend": "vllm"}).regeneration_batch()
+    return int(CaptureSettings.model_fields["batch_size"].default)
+
+
+def spool_folder(v: Variant, out: Path) -> Path | None:
+    """The spool of the training run in `out`: a folder of its own under hidden_states.spool (named after the
+    variant and the drafter's key, so runs of two variants never share one and a retry finds its own), or
+    None: `speculators train`'s default, `<out>/spool`."""
+    if v.hidden_states.spool is None:
+        return None
+    return Path(v.hidden_states.spool) / f"{v.name}-{out.name}"
+
+
+def streamed_train_flags(v: Variant, out: Path) -> list[str]:
+    """`speculators train`'s streamed flags for a streamed variant (none for a stored one): the supervisor
+    starts hidden_states.replicas producers on replicas x tensor_parallel_size of the step's GPUs and the
+    trainer (under torchrun when several) on the others; on a CPU it splits the cores."""
+    h = v.hidden_states
+    if not h.streamed:
+        return []
+    spool = spool_folder(v, out)
+    return [
+        "--hidden-states",
+        "streamed",
+        *(["--spool", str(spool)] if spool is not None else []),
+        "--spool-gib",
+        f"{h.spool_gib:g}",
+        "--lookahead-steps",
+        str(h.lookahead_steps),
+        "--keep",
+        h.keep,
+        "--stream-backend",
+        stream_backend(v),
+        "--stream-replicas",
+        str(h.replicas),
+        "--stream-tensor-parallel-size",
+        str(h.tensor_parallel_size),
+        "--stream-batch-size",
+        str(stream_batch_size(v)),
+        "--stream-dtype",
+        v.datagen.dtype,
+        "--trainer-processes",
+        str(v.trainer_processes),
+    ]
 
 
 # The training recipe's fields added after keys existed, at their defaults (P-EAGLE's and DFlash's among them):
@@ -639,9 +736,29 @@ RECIPE_FIELDS_ADDED_LATER: dict[str, Any] = {
 def trained_drafter_key(v: Variant, store_key: str) -> str:
     """The trained drafter's key: the store's version, the recipe, the drafter's shape, the verifier.
     `loss_positions` is hashed only where it differs from its default: a variant without it keeps the
-    key it had before the field existed (its drafter is reused)."""
+    key it had before the field existed (its drafter is reused). A streamed variant's key adds how its
+    states are computed (stream_key); a stored one keeps its key."""
     recipe = dump_for_key(v.training, RECIPE_FIELDS_ADDED_LATER)
-    return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier)
+    return key_of(store_key, recipe, v.drafter.model_dump(), v.verifier, *stream_key(v))
+
+
+def stream_key(v: Variant) -> list[dict[str, Any]]:
+    """What a streamed drafter's key adds: the mode and what decides the states it trains on (the backend,
+    tensor parallelism, batch and dtype of the verifier's forwards, the storage format, the quantization).
+    The spool, its cap, the look-ahead, keep and the replica count change where and how fast the states are
+    computed, not their values (speculators train lets a resume change them): not keyed."""
+    if not v.hidden_states.streamed:
+        return []
+    computed = {
+        "mode": "streamed",
+        "backend": stream_backend(v),
+        "tensor_parallel_size": v.hidden_states.tensor_parallel_size,
+        "batch_size": stream_batch_size(v),
+        "dtype": v.datagen.dtype,
+        "storage": v.datagen.storage,
+        "quantization": v.verifier_quantization,
+    }
+    return [{"hidden_states": computed}]
 
 
 @registered(
@@ -666,7 +783,7 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
         # A retry after a kill resumes the attempt's checkpoint; a forced one trains afresh (it may start
         # from another warm start than the run in `out` did, which a resume would refuse).
         arguments = train_command(v, store, out, warm if warm_start else None, restart=step.force)
-        speculators(*arguments, gpus=v.profile(TRAINED_DRAFTER).gpus)
+        speculators(*arguments, gpus=torchrun_gpus(v))
         summary = read_summary(out / "summary.json")
     if summary is None:
         raise StepFailed(f"training wrote no summary at {out / 'summary.json'}")
@@ -697,7 +814,37 @@ def trained_drafter(step: Step) -> tuple[Metadata, str]:
     }
     if curves.is_file():
         metadata["training_curves"] = md(image_markdown(curves, "loss and accuracy per TTT step"))
+    metadata.update(stream_metadata(v, summary, out))
     return metadata, key
+
+
+STREAM_METADATA = (
+    "verifier_passes",
+    "trainer_wait_share",
+    "producer_wait_share",
+    "spool_peak_bytes",
+    "kept_bytes",
+    "capture_tokens_per_second",
+)
+
+
+def stream_metadata(v: Variant, summary: TrainingSummary, out: Path) -> Metadata:
+    """The mode, and for a streamed run what summary.json's `stream` says: verifier passes over the training
+    split, who waited for whom, the spool's peak, the bytes kept in the store, the producers' capture rate."""
+    if not v.hidden_states.streamed:
+        return {"mode": "stored"}
+    stream = getattr(summary, "stream", None)
+    if not isinstance(stream, dict):
+        raise StepFailed(
+            f"{out / 'summary.json'} records no `stream` section for a streamed run; train again with "
+            f"--hidden-states streamed (materialize {TRAINED_DRAFTER} with force)"
+        )
+    # (a rate is None where nothing was computed: every sample came from the store)
+    return {"mode": "streamed", **{name: none_as_zero(stream.get(name)) for name in STREAM_METADATA}}
+
+
+def none_as_zero(value: Any) -> Any:
+    return 0 if value is None else value
 
 
 @registered(

@@ -148,6 +148,22 @@ gates: {{min_acceptance_length: 1.5, min_vocab_coverage: 0.5}}
 """)
 
 
+def write_tiny_streamed_variant(folder: Path) -> None:
+    """`tiny_llama_streamed`: tiny_llama's data and recipe (its file in `folder`) with streamed hidden states:
+    its own index with one probe shard, one transformers producer at batch 1 (fp32) and the trainer beside
+    it, nothing kept; a lighter benchmark (the lineage's own is tiny_llama's)."""
+    import yaml
+
+    settings = yaml.safe_load((folder / "tiny_llama.yaml").read_text())
+    settings["description"] = "tiny random Llama with streamed hidden states (tests)"
+    settings["hidden_states"] = {"mode": "streamed", "probe": 1, "batch_size": 1, "spool_gib": 1, "keep": "none"}
+    settings["benchmark"] = {
+        **settings["benchmark"],
+        **{"concurrency": [], "mt_bench": 0, "sweep_k": [], "fixed_length": False},
+    }
+    (folder / "tiny_llama_streamed.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+
+
 @pytest.fixture(scope="session")
 def lineage(peaked_verifier, tmp_path_factory):
     """The whole lineage for `tiny_llama`, materialized in-process with real Pipes subprocesses, once per

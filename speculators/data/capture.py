@@ -7,6 +7,11 @@ skipped; new prompts appended to the data only cost their own batches.
 
 Backends: `transformers` (padded batches, hooks on the decoder layers) and `vllm` (hooks inside
 vLLM's worker, see vllm_capture.py); both write the same store layout.
+
+`--index-only` writes an index instead (for `train --hidden-states streamed`): every sample's entry, with the
+states of only a probe computed (the batches of every len/N-th sample), to measure the capture tokens/s, check
+the values and estimate a full store's bytes; the other samples' tokens go to the index's tokens file. A later
+datagen into the same folder computes exactly the samples the index has no states for.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from speculators.data.capture_vllm import VllmCapture
 from speculators.data.store import (
     STORAGE_FORMATS,
     HiddenStateStore,
+    IndexTokens,
     SampleEntry,
     StoredVerifier,
     StoreManifest,
@@ -66,6 +72,7 @@ class CaptureReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "mode": "store",
             "samples": self.samples,
             "computed": self.computed,
             "reused": self.reused,
@@ -76,6 +83,45 @@ class CaptureReport:
             "bytes": self.bytes,
             "bytes_per_token": round(self.bytes / self.tokens, 1) if self.tokens else None,
         }
+
+
+@dataclass
+class IndexReport(CaptureReport):
+    """What `datagen --index-only` wrote: `computed` counts the probe samples computed now, `reused` the
+    samples whose states the store already held, `bytes` their shards'."""
+
+    probe_samples: int = 0  # samples of the probe's batches (computed now or already held)
+    computed_samples: int = 0  # entries with states in the index
+    computed_entry_tokens: int = 0  # their tokens
+    index_samples: int = 0  # entries without (their tokens in the index's tokens file)
+
+    def to_dict(self) -> dict[str, Any]:
+        speed = round(self.computed_tokens / self.seconds, 1) if self.seconds and self.computed_tokens else None
+        per_token = self.bytes / self.computed_entry_tokens if self.computed_entry_tokens else None
+        report = super().to_dict()
+        report.update(
+            mode="index",
+            tokens_per_second=speed,
+            bytes_per_token=round(per_token, 1) if per_token is not None else None,
+            probe_samples=self.probe_samples,
+            probe_tokens_per_second=speed,
+            computed_samples=self.computed_samples,
+            index_samples=self.index_samples,
+            # the shards held, plus the others' tokens at the held shards' bytes per token
+            full_store_bytes_estimate=(
+                round(self.bytes + per_token * (self.tokens - self.computed_entry_tokens))
+                if per_token is not None
+                else None
+            ),
+        )
+        return report
+
+
+def probe_indices(count: int, probe: int) -> list[int]:
+    """The samples an index computes for real: every count/probe-th one (all of them when probe >= count)."""
+    if probe >= count:
+        return list(range(count))
+    return [i * count // probe for i in range(probe)]
 
 
 def sample_keys(fingerprint: str, capture_ids: list[int], storage: str, samples: list[TokenizedSample]) -> list[str]:
@@ -237,10 +283,23 @@ def capture_samples(
         return CaptureReport(len(samples), computed, 0, total_tokens, computed_tokens, seconds, 0)
 
     entries = store_entries(samples, keys, written, previous, store)
-    totals = StoreTotals.over(entries)
-    report = CaptureReport(
+    totals = write_store_manifest(store, verifier, aux_ids, storage, data_version, entries)
+    return CaptureReport(
         len(samples), computed, len(samples) - computed, total_tokens, computed_tokens, seconds, totals.bytes
     )
+
+
+def write_store_manifest(
+    store: HiddenStateStore,
+    verifier: VerifierFacts,
+    aux_ids: list[int],
+    storage: str,
+    data_version: str | None,
+    entries: list[SampleEntry],
+) -> StoreTotals:
+    """The store's manifest of `entries`; an index's tokens file goes when no entry needs it any more
+    (a full datagen into an index)."""
+    totals = StoreTotals.over(entries)
     store.write_manifest(
         StoreManifest(
             verifier=StoredVerifier(
@@ -261,7 +320,97 @@ def capture_samples(
             samples=entries,
         )
     )
-    return report
+    if all(entry.computed for entry in entries):
+        store.index_tokens_path.unlink(missing_ok=True)
+    return totals
+
+
+def index_samples(
+    samples: list[TokenizedSample],
+    verifier: VerifierFacts,
+    store_dir: str | Path,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 4,
+    storage: str = "bfloat16",
+    backend: str = "transformers",
+    data_version: str | None = None,
+    probe: int = 16,
+    progress: bool = True,
+    tensor_parallel_size: int = 1,
+    overwrite: bool = False,
+    nodes: MultiNode | None = None,
+) -> IndexReport:
+    """`datagen --index-only`: the store's manifest lists every sample (its key, shard place and counts, as
+    capture_samples would), with states only for the probe (every len/`probe`-th sample's datagen batch, computed
+    now as capture_samples would) and the samples whose shards the store already holds (kept: nothing is lost);
+    the other samples' tokens go to the index's tokens file, written before the manifest that needs it."""
+    capture_ids = checked_capture_ids(samples, verifier, aux_layer_ids, storage, backend)
+    aux_ids = capture_ids[:-1]
+    store = HiddenStateStore(store_dir)
+    check_store_holds(store, verifier, aux_ids, storage, overwrite)
+    previous = store.previous_entries()
+    if not verifier.is_vision_language and any(s.images for s in samples):
+        raise SpeculatorsError(
+            f"the samples hold images but verifier {verifier.name_or_path} ({verifier.model_type}) takes none; "
+            f"prepare them with this verifier"
+        )
+    keys = sample_keys(verifier.states_fingerprint, capture_ids, storage, samples)
+    # The probe samples' datagen batches, whole: their states are then the bytes a full datagen writes (a
+    # sample's states depend at rounding level on its batch), and nothing computed is thrown away.
+    chosen = set(probe_indices(len(samples), probe))
+    batches = [batch for batch in plan_batches(samples, batch_size) if chosen.intersection(batch)]
+    probes = sorted(i for batch in batches for i in batch)
+    max_length = max(len(s.input_ids) for s in samples)  # (datagen's: vLLM's chunking follows it)
+    engines: list[CaptureFn] = []
+    starting = 0.0  # seconds the engine took to start: not capture time
+
+    def start_capture() -> CaptureFn:
+        nonlocal starting
+        began = time.perf_counter()
+        engines.append(
+            make_capture_fn(backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes)
+        )
+        starting = time.perf_counter() - began
+        return lambda prompts, images: engines[0](prompts, images)  # (closed below, outside the clock)
+
+    started = time.perf_counter()
+    try:
+        place = {i: n for n, i in enumerate(probes)}  # (the probe alone: its progress bar ends at 100%)
+        written, computed, computed_tokens = capture_missing(
+            [samples[i] for i in probes],
+            [keys[i] for i in probes],
+            [[place[i] for i in batch] for batch in batches],
+            store,
+            verifier,
+            storage,
+            start_capture,
+            progress,
+            started,
+        )
+        seconds = time.perf_counter() - started - starting
+    finally:
+        close = getattr(engines[0], "close", None) if engines else None
+        if close is not None:
+            close()
+    entries = store_entries(samples, keys, written, previous, store, index_missing=True)
+    missing = [(entry.key, samples[i]) for i, entry in enumerate(entries) if not entry.computed]
+    if missing:
+        IndexTokens.write(store.index_tokens_path, [(key, s.input_ids, s.loss_mask, s.images) for key, s in missing])
+    totals = write_store_manifest(store, verifier, aux_ids, storage, data_version, entries)
+    held = [entry for entry in entries if entry.computed]
+    return IndexReport(
+        samples=len(samples),
+        computed=computed,
+        reused=len(held) - computed,
+        tokens=totals.tokens,
+        computed_tokens=computed_tokens,
+        seconds=seconds,
+        bytes=totals.bytes,
+        probe_samples=len(probes),
+        computed_samples=len(held),
+        computed_entry_tokens=sum(entry.num_tokens for entry in held),
+        index_samples=len(missing),
+    )
 
 
 def checked_capture_ids(
@@ -355,12 +504,25 @@ def store_entries(
     written: dict[str, tuple[str, int]],
     previous: dict[str, SampleEntry],
     store: HiddenStateStore,
+    index_missing: bool = False,
 ) -> list[SampleEntry]:
     """The manifest's entry of each sample: a shard written now, or one reused (its tokens checked to be the
-    sample's, its checksum kept from the previous manifest when its size still matches)."""
+    sample's, its checksum kept from the previous manifest when its size still matches); with `index_missing`,
+    an index entry (no checksum) for a sample whose shard the store lacks."""
     entries: list[SampleEntry] = []
     for sample, key in zip(samples, keys, strict=True):
         path = store.shard_path(key)
+        if index_missing and key not in written and not store.has(key):
+            entries.append(
+                SampleEntry(
+                    id=sample.id,
+                    key=key,
+                    shard=shard_name(key),
+                    num_tokens=len(sample.input_ids),
+                    supervised_tokens=sample.supervised_tokens,
+                )
+            )
+            continue
         if key not in written:  # reused: its tokens must be this sample's (content addressing, checked)
             stored_ids, _ = shard_tokens(store.shard_file(shard_name(key), sample.id))  # (a symlink out refused)
             if stored_ids.tolist() != sample.input_ids:
@@ -524,6 +686,8 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
             f"each on this node's GPUs, and an engine over several nodes is one verifier over all of them; use "
             f"--data-parallel-size 1"
         )
+    if s.index_only and replica is not None:
+        raise SpeculatorsError("--index-only computes its probe in one process; run it without --replica")
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
@@ -535,7 +699,10 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
         data_version=data_version,
         overwrite=s.overwrite,
     )
-    if s.backend == "transformers":
+    report: CaptureReport
+    if s.index_only:  # (a probe of a few samples: one engine, whatever --data-parallel-size says)
+        report = index_into_store(s, samples, data_version)
+    elif s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
         report = capture_into(samples, verifier, s.output, backend="transformers")
     else:  # vLLM loads the weights; here only the config and the files' fingerprint
@@ -558,3 +725,30 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report
+
+
+def index_into_store(s: CaptureSettings, samples: list[TokenizedSample], data_version: str | None) -> IndexReport:
+    """`datagen --index-only` with either backend (index_samples)."""
+    index_into = partial(
+        index_samples,
+        samples,
+        aux_layer_ids=s.aux_layer_ids,
+        batch_size=s.batch_size,
+        storage=s.storage,
+        data_version=data_version,
+        probe=s.probe,
+        overwrite=s.overwrite,
+    )
+    if s.backend == "transformers":
+        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
+        return index_into(verifier, s.output, backend="transformers")
+    facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype, quantization=s.quantization)
+    store = Path(s.output).resolve()
+    with vllm_log(store.with_name(store.name + "-vllm.log"), True):
+        return index_into(
+            facts,
+            s.output,
+            backend="vllm",
+            tensor_parallel_size=s.tensor_parallel_size,
+            nodes=node_group_of(s),
+        )

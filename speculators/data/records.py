@@ -70,11 +70,20 @@ class DatagenReport(DataRecord):
 
     FILE: ClassVar[str] = "datagen_report.json"
 
+    mode: str = "store"  # store, or index (datagen --index-only: the states of only a probe computed)
     samples: int | None = None
     computed: int | None = None
     reused: int | None = None
     tokens_per_second: float | None = None  # of the computed tokens (None when nothing was computed)
-    bytes_per_token: float | None = None
+    bytes_per_token: float | None = None  # an index's: of the shards it holds
+    # an index's: the probe (samples computed for real, or already held), its capture tokens/s (None when the
+    # store held every probe sample), its entries with and without states, and a full store's bytes (None
+    # when no sample has states)
+    probe_samples: int | None = None
+    probe_tokens_per_second: float | None = None
+    computed_samples: int | None = None
+    index_samples: int | None = None
+    full_store_bytes_estimate: int | None = None
 
 
 class DraftVocabSummary(DataRecord):

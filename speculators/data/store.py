@@ -13,8 +13,13 @@ A manifest names nothing outside its store: each entry's shard must be exactly t
 (`shards/<key[:2]>/<key>.safetensors`, the key 32 hex digits), checked when the manifest is read, and
 a shard is opened only where it resolves inside the store (a symlink out of it is refused).
 
+An **index** (datagen --index-only) is a manifest whose entries may have no states yet (checksum None): a
+streamed training run computes them into its spool. Their tokens, which the draft vocabulary and the
+producers need, are kept in `index_tokens.safetensors` (each checked against its content key at read).
+
     <store>/manifest.json
     <store>/shards/<key[:2]>/<key>.safetensors
+    <store>/index_tokens.safetensors      an index's: the tokens of the samples with no states
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from speculators.atomic_io import write_text_atomic, write_with
 from speculators.errors import SpeculatorsError, shorten
 from speculators.settings import StorageFormat
 from speculators.verifier.quantization import FP8_MAX
+from speculators.verifier.vision import images_digest
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +49,8 @@ STORE_VERSION = 1
 STORAGE_FORMATS: tuple[str, ...] = typing.get_args(StorageFormat)
 KEY_PATTERN = re.compile(r"[0-9a-f]{32}")  # sample_key's: the first 32 hex digits of a sha256
 FRESH_STORE = "re-run 'speculators datagen' into a new --output (or into this one with --overwrite)"
+INDEX_TOKENS = "index_tokens.safetensors"  # an index's tokens of its entries without states
+INDEX_TOKENS_FORMAT = "speculators-index-tokens"
 
 
 def shard_name(key: str) -> str:
@@ -171,9 +179,34 @@ class StoreManifest(StoreRecord):
         """The entries whose states the store does not hold (an index's: datagen --index-only)."""
         return [entry for entry in self.samples if not entry.computed]
 
+    @property
+    def states_fingerprint(self) -> str:
+        """What the sample keys hash for the verifier (VerifierFacts.states_fingerprint): its fingerprint
+        and the FP8 scheme that quantized it."""
+        quantization = self.verifier.quantization
+        return self.verifier.fingerprint + (f"+{quantization}" if quantization else "")
+
+    def entry_key(self, input_ids: list[int], images: list[dict[str, str]]) -> str:
+        """The content key a sample of these tokens (and images) has in this store."""
+        layers = [*self.aux_layer_ids, self.target_layer_id]
+        return sample_key(self.states_fingerprint, layers, self.storage, input_ids, images_digest(images))
+
     def write(self, path: Path) -> Path:
         """Atomically, as one-space-indented JSON."""
         return write_text_atomic(path, json.dumps(self.model_dump(), indent=1) + "\n")
+
+
+def index_refusal(manifest: StoreManifest, store: str | Path, entries: list[SampleEntry] | None = None) -> str | None:
+    """The one line a reader of shards (stored-mode training) gives a store that holds no states for some of
+    `entries` (default: all of its samples), or None when it holds them all. A streamed run does not ask: it
+    computes those states into its spool."""
+    needed = manifest.samples if entries is None else entries
+    if all(entry.computed for entry in needed):
+        return None
+    return (
+        f"store {store} is an index: {len(manifest.uncomputed)} of {len(manifest.samples)} samples have no computed "
+        f"states (datagen --index-only); train it with --hidden-states streamed, or run datagen without --index-only"
+    )
 
 
 def sample_key(
@@ -219,6 +252,62 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
+class IndexTokens:
+    """<store>/index_tokens.safetensors: the tokens of an index's samples without states, by content key.
+    Tensors: `keys` [N, 16] uint8 (each key's 32 hex digits as bytes), `offsets` [N + 1] int64 into
+    `input_ids` [sum T] int32 and `loss_mask` [sum T] bool; metadata `images`: JSON {key: image parts} of the
+    samples with images. Opened once, memory-mapped: a sample's tokens are read as it is asked for."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            self.handle = safe_open(str(path), "pt")
+            metadata = self.handle.metadata() or {}
+            if metadata.get("format") != INDEX_TOKENS_FORMAT:
+                raise ValueError(f"its metadata names no format {INDEX_TOKENS_FORMAT}")
+            self.images: dict[str, list[dict[str, str]]] = json.loads(metadata.get("images", "{}"))
+            keys = self.handle.get_tensor("keys")
+            self.offsets = self.handle.get_tensor("offsets").tolist()
+        except Exception as error:
+            raise SpeculatorsError(
+                f"{path} cannot be read as an index's tokens ({shorten(str(error), 200)}); re-run 'speculators "
+                f"datagen --index-only' into this store"
+            ) from None
+        self.rows = {bytes(row).hex(): number for number, row in enumerate(keys.tolist())}
+
+    @staticmethod
+    def write(path: Path, samples: list[tuple[str, list[int], list[int], list[dict[str, str]]]]) -> Path:
+        """Atomically, the (key, input_ids, loss_mask, images) of each sample."""
+        import torch
+        from safetensors.torch import save_file
+
+        lengths = [len(ids) for _, ids, _, _ in samples]
+        tensors = {
+            "keys": torch.tensor([list(bytes.fromhex(key)) for key, _, _, _ in samples], dtype=torch.uint8).reshape(
+                len(samples), 16
+            ),
+            "offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
+            "input_ids": torch.tensor([t for _, ids, _, _ in samples for t in ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for _, _, mask, _ in samples for m in mask], dtype=torch.bool),
+        }
+        images = {key: parts for key, _, _, parts in samples if parts}
+        metadata = {"format": INDEX_TOKENS_FORMAT, "images": json.dumps(images, separators=(",", ":"))}
+        return write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+    def tokens(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """input_ids [T] long and loss_mask [T] bool of the sample of `key`; None if the file holds none."""
+        import torch
+
+        row = self.rows.get(key)
+        if row is None:
+            return None
+        start, end = self.offsets[row], self.offsets[row + 1]
+        ids = self.handle.get_slice("input_ids")[start:end].to(torch.long)
+        return ids, self.handle.get_slice("loss_mask")[start:end].to(torch.bool)
+
+
 @dataclass
 class StoredSample:
     input_ids: torch.Tensor  # [T] long
@@ -243,6 +332,49 @@ class HiddenStateStore:
     @property
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
+
+    @property
+    def index_tokens_path(self) -> Path:
+        return self.root / INDEX_TOKENS
+
+    @cached_property
+    def index_tokens(self) -> IndexTokens:
+        """The index's tokens file, opened once (one error if the index has none)."""
+        if not self.index_tokens_path.is_file():
+            raise SpeculatorsError(
+                f"store {self.root} lists samples with no computed states but has no {INDEX_TOKENS} (their tokens); "
+                f"re-run 'speculators datagen --index-only' into it"
+            )
+        return IndexTokens(self.index_tokens_path)
+
+    @cached_property
+    def keyed_manifest(self) -> StoreManifest:
+        """The manifest whose verifier, layers and storage an index entry's tokens are checked against (read
+        once: they never change without datagen --overwrite)."""
+        return self.manifest()
+
+    def index_sample(self, entry: SampleEntry) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]]:
+        """input_ids [T] long, loss_mask [T] bool and image parts of a sample without states (an index entry),
+        from the index's tokens file; checked to be the entry's: its content key hashes these tokens."""
+        index = self.index_tokens
+        tokens = index.tokens(entry.key)
+        if tokens is None:
+            raise SpeculatorsError(
+                f"{index.path} holds no tokens for sample {entry.id} (key {entry.key}); re-run 'speculators "
+                f"datagen --index-only' into {self.root}"
+            )
+        ids, mask = tokens
+        images = index.images.get(entry.key, [])
+        if (
+            self.keyed_manifest.entry_key(ids.tolist(), images) != entry.key
+            or int(mask.sum()) != entry.supervised_tokens
+        ):
+            raise SpeculatorsError(
+                f"the tokens of sample {entry.id} in {index.path} are not its entry's (key {entry.key}, "
+                f"{entry.supervised_tokens} supervised tokens): the file was altered; re-run 'speculators datagen "
+                f"--index-only' into {self.root}"
+            )
+        return ids, mask, images
 
     def shard_path(self, key: str) -> Path:
         return self.root / shard_name(key)
@@ -334,6 +466,11 @@ class HiddenStateStore:
         import torch
         from safetensors.torch import load_file
 
+        if not entry.computed:
+            raise SpeculatorsError(
+                f"sample {entry.id} of store {self.root} has no computed states (an index entry: datagen "
+                f"--index-only); train it with --hidden-states streamed, or run datagen without --index-only"
+            )
         path = self.checked_shard_file(entry) if verify else self.shard_file(entry.shard, entry.id)
         try:
             tensors = load_file(str(path))
@@ -349,18 +486,30 @@ class HiddenStateStore:
 
     def read_tokens(self, entry: SampleEntry, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and loss_mask of the entry's shard, without reading the hidden states; with `verify`,
-        the shard's checksum must match the manifest (hashing reads the whole shard once)."""
+        the shard's checksum must match the manifest (hashing reads the whole shard once). An index entry's
+        come from the index's tokens file, checked against its key."""
+        if not entry.computed:
+            ids, mask, _ = self.index_sample(entry)
+            return ids, mask
         path = self.checked_shard_file(entry) if verify else self.shard_file(entry.shard, entry.id)
         return shard_tokens(path)
 
     def verify(self) -> list[str]:
-        """Problems found by re-reading every shard: checksum, shapes, finiteness, token ids."""
+        """Problems found by re-reading every shard: checksum, shapes, finiteness, token ids. An index's
+        entries without states have no shard to re-read: their tokens are checked against their keys."""
         import torch
 
         manifest = self.manifest()
         hidden, aux_count = manifest.verifier.hidden_size, len(manifest.aux_layer_ids)
         problems = []
         for entry in manifest.samples:
+            if not entry.computed:
+                try:
+                    self.index_sample(entry)
+                except SpeculatorsError as error:
+                    if str(error) not in problems:  # (a missing tokens file is one problem, not one per sample)
+                        problems.append(str(error))
+                continue
             try:
                 sample = self.read_sample(entry)
             except SpeculatorsError as error:

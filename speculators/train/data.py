@@ -12,13 +12,14 @@ it never changes when the store grows. A pack is moved to its device, and noised
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.data.conversation import VALIDATION_PREFIX
-from speculators.data.spool import Spool, UnitSample, wait_for_unit
-from speculators.data.store import HiddenStateStore, SampleEntry
+from speculators.data.spool import STREAM_SPOOL_ENV, Spool, UnitSample, wait_for_unit
+from speculators.data.store import HiddenStateStore, SampleEntry, index_refusal
 from speculators.errors import SpeculatorsError
 from speculators.settings import aux_layers_missing_problem
 from speculators.train.plan import pack_plan
@@ -106,6 +107,12 @@ class PackedStore:
             raise SpeculatorsError(
                 f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
             )
+        # A streamed run (its trainer, fed by the spool, and its producers) reads the states the store lacks from
+        # the spool.
+        streamed = spool is not None or os.environ.get(STREAM_SPOOL_ENV)
+        refusal = None if streamed else index_refusal(self.manifest, store_dir, self.entries)
+        if refusal:
+            raise SpeculatorsError(refusal)
 
     def read_aux_layers(self, layer_ids: list[int]) -> None:
         """Packs hold the aux states of `layer_ids` (the drafter's, in its order) of the store's layers: a store

@@ -119,15 +119,17 @@ def store_content(store: str | Path, streamed: bool = False) -> str:
     """Identity of a store's data: its verifier's fingerprint, the samples in data order (ids, content
     keys, shard checksums), the aux layers and storage, and the draft vocabulary's bytes. A store moved
     elsewhere keeps its identity; one with a sample more, less or recomputed, or a rebuilt vocabulary,
-    does not. `streamed`: the checksums left out (a streamed run computes the states it reads, and its
-    --keep fills checksums into the store's manifest: the keys, content addresses, still name the data)."""
+    does not. An index (datagen --index-only) has an identity too: its entries without states hash as
+    'none', so it differs from the complete store of the same data. `streamed`: the checksums left out (a
+    streamed run computes the states it reads, and its --keep fills checksums into the store's manifest: the
+    keys, content addresses, still name the data)."""
     folder = Path(store)
     manifest = StoreManifest.read(folder / "manifest.json")
     digest = hashlib.sha256()
     header = [manifest.verifier.fingerprint, manifest.aux_layer_ids, manifest.target_layer_id, manifest.storage]
     digest.update(json.dumps(header).encode())
     for entry in manifest.samples:
-        checksum = "streamed" if streamed else entry.checksum
+        checksum = "streamed" if streamed else entry.checksum or "none"  # (none: an index entry)
         digest.update(f"\n{entry.id}|{entry.key}|{checksum}".encode())
     vocab = folder / "draft_vocab.safetensors"
     digest.update(f"\nvocab:{file_sha256(vocab) if vocab.is_file() else 'none'}".encode())

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speculators.atomic_io import exclusive_lock
+from speculators.data.capture import drafter_positions
 from speculators.data.spool import (
     STREAM_SPOOL_ENV,
     SUPERVISOR_ENV,
@@ -45,6 +46,7 @@ from speculators.data.spool import (
     unit_name,
 )
 from speculators.data.store import HiddenStateStore, SampleEntry, StoreManifest, StoreTotals
+from speculators.data.tokenization import TokenizedSample
 from speculators.errors import SpeculatorsError
 from speculators.flags import to_argv
 from speculators.serving.engine import cpu_core_lists, gpu_count
@@ -59,7 +61,6 @@ if TYPE_CHECKING:
     import torch
 
 FAIL_ENV = "SPECULATORS_STREAM_FAIL"  # fault injection: "producer" makes every producer fail at its start
-INDEX_TOKENS = "index_tokens.safetensors"  # an index's tokens: "<key>/input_ids", "<key>/loss_mask"
 GIB = 1 << 30
 PROGRESS_SECONDS = 5.0
 SHARD_OVERHEAD = 2048  # a shard's safetensors header, and its lines in the unit's manifest.json and unit.json
@@ -133,25 +134,13 @@ def read_stream_file(spool: Spool) -> dict[str, Any]:
 # ----- the producer ------------------------------------------------------------------------------------
 
 
-class IndexTokens:
-    """The token ids and loss masks of a store's samples: from an index's tokens file, else from the shard."""
-
-    def __init__(self, store: HiddenStateStore):
-        self.store = store
-        self.path = store.root / INDEX_TOKENS
-
-    def of(self, entry: SampleEntry) -> tuple[torch.Tensor, torch.Tensor]:
-        if entry.computed and self.store.has(entry.key):
-            return self.store.read_tokens(entry, verify=False)
-        if not self.path.is_file():
-            raise SpeculatorsError(
-                f"store {self.store.root} has no states and no tokens of sample {entry.id}; write the index with "
-                f"'speculators datagen --index-only'"
-            )
-        from safetensors import safe_open
-
-        with safe_open(str(self.path), "pt") as handle:
-            return handle.get_tensor(f"{entry.key}/input_ids"), handle.get_tensor(f"{entry.key}/loss_mask")
+def sample_tokens(store: HiddenStateStore, entry: SampleEntry) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """A sample's token ids, loss mask and image parts: from its shard where the store holds one (its images are
+    not kept there: a vision sample's batch is computed from the index's tokens file), else the index's file."""
+    if entry.computed and store.has(entry.key):
+        ids, mask = store.read_tokens(entry, verify=False)
+        return ids, mask, []
+    return store.index_sample(entry)
 
 
 class Producer:
@@ -168,9 +157,9 @@ class Producer:
         self.reserve = replicas * self.streamed.largest_unit()
         self.counters = self.spool.producer_counters(replica)  # (continued across restarts)
         self.store = self.streamed.train.store
-        self.tokens = IndexTokens(self.store)
         self.keep = keep_limit(self.config.keep)
         self.capture: Any = None
+        self.verifier: Any = None  # (loaded with the capture, on first need)
 
     def run(self) -> None:
         self.spool.forget_replica(self.replica, self.replicas)
@@ -235,6 +224,7 @@ class Producer:
                 f"index {config.store} was written for verifier {manifest.verifier.name_or_path} (fingerprint "
                 f"{manifest.verifier.fingerprint}), not {config.verifier}; pass the index's verifier"
             )
+        self.verifier = verifier
         return make_capture_fn(
             backend,
             verifier,
@@ -278,14 +268,22 @@ class Producer:
                 continue
             if self.capture is None:
                 self.capture = self.start_capture()
-            tokens_of = [self.tokens.of(e) for e in entries]
-            states = self.capture([ids.tolist() for ids, _ in tokens_of], [[] for _ in batch])
+            samples_of = [sample_tokens(self.store, e) for e in entries]
+            states = self.capture([ids.tolist() for ids, _, _ in samples_of], [images for _, _, images in samples_of])
             for row, (i, entry) in enumerate(zip(batch, entries, strict=True)):
                 if found[i] is not None:  # (a batch is computed whole, as datagen does: the same states)
                     continue
-                ids, mask = tokens_of[row]
+                ids, mask, images = samples_of[row]
+                tokenized = TokenizedSample(entry.id, ids.tolist(), mask.int().tolist(), images)
                 checksum, size = here.write_sample(
-                    entry.key, entry.id, ids, mask.to(torch.bool), states[row][:, :-1], states[row][:, -1], storage
+                    entry.key,
+                    entry.id,
+                    ids,
+                    mask.to(torch.bool),
+                    states[row][:, :-1],
+                    states[row][:, -1],
+                    storage,
+                    drafter_positions(self.verifier, tokenized),
                 )
                 samples.append(UnitSample(index=i, key=entry.key, place="unit", checksum=checksum, bytes=size))
                 written.append(entry.model_copy(update={"checksum": checksum, "bytes": size}))
@@ -317,6 +315,9 @@ class Producer:
 
 def run_producer(spool_dir: str | Path, replica: int, replicas: int) -> None:
     """`speculators stream --spool DIR --replica r/R`: one producer of a streamed run (started by its supervisor)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (kill -USR1 <pid>: where a stuck producer is, in its log)
     parent = os.environ.get(SUPERVISOR_ENV)
     if parent:
         exit_with(int(parent))

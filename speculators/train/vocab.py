@@ -72,7 +72,8 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVoca
 def count_supervised_tokens(store_dir: str | Path) -> tuple[torch.Tensor, StoreManifest]:
     """Token counts over the supervised tokens of the samples training may learn from: samples of a
     validation source are left out (their answers must not shape the vocabulary they are scored with).
-    Each shard's checksum is checked first, as train checks it: a corrupted shard is named, never counted."""
+    Each shard's checksum is checked first, as train checks it: a corrupted shard is named, never counted.
+    An index's samples without states are counted from its tokens file (each checked against its key)."""
     import torch
 
     store = HiddenStateStore(store_dir)

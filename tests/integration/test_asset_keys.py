@@ -35,6 +35,9 @@ KEYS = {
     # data_from smollm2_135m: its prompts' and store's keys are that partition's
     "smollm2_135m_dflash": ("833306b68c26", "a0c1839e1c69", "9555acdfd39d", "1413b283c63e"),
     "smollm2_135m_peagle": ("833306b68c26", "a0c1839e1c69", "8a7cd9991163", "f8cd70862116"),
+    # the demo's data with streamed hidden states: its prompts' key is the demo's; its store is an index (own key)
+    # and its drafter's key holds how the states are computed
+    "smollm2_135m_streamed": ("833306b68c26", "527e4952ffb7", "e0750d5a0d20", "27a20f27c883"),
 }
 
 

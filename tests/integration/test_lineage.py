@@ -377,3 +377,59 @@ def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(lineage, tmp_
     report = next((storage / "tiny_llama" / "benchmark_report").glob("*/report.json"))
     assert json.loads(report.read_text())["acceptance"]["acceptance_length"] > 1.5
     assert (SCREENSHOTS / "3-run-succeeded.png").stat().st_size > 10_000
+
+
+def test_a_streamed_partition_materializes_all_five_assets_without_a_store(lineage, tmp_path, monkeypatch):
+    """tiny_llama's data with streamed hidden states (conftest's tiny_llama_streamed): verifier_hidden_states
+    writes an index with one probe shard (the same data version as tiny_llama's full store), trained_drafter
+    computes the states into its spool during training and keeps none of them, and the drafter is published and
+    benchmarked like any other. (Eight samples and a probe of one: the index holds one shard of the eight, so its
+    bytes are a fraction of the store's, not the 1% a real data set's index is.)"""
+    from speculators.data.store import HiddenStateStore
+    from speculators_assets.definitions import build_defs
+    from speculators_assets.workload import directory_bytes
+    from tests.conftest import write_tiny_streamed_variant
+
+    assert lineage["first"].success
+    stored = materialized(lineage["first"])
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    shutil.copy(Path(lineage["env"]["SPECULATORS_VARIANTS_DIR"]) / "tiny_llama.yaml", variants)
+    write_tiny_streamed_variant(variants)
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(variants))
+    monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", lineage["env"]["SPECULATORS_STORAGE_ROOT"])
+    defs = build_defs()
+    result = dg.materialize(
+        list(defs.assets),
+        partition_key="tiny_llama_streamed",
+        resources=defs.resources,
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert result.success
+    meta = materialized(result)
+    assert list(meta) == ASSETS
+    hidden = meta["verifier_hidden_states"]
+    assert hidden["mode"] == "streamed" and hidden["samples"] == 8
+    assert (hidden["computed_samples"], hidden["index_samples"]) == (1, 7)
+    assert hidden["data_version"] == stored["verifier_hidden_states"]["data_version"]
+    assert hidden["probe_tokens_per_second"] > 0 and hidden["full_store_bytes_estimate"] > 0
+    assert hidden["store_bytes"] < stored["verifier_hidden_states"]["store_bytes"] / 2  # (one shard of eight)
+    store = Path(hidden["path"])
+    drafter = meta["trained_drafter"]
+    assert drafter["mode"] == "streamed" and drafter["key"] != stored["trained_drafter"]["key"]
+    assert drafter["verifier_passes"] > 1 and 0 <= drafter["trainer_wait_share"] <= 1
+    assert 0 <= drafter["producer_wait_share"] <= 1 and drafter["spool_peak_bytes"] > 0
+    assert drafter["kept_bytes"] == 0 and drafter["capture_tokens_per_second"] > 0
+    # keep: none: the store is the index verifier_hidden_states wrote, and the spool is gone.
+    assert directory_bytes(store) == hidden["store_bytes"]
+    assert len([e for e in HiddenStateStore(store).manifest().samples if e.computed]) == 1
+    run = Path(drafter["path"]).parent
+    assert not (run / "spool").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stream"]["mode"] == "streamed" and summary["stream"]["backend"] == "transformers"
+    checkpoint = meta["speculator_checkpoint"]
+    assert checkpoint["published"] is True and checkpoint["speculative_tokens"] == 3
+    assert meta["benchmark_report"]["acceptance_length"] > 1.2
+    checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["values_finite"] and checks["counts_match_prepared_data"] and checks["passes_validate"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.data.store import HiddenStateStore, StoreTotals
+from speculators.data.store import INDEX_TOKENS, HiddenStateStore, IndexTokens, StoreTotals
 from speculators.data.tokenization import TokenizedSample
 from speculators.errors import SpeculatorsError
 from speculators.train.plan import TrainingPlan, replica_steps
@@ -39,27 +39,25 @@ def store_samples(store: Path) -> list[TokenizedSample]:
 
 
 def make_index(store: Path, folder: Path, computed: tuple[str, ...] = ()) -> Path:
-    """An index of `store` as `datagen --index-only` writes one (until it lands here: a test helper): the manifest
-    with every entry's checksum None and bytes 0 but those of `computed` (their shards copied), the draft
-    vocabulary, and the samples' tokens in index_tokens.safetensors."""
-    from safetensors.torch import save_file
-
+    """An index of `store` as `datagen --index-only` writes one: the manifest with every entry's checksum None and
+    bytes 0 but those of `computed` (their shards copied), the others' tokens in the index's tokens file, and the
+    draft vocabulary (an index of exactly the samples wanted, which --probe would choose for itself)."""
     held = HiddenStateStore(store)
     manifest = held.manifest()
     folder.mkdir(parents=True)
-    tokens = {}
+    tokens = []
     entries = []
     for entry in manifest.samples:
-        ids, mask = held.read_tokens(entry)
-        tokens[f"{entry.key}/input_ids"], tokens[f"{entry.key}/loss_mask"] = ids, mask
         if entry.id in computed:
             target = folder / entry.shard
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(held.shard_path(entry.key), target)
             entries.append(entry)
         else:
+            ids, mask = held.read_tokens(entry)
+            tokens.append((entry.key, ids.tolist(), mask.int().tolist(), []))
             entries.append(entry.model_copy(update={"checksum": None, "bytes": 0}))
-    save_file(tokens, str(folder / "index_tokens.safetensors"))
+    IndexTokens.write(folder / INDEX_TOKENS, tokens)
     for vocab in store.glob("draft_vocab.*"):
         shutil.copyfile(vocab, folder / vocab.name)
     index = manifest.model_copy(update={"samples": entries, "totals": StoreTotals.over(entries)})
