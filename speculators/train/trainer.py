@@ -157,12 +157,17 @@ def feed_step(run: Run, step: int) -> None:
     on so the producers compute the steps ahead."""
     packs = run.train_packs
     assert packs.spool is not None
-    if run.rank == 0:
-        previous = packs.spool.cursor()
-        checkpoint = previous.checkpoint_step if previous is not None and previous.checkpoint_step <= step else step
-        cursor = Cursor(step=step, checkpoint_step=checkpoint, total_steps=run.total_steps)
-        packs.spool.write_cursor(cursor.model_copy(update={"wait_seconds": packs.wait_seconds}))
+    if run.rank != 0:
+        packs.open_unit(step, run.config.stream_timeout)
+        return
+    previous = packs.spool.cursor()
+    checkpoint = previous.checkpoint_step if previous is not None and previous.checkpoint_step <= step else step
+    cursor = Cursor(step=step, checkpoint_step=checkpoint, total_steps=run.total_steps, wait_seconds=packs.wait_seconds)
+    packs.spool.write_cursor(cursor)
+    waited = packs.wait_seconds
     packs.open_unit(step, run.config.stream_timeout)
+    if packs.wait_seconds - waited > 0.01:  # (the supervisor's wait share counts this wait too)
+        packs.spool.write_cursor(cursor.model_copy(update={"wait_seconds": packs.wait_seconds}))
 
 
 def validate(run: Run, state: TrainingState, log: MetricsLog, clock: WallClock) -> bool:
