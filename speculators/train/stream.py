@@ -135,8 +135,9 @@ def read_stream_file(spool: Spool) -> dict[str, Any]:
 
 
 def sample_tokens(store: HiddenStateStore, entry: SampleEntry) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """A sample's token ids, loss mask and image parts: from its shard where the store holds one (its images are
-    not kept there: a vision sample's batch is computed from the index's tokens file), else the index's file."""
+    """A sample's token ids, loss mask and image parts: from its shard where the store holds one, else from the
+    index's tokens file. (A shard keeps no image parts: a sample with images that the store holds, in a batch
+    with samples it lacks, is not yet supported; streamed vision-language training is untested.)"""
     if entry.computed and store.has(entry.key):
         ids, mask = store.read_tokens(entry, verify=False)
         return ids, mask, []
