@@ -210,6 +210,13 @@ def cmd_verify_store(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def cmd_stream(args: argparse.Namespace) -> int:
+    from speculators.train.stream import run_producer
+
+    run_producer(args.spool, *args.replica)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     summary = train(from_args(TrainConfig, args))
     if summary is not None:
@@ -288,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     datagen.add_argument("--replica", type=parse_replica, help=argparse.SUPPRESS)
     command("vocab", VocabSettings, cmd_vocab, "draft vocabulary (d2t, t2d) from a hidden-state store")
     command("train", TrainConfig, cmd_train, "train an EAGLE-3 drafter (training-time test) from a store")
+    # internal: a streamed run's producer, started by its supervisor (speculators/train/stream.py)
+    stream = commands.add_parser("stream")
+    stream.add_argument("--spool", required=True)
+    stream.add_argument("--replica", type=parse_replica, required=True)
+    stream.set_defaults(func=cmd_stream)
     command(
         "evaluate",
         EvaluateSettings,

@@ -529,7 +529,57 @@ class TrainRecipe(Settings):
     device: DeviceName = Field("auto", description="auto (cuda:LOCAL_RANK if present, else cpu), cpu or cuda")
 
 
-class TrainConfig(TrainRecipe):
+def keep_limit_problem(keep: str) -> str | None:
+    """What is wrong with a --keep value (none, all, or a number of GiB), or None."""
+    if keep in ("none", "all"):
+        return None
+    try:
+        gib = float(keep)
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib <= MAX_MEMORY_GIB * 1024:
+        return f"keep '{keep}' is not none, all or a number of GiB (e.g. 200)"
+    return None
+
+
+def known_keep(keep: str) -> str:
+    problem = keep_limit_problem(keep)
+    if problem:
+        raise ValueError(problem)
+    return keep
+
+
+class StreamSettings(Settings):
+    """Streamed training (speculators/train/stream.py): the verifier's states computed by producer processes
+    into a bounded spool while the trainer reads them, instead of read from a computed store. None of these
+    change the trained weights (a resume may change them)."""
+
+    hidden_states: Literal["stored", "streamed"] = Field(
+        "stored", description="streamed: the states are computed into a spool during training (--store: an index)"
+    )
+    spool: PathText | None = Field(None, description="the spool folder (default <output>/spool): tmpfs or local NVMe")
+    spool_gib: float = Field(8.0, gt=0, le=MAX_MEMORY_GIB, description="cap on the spool's bytes, GiB")
+    lookahead_steps: int = Field(4, ge=1, le=MAX_STEPS, description="steps producers compute beyond the trainer's")
+    keep: Annotated[str, AfterValidator(known_keep)] = Field(
+        "none",
+        description="none, all, or GiB: computed shards also written into --store (and its manifest), so a later "
+        "epoch or run reads them",
+    )
+    stream_backend: Backend = Field("vllm", description="how producers run the verifier")
+    stream_replicas: int = Field(1, ge=1, le=MAX_GPUS, description="producer processes (verifier replicas)")
+    stream_tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs per vLLM producer")
+    stream_batch_size: int = Field(4, gt=0, le=MAX_BATCH, description="samples per verifier forward in a producer")
+    stream_dtype: ComputeDtype = Field("auto", description="the producers' verifier dtype (auto: the index's)")
+    stream_timeout: float = Field(
+        600.0, gt=0, le=MAX_SECONDS, description="seconds the trainer waits for states while no producer progresses"
+    )
+    producer_restarts: int = Field(2, ge=0, le=1000, description="restarts of a producer that dies, then the run stops")
+    trainer_processes: int = Field(
+        1, ge=1, le=MAX_GPUS, description="trainer processes (torchrun when > 1: DDP, or FSDP2 with --fsdp)"
+    )
+
+
+class TrainConfig(TrainRecipe, StreamSettings):
     """One training run: the recipe, its inputs and outputs, and the drafter's shape."""
 
     store: PathText = Field(description="hidden-state store with draft_vocab.safetensors")

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speculators.data.conversation import VALIDATION_PREFIX
-from speculators.data.store import HiddenStateStore, index_refusal
+from speculators.data.spool import STREAM_SPOOL_ENV, Spool, UnitSample, wait_for_unit
+from speculators.data.store import HiddenStateStore, SampleEntry, index_refusal
 from speculators.errors import SpeculatorsError
 from speculators.settings import aux_layers_missing_problem
 from speculators.train.plan import pack_plan
@@ -26,8 +27,7 @@ from speculators.train.plan import pack_plan
 if TYPE_CHECKING:
     import torch
 
-# Set by a streamed run's supervisor for its trainer: the spool it reads the states from.
-STREAM_SPOOL_ENV = "SPECULATORS_STREAM_SPOOL"
+    from speculators.data.store import StoredSample
 
 
 @dataclass
@@ -75,7 +75,9 @@ def is_validation(sample_id: str, share: float) -> bool:
 
 
 class PackedStore:
-    """Packs of a store's training or validation samples, deterministic per (seed, epoch)."""
+    """Packs of a store's training or validation samples, deterministic per (seed, epoch). The states are read
+    from the store, or, with `spool` (a streamed run, speculators/train/stream.py), from the spool's unit of the
+    step being trained (`open_unit`), which names for each sample its shard in the unit or in the store."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class PackedStore:
         seed: int = 0,
         dtype: torch.dtype | None = None,
         loss_positions: str = "answers",
+        spool: str | Path | None = None,
     ):
         self.store = HiddenStateStore(store_dir)
         self.manifest = self.store.manifest()
@@ -97,12 +100,17 @@ class PackedStore:
         self.entries = [e for e in entries if is_validation(e.id, validation_share) == (split == "validation")]
         self.verified: set[str] = set()  # shards whose checksum this run has checked
         self.aux_index: list[int] | None = None  # the store's aux states the packs hold (None: all of them)
+        self.spool = Spool(spool) if spool is not None else None
+        self.unit_samples: dict[int, tuple[HiddenStateStore, UnitSample]] = {}  # index -> where the open unit has it
+        self.wait_seconds = 0.0  # waited for units
         if split == "train" and not self.entries:
             raise SpeculatorsError(
                 f"the store {store_dir} has no training samples with supervised tokens; run datagen on more data"
             )
-        # A trainer fed by a streamed run's spool reads the states the store lacks from there.
-        refusal = None if os.environ.get(STREAM_SPOOL_ENV) else index_refusal(self.manifest, store_dir, self.entries)
+        # A streamed run (its trainer, fed by the spool, and its producers) reads the states the store lacks from
+        # the spool.
+        streamed = spool is not None or os.environ.get(STREAM_SPOOL_ENV)
+        refusal = None if streamed else index_refusal(self.manifest, store_dir, self.entries)
         if refusal:
             raise SpeculatorsError(refusal)
 
@@ -115,6 +123,31 @@ class PackedStore:
             raise SpeculatorsError(f"store {self.store.root}: {problem}")
         index = [stored.index(i) for i in layer_ids]
         self.aux_index = None if index == list(range(len(stored))) else index
+
+    def open_unit(self, unit: int, timeout: float) -> None:
+        """Read the samples of spool unit `unit` from now on (waiting for it); the earlier unit is let go."""
+        assert self.spool is not None
+        self.wait_seconds += wait_for_unit(self.spool, unit, timeout)
+        record = self.spool.unit_record(unit)
+        here = HiddenStateStore(self.spool.unit_dir(unit))
+        self.unit_samples = {s.index: (here if s.place == "unit" else self.store, s) for s in record.samples}
+
+    def read_sample(self, index: int, entry: SampleEntry) -> StoredSample:
+        """The sample's states from the store, or from where the open spool unit says (its checksum checked)."""
+        if self.spool is None:
+            # Each shard's checksum is checked at its first read in a run (a bit flip is named, never
+            # trained on); later epochs re-read it without hashing it again.
+            sample = self.store.read_sample(entry, verify=entry.key not in self.verified, dtype=self.dtype)
+            self.verified.add(entry.key)
+            return sample
+        if index not in self.unit_samples:
+            raise SpeculatorsError(
+                f"sample {entry.id} is not in the spool unit the trainer reads ({self.spool.root}): the producers "
+                f"follow another plan; run the streamed training again with the same settings"
+            )
+        store, placed = self.unit_samples[index]
+        located = entry.model_copy(update={"checksum": placed.checksum, "bytes": placed.bytes})
+        return store.read_sample(located, verify=True, dtype=self.dtype)  # (a unit's shard is read once)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -131,11 +164,7 @@ class PackedStore:
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "aux", "target", "mask", "pos", "doc")}
         room = self.token_budget
         for doc, index in enumerate(indices):
-            # Each shard's checksum is checked at its first read in a run (a bit flip is named, never
-            # trained on); later epochs re-read it without hashing it again.
-            entry = self.entries[index]
-            sample = self.store.read_sample(entry, verify=entry.key not in self.verified, dtype=self.dtype)
-            self.verified.add(entry.key)
+            sample = self.read_sample(index, self.entries[index])
             length = min(sample.input_ids.numel() - 1, room)
             room -= length
             parts["ids"].append(sample.input_ids[1 : length + 1])

@@ -102,6 +102,8 @@ class TrainingSummary(BaseModel):
     config: dict[str, Any]  # the run's settings (TrainConfig) as its last resume gave them
     objective: dict[str, str] | None = None  # the loss and position weights trained on (absent in early summaries)
     resumed: list[Resumption] = []  # each resume of the run: its step and what changed
+    # streamed runs (speculators.train.stream): the producers' and the spool's counts, None for a stored run
+    stream: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, path: Path) -> Self:

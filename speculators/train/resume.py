@@ -33,7 +33,7 @@ from typing import Any
 from speculators.data.store import StoreManifest, file_sha256
 from speculators.errors import SpeculatorsError
 from speculators.flags import flag_of
-from speculators.settings import TrainConfig
+from speculators.settings import StreamSettings, TrainConfig
 from speculators.train.records import RunRecord, TrainingState
 from speculators.verifier.loading import add_sampled_file
 
@@ -85,7 +85,12 @@ BY_CONTENT = frozenset({"store", "verifier", "warm_start"})
 # Validation and checkpoints neither read the random state nor touch the weights, so the schedules only
 # change which steps are scored (and so which of them checkpoints/best keeps) and where a kill resumes;
 # DDP and FSDP2 compute the same steps and checkpoints hold full tensors; the verifier name is metadata.
-MAY_CHANGE = frozenset({"log_every", "eval_every", "checkpoint_every", "progress", "device", "fsdp", "verifier_name"})
+# The streamed mode's settings (StreamSettings) say where and how the states are computed, not which: a
+# streamed run reads the bytes a stored run would, in the same order.
+MAY_CHANGE = frozenset(
+    {"log_every", "eval_every", "checkpoint_every", "progress", "device", "fsdp", "verifier_name"}
+    | set(StreamSettings.model_fields)
+)
 NOT_COMPARED = frozenset({"output", "restart"})
 
 
@@ -110,19 +115,22 @@ def flag_phrase(name: str, value: Any) -> str:
     return f"{flag} {value_text(value)}"
 
 
-def store_content(store: str | Path) -> str:
+def store_content(store: str | Path, streamed: bool = False) -> str:
     """Identity of a store's data: its verifier's fingerprint, the samples in data order (ids, content
     keys, shard checksums), the aux layers and storage, and the draft vocabulary's bytes. A store moved
     elsewhere keeps its identity; one with a sample more, less or recomputed, or a rebuilt vocabulary,
     does not. An index (datagen --index-only) has an identity too: its entries without states hash as
-    'none', so it differs from the complete store of the same data."""
+    'none', so it differs from the complete store of the same data. `streamed`: the checksums left out (a
+    streamed run computes the states it reads, and its --keep fills checksums into the store's manifest: the
+    keys, content addresses, still name the data)."""
     folder = Path(store)
     manifest = StoreManifest.read(folder / "manifest.json")
     digest = hashlib.sha256()
     header = [manifest.verifier.fingerprint, manifest.aux_layer_ids, manifest.target_layer_id, manifest.storage]
     digest.update(json.dumps(header).encode())
     for entry in manifest.samples:
-        digest.update(f"\n{entry.id}|{entry.key}|{entry.checksum or 'none'}".encode())  # (none: an index entry)
+        checksum = "streamed" if streamed else entry.checksum or "none"  # (none: an index entry)
+        digest.update(f"\n{entry.id}|{entry.key}|{checksum}".encode())
     vocab = folder / "draft_vocab.safetensors"
     digest.update(f"\nvocab:{file_sha256(vocab) if vocab.is_file() else 'none'}".encode())
     return digest.hexdigest()[:24]
@@ -145,7 +153,7 @@ def run_record(config: TrainConfig, world_size: int, compute_dtype: str) -> RunR
         settings=config.model_dump(mode="json", exclude=set(NOT_COMPARED)),
         world_size=world_size,
         compute_dtype=compute_dtype,
-        store_content=store_content(config.store),
+        store_content=store_content(config.store, streamed=config.hidden_states == "streamed"),
         warm_start_content=drafter_content(warm) if warm and Path(warm).is_dir() else None,
     )
 

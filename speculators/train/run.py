@@ -4,10 +4,12 @@ objective, the wrapped model and its optimizers, and the step counts."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from speculators.data.spool import STREAM_SPOOL_ENV, VALIDATION_UNIT
 from speculators.errors import SpeculatorsError
 from speculators.models.algorithms import algorithm_named, algorithm_of_checkpoint
 from speculators.models.eagle3 import Eagle3Drafter
@@ -60,8 +62,19 @@ def packed_stores(config: TrainConfig) -> tuple[PackedStore, PackedStore]:
     replay measures decoding, which drafts answers)."""
 
     store, budget, share = config.store, config.token_budget, config.validation_share
-    train_packs = PackedStore(store, budget, "train", share, config.seed, loss_positions=config.loss_positions)
-    return train_packs, PackedStore(store, budget, "validation", share, seed=-1)
+    spool = stream_spool(config)
+    train_packs = PackedStore(
+        store, budget, "train", share, config.seed, loss_positions=config.loss_positions, spool=spool
+    )
+    return train_packs, PackedStore(store, budget, "validation", share, seed=-1, spool=spool)
+
+
+def stream_spool(config: TrainConfig) -> str | None:
+    """The spool a streamed run reads its states from: its supervisor's (speculators.train.stream), or its own
+    for a producer (which reads the index's entries and never a shard); None for a stored run."""
+    if config.hidden_states != "streamed":
+        return None
+    return os.environ.get(STREAM_SPOOL_ENV) or config.spool or str(Path(config.output) / "spool")
 
 
 def start_run(config: TrainConfig) -> Run:
@@ -72,6 +85,8 @@ def start_run(config: TrainConfig) -> Run:
     torch.manual_seed(config.seed)
     train_packs, val_packs = packed_stores(config)
     manifest = train_packs.manifest
+    if val_packs.spool is not None:  # (kept open to the end: every validation reads it)
+        val_packs.open_unit(VALIDATION_UNIT, config.stream_timeout)
     vocab = load_draft_vocab(config.store)
     verifier = VerifierHead.from_source(config.verifier, dtype=manifest.verifier.dtype)
     check_store_fits_verifier(manifest, verifier, config.store)

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from speculators.atomic_io import exclusive_lock
+from speculators.data.spool import STREAM_SPOOL_ENV, SUPERVISOR_ENV, Cursor, exit_with
 from speculators.errors import SpeculatorsError
 from speculators.settings import TrainConfig, TrainRecipe
 from speculators.train.checkpoints import (
@@ -49,7 +50,14 @@ def train(config: TrainConfig) -> TrainingSummary | None:
     """Train, holding the run folder's lock on rank 0: a second `train` into the same folder waits,
     then resumes from the first's last checkpoint (nothing is trained twice). The summary; None off rank 0."""
 
-    if int(os.environ.get("RANK", "0")) != 0:  # (the other ranks follow rank 0 through the collectives)
+    if config.hidden_states == "streamed" and not os.environ.get(STREAM_SPOOL_ENV):
+        from speculators.train.stream import run_streamed
+
+        return run_streamed(config)  # (the supervisor: it starts this function again as its trainer)
+    # (the other ranks follow rank 0 through the collectives; a streamed run's supervisor holds the lock)
+    if os.environ.get(SUPERVISOR_ENV):
+        exit_with(int(os.environ[SUPERVISOR_ENV]))  # (a SIGKILLed supervisor leaves no trainer behind)
+    if int(os.environ.get("RANK", "0")) != 0 or os.environ.get(STREAM_SPOOL_ENV):
         return train_run(config)
     with exclusive_lock(config.output, "training run"):
         return train_run(config)
@@ -65,6 +73,9 @@ def train_run(config: TrainConfig) -> TrainingSummary | None:
     run.model.train()
     try:
         for step in range(state.step, run.total_steps):
+            if run.train_packs.spool is not None:
+                with window.paused():  # (tokens/s: the trainer's while fed; the waits are counted apart)
+                    feed_step(run, step)
             optimizer_step(run, step, window)
             state.step = step + 1
             log.bar.update(1)
@@ -133,6 +144,30 @@ def validate_and_checkpoint(run: Run, state: TrainingState, log: MetricsLog, clo
         return
     state.wall_seconds = clock.seconds()
     save_run_checkpoints(run, state, best=improved, last=save_last)
+    if save_last and run.train_packs.spool is not None and run.rank == 0:
+        # A resume starts here: the spool's units of earlier steps are never read again.
+        spool, cursor = run.train_packs.spool, run.train_packs.spool.cursor()
+        assert cursor is not None
+        spool.write_cursor(cursor.model_copy(update={"checkpoint_step": step}))
+        spool.delete_units_before(step)
+
+
+def feed_step(run: Run, step: int) -> None:
+    """A streamed run's states for step `step`: its spool unit opened (waited for), and rank 0's cursor moved
+    on so the producers compute the steps ahead."""
+    packs = run.train_packs
+    assert packs.spool is not None
+    if run.rank != 0:
+        packs.open_unit(step, run.config.stream_timeout)
+        return
+    previous = packs.spool.cursor()
+    checkpoint = previous.checkpoint_step if previous is not None and previous.checkpoint_step <= step else step
+    cursor = Cursor(step=step, checkpoint_step=checkpoint, total_steps=run.total_steps, wait_seconds=packs.wait_seconds)
+    packs.spool.write_cursor(cursor)
+    waited = packs.wait_seconds
+    packs.open_unit(step, run.config.stream_timeout)
+    if packs.wait_seconds - waited > 0.01:  # (the supervisor's wait share counts this wait too)
+        packs.spool.write_cursor(cursor.model_copy(update={"wait_seconds": packs.wait_seconds}))
 
 
 def validate(run: Run, state: TrainingState, log: MetricsLog, clock: WallClock) -> bool:

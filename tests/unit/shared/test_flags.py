@@ -33,8 +33,11 @@ COMMANDS = {
 }
 
 
+INTERNAL_COMMANDS = {"stream"}  # a streamed run's producer: started by its supervisor, flags --spool and --replica
+
+
 def test_every_command_has_its_settings_model():
-    assert set(build_parser()._subparsers._group_actions[0].choices) == set(COMMANDS)
+    assert set(build_parser()._subparsers._group_actions[0].choices) == set(COMMANDS) | INTERNAL_COMMANDS
 
 
 def changed_value(name: str, info) -> object:
@@ -53,6 +56,8 @@ def changed_value(name: str, info) -> object:
         return "cuda:1"
     if name == "block_size":  # DFlash's block: the bonus token and the changed --speculative-tokens (3)
         return 4
+    if name == "keep":  # none, all or GiB
+        return "12.5"
     if name == "node_rank":  # a rank among the changed --nnodes (3), which also divide the changed TP x DP
         return 1
     if typing.get_origin(kind) is list:
