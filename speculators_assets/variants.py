@@ -393,7 +393,9 @@ class HiddenStatesSettings(Strict):
     @model_validator(mode="after")
     def _streamed_settings_only_when_streamed(self) -> HiddenStatesSettings:
         if self.mode == "stored":
-            stray = sorted(self.model_fields_set - {"mode"})
+            # (a field given at its default is no stray: a variant dumped and validated again names every field)
+            fields = type(self).model_fields
+            stray = sorted(f for f in self.model_fields_set - {"mode"} if getattr(self, f) != fields[f].default)
             if stray:
                 raise ValueError(
                     f"{', '.join(stray)} apply to streamed hidden states and mode is stored; set mode: streamed "

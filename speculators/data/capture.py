@@ -362,6 +362,57 @@ def index_samples(
             f"prepare them with this verifier"
         )
     keys = sample_keys(verifier.states_fingerprint, capture_ids, storage, samples)
+    written, computed, computed_tokens, seconds, probes = capture_probe(
+        samples,
+        keys,
+        store,
+        verifier,
+        capture_ids,
+        storage,
+        backend,
+        batch_size,
+        probe,
+        progress,
+        tensor_parallel_size,
+        nodes,
+    )
+    entries = store_entries(samples, keys, written, previous, store, index_missing=True)
+    missing = [(entry.key, samples[i]) for i, entry in enumerate(entries) if not entry.computed]
+    if missing:
+        IndexTokens.write(store.index_tokens_path, [(key, s.input_ids, s.loss_mask, s.images) for key, s in missing])
+    totals = write_store_manifest(store, verifier, aux_ids, storage, data_version, entries)
+    held = [entry for entry in entries if entry.computed]
+    return IndexReport(
+        samples=len(samples),
+        computed=computed,
+        reused=len(held) - computed,
+        tokens=totals.tokens,
+        computed_tokens=computed_tokens,
+        seconds=seconds,
+        bytes=totals.bytes,
+        probe_samples=len(probes),
+        computed_samples=len(held),
+        computed_entry_tokens=sum(entry.num_tokens for entry in held),
+        index_samples=len(missing),
+    )
+
+
+def capture_probe(
+    samples: list[TokenizedSample],
+    keys: list[str],
+    store: HiddenStateStore,
+    verifier: VerifierFacts,
+    capture_ids: list[int],
+    storage: str,
+    backend: str,
+    batch_size: int,
+    probe: int,
+    progress: bool,
+    tensor_parallel_size: int,
+    nodes: MultiNode | None,
+) -> tuple[dict[str, tuple[str, int]], int, int, float, list[int]]:
+    """An index's probe, computed into the store: the shards written, how many samples were computed and their
+    tokens, the capture seconds (the engine's start left out) and the probe's sample indices."""
     # The probe samples' datagen batches, whole: their states are then the bytes a full datagen writes (a
     # sample's states depend at rounding level on its batch), and nothing computed is thrown away.
     chosen = set(probe_indices(len(samples), probe))
@@ -375,7 +426,9 @@ def index_samples(
         nonlocal starting
         began = time.perf_counter()
         engines.append(
-            make_capture_fn(backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes)
+            make_capture_fn(
+                backend, verifier, capture_ids, max_length, tensor_parallel_size, batch_size, nodes, storage
+            )
         )
         starting = time.perf_counter() - began
         return lambda prompts, images: engines[0](prompts, images)  # (closed below, outside the clock)
@@ -399,25 +452,7 @@ def index_samples(
         close = getattr(engines[0], "close", None) if engines else None
         if close is not None:
             close()
-    entries = store_entries(samples, keys, written, previous, store, index_missing=True)
-    missing = [(entry.key, samples[i]) for i, entry in enumerate(entries) if not entry.computed]
-    if missing:
-        IndexTokens.write(store.index_tokens_path, [(key, s.input_ids, s.loss_mask, s.images) for key, s in missing])
-    totals = write_store_manifest(store, verifier, aux_ids, storage, data_version, entries)
-    held = [entry for entry in entries if entry.computed]
-    return IndexReport(
-        samples=len(samples),
-        computed=computed,
-        reused=len(held) - computed,
-        tokens=totals.tokens,
-        computed_tokens=computed_tokens,
-        seconds=seconds,
-        bytes=totals.bytes,
-        probe_samples=len(probes),
-        computed_samples=len(held),
-        computed_entry_tokens=sum(entry.num_tokens for entry in held),
-        index_samples=len(missing),
-    )
+    return written, computed, computed_tokens, seconds, probes
 
 
 def checked_capture_ids(

@@ -37,6 +37,10 @@ from speculators.settings import StreamSettings, TrainConfig
 from speculators.train.records import RunRecord, TrainingState
 from speculators.verifier.loading import add_sampled_file
 
+# A streamed run's states are computed as it goes: how they are computed changes their values (at rounding
+# level: another backend, dtype, batch or sharding), so a resume keeps it; where they wait and how far ahead
+# they are computed leave them as they are.
+STATES_COMPUTATION = frozenset({"stream_backend", "stream_dtype", "stream_batch_size", "stream_tensor_parallel_size"})
 SHAPES_THE_RUN = frozenset(
     {
         # the loss and what it scores
@@ -80,6 +84,7 @@ SHAPES_THE_RUN = frozenset(
         "dflash_loss",
         "dflash_gamma",
     }
+    | STATES_COMPUTATION
 )
 BY_CONTENT = frozenset({"store", "verifier", "warm_start"})
 # Validation and checkpoints neither read the random state nor touch the weights, so the schedules only
@@ -89,7 +94,7 @@ BY_CONTENT = frozenset({"store", "verifier", "warm_start"})
 # streamed run reads the bytes a stored run would, in the same order.
 MAY_CHANGE = frozenset(
     {"log_every", "eval_every", "checkpoint_every", "progress", "device", "fsdp", "verifier_name"}
-    | set(StreamSettings.model_fields)
+    | (set(StreamSettings.model_fields) - STATES_COMPUTATION)
 )
 NOT_COMPARED = frozenset({"output", "restart"})
 

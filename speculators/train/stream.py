@@ -233,6 +233,7 @@ class Producer:
             max_length,
             config.stream_tensor_parallel_size,
             config.stream_batch_size,
+            storage=manifest.storage,  # (cast in vLLM's worker before the copy: the bytes the store keeps)
         )
 
     def stored_checksum(self, entry: SampleEntry) -> tuple[str, int] | None:
