@@ -329,57 +329,19 @@ def dismiss_first_visit_prompt(page) -> None:
     page.locator(".dagster-backdrop").first.wait_for(state="detached", timeout=20_000)
 
 
-def test_a_user_materializes_a_tiny_partition_from_the_asset_graph(lineage, tmp_path):
-    """The tiny variant's storage is the session's lineage (fresh materialization is tested there): the
-    run launched from the UI goes through all five Pipes steps and their checks, reusing the artifacts."""
-    from playwright.sync_api import sync_playwright
+@pytest.fixture(scope="module")
+def streamed_variants(lineage, tmp_path_factory) -> Path:
+    """A variants folder of tiny_llama and tiny_llama_streamed (conftest's), over the lineage's storage: the
+    streamed partition is materialized in-process first, then launched from the UI."""
+    from tests.conftest import write_tiny_streamed_variant
 
-    assert lineage["first"].success
-    env, storage = lineage["env"], lineage["base"] / "storage"
-    home = tmp_path / "dagster-home"
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with dagster_dev(home, env) as url, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.set_default_timeout(60_000)
-        page.goto(url + "/asset-groups/speculators", wait_until="networkidle")
-        dismiss_first_visit_prompt(page)
-        for name in ASSETS:
-            assert page.get_by_text(name, exact=True).first.is_visible(), name
-        page.screenshot(path=str(SCREENSHOTS / "1-asset-graph.png"))
-
-        # Materialize all -> pick the tiny partition -> launch, as a user clicks through it.
-        before = {run["runId"] for run in runs(url)}
-        page.get_by_role("button", name="Materialize all").first.click()
-        page.get_by_text("Select a partition or create one").click()
-        page.keyboard.type("tiny_llama")
-        page.locator("span", has_text="tiny_llama").first.click()
-        page.keyboard.press("Escape")
-        page.screenshot(path=str(SCREENSHOTS / "2-launch-dialog.png"))
-        page.get_by_role("button", name="Launch 1 run").click()
-        # Stay on the page until the launch request has reached the server: navigating away at once
-        # can cancel it (seen on a loaded CI machine), and then no run ever exists.
-        run_id = wait_for_new_run(url, before)
-        (launched,) = [run for run in runs(url) if run["runId"] == run_id]
-        assert {"key": "dagster/partition", "value": "tiny_llama"} in launched["tags"], launched
-
-        page.goto(f"{url}/runs/{run_id}", wait_until="networkidle")
-        assert wait_for_run(url, run_id, home) == "SUCCESS", run_id
-        page.reload(wait_until="networkidle")
-        page.get_by_text("Success", exact=True).first.wait_for()
-        page.screenshot(path=str(SCREENSHOTS / "3-run-succeeded.png"))
-
-        # The materialized partition's metadata: the benchmark table and acceptance length.
-        page.goto(url + "/assets/benchmark_report?partition=tiny_llama", wait_until="networkidle")
-        page.get_by_text("acceptance_length").first.wait_for()
-        page.screenshot(path=str(SCREENSHOTS / "4-benchmark-report.png"), full_page=True)
-        browser.close()
-    report = next((storage / "tiny_llama" / "benchmark_report").glob("*/report.json"))
-    assert json.loads(report.read_text())["acceptance"]["acceptance_length"] > 1.5
-    assert (SCREENSHOTS / "3-run-succeeded.png").stat().st_size > 10_000
+    variants = tmp_path_factory.mktemp("streamed-variants")
+    shutil.copy(Path(lineage["env"]["SPECULATORS_VARIANTS_DIR"]) / "tiny_llama.yaml", variants)
+    write_tiny_streamed_variant(variants)
+    return variants
 
 
-def test_a_streamed_partition_materializes_all_five_assets_without_a_store(lineage, tmp_path, monkeypatch):
+def test_a_streamed_partition_materializes_all_five_assets_without_a_store(lineage, streamed_variants, monkeypatch):
     """tiny_llama's data with streamed hidden states (conftest's tiny_llama_streamed): verifier_hidden_states
     writes an index with one probe shard (the same data version as tiny_llama's full store), trained_drafter
     computes the states into its spool during training and keeps none of them, and the drafter is published and
@@ -388,15 +350,10 @@ def test_a_streamed_partition_materializes_all_five_assets_without_a_store(linea
     from speculators.data.store import HiddenStateStore
     from speculators_assets.definitions import build_defs
     from speculators_assets.workload import directory_bytes
-    from tests.conftest import write_tiny_streamed_variant
 
     assert lineage["first"].success
     stored = materialized(lineage["first"])
-    variants = tmp_path / "variants"
-    variants.mkdir()
-    shutil.copy(Path(lineage["env"]["SPECULATORS_VARIANTS_DIR"]) / "tiny_llama.yaml", variants)
-    write_tiny_streamed_variant(variants)
-    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(variants))
+    monkeypatch.setenv("SPECULATORS_VARIANTS_DIR", str(streamed_variants))
     monkeypatch.setenv("SPECULATORS_STORAGE_ROOT", lineage["env"]["SPECULATORS_STORAGE_ROOT"])
     defs = build_defs()
     result = dg.materialize(
@@ -433,3 +390,55 @@ def test_a_streamed_partition_materializes_all_five_assets_without_a_store(linea
     assert meta["benchmark_report"]["acceptance_length"] > 1.2
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["values_finite"] and checks["counts_match_prepared_data"] and checks["passes_validate"]
+
+
+def test_a_user_materializes_a_streamed_partition_from_the_asset_graph(lineage, streamed_variants, tmp_path):
+    """tiny_llama_streamed (streamed hidden states) over the session's lineage storage, where the test before
+    materialized it in-process (fresh materialization is tested there): the run launched from the UI goes
+    through all five Pipes steps and their checks, reusing the artifacts."""
+    from playwright.sync_api import sync_playwright
+
+    assert lineage["first"].success
+    env = {**lineage["env"], "SPECULATORS_VARIANTS_DIR": str(streamed_variants)}
+    storage = lineage["base"] / "storage"
+    home = tmp_path / "dagster-home"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with dagster_dev(home, env) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url + "/asset-groups/speculators", wait_until="networkidle")
+        dismiss_first_visit_prompt(page)
+        for name in ASSETS:
+            assert page.get_by_text(name, exact=True).first.is_visible(), name
+        page.screenshot(path=str(SCREENSHOTS / "1-asset-graph.png"))
+
+        # Materialize all -> pick the tiny partition -> launch, as a user clicks through it.
+        before = {run["runId"] for run in runs(url)}
+        page.get_by_role("button", name="Materialize all").first.click()
+        page.get_by_text("Select a partition or create one").click()
+        page.keyboard.type("tiny_llama_streamed")
+        page.locator("span", has_text="tiny_llama_streamed").first.click()
+        page.keyboard.press("Escape")
+        page.screenshot(path=str(SCREENSHOTS / "2-launch-dialog.png"))
+        page.get_by_role("button", name="Launch 1 run").click()
+        # Stay on the page until the launch request has reached the server: navigating away at once
+        # can cancel it (seen on a loaded CI machine), and then no run ever exists.
+        run_id = wait_for_new_run(url, before)
+        (launched,) = [run for run in runs(url) if run["runId"] == run_id]
+        assert {"key": "dagster/partition", "value": "tiny_llama_streamed"} in launched["tags"], launched
+
+        page.goto(f"{url}/runs/{run_id}", wait_until="networkidle")
+        assert wait_for_run(url, run_id, home) == "SUCCESS", run_id
+        page.reload(wait_until="networkidle")
+        page.get_by_text("Success", exact=True).first.wait_for()
+        page.screenshot(path=str(SCREENSHOTS / "3-run-succeeded.png"))
+
+        # The materialized partition's metadata: the benchmark table and acceptance length.
+        page.goto(url + "/assets/benchmark_report?partition=tiny_llama_streamed", wait_until="networkidle")
+        page.get_by_text("acceptance_length").first.wait_for()
+        page.screenshot(path=str(SCREENSHOTS / "4-benchmark-report.png"), full_page=True)
+        browser.close()
+    report = next((storage / "tiny_llama_streamed" / "benchmark_report").glob("*/report.json"))
+    assert json.loads(report.read_text())["acceptance"]["acceptance_length"] > 1.2
+    assert (SCREENSHOTS / "3-run-succeeded.png").stat().st_size > 10_000

