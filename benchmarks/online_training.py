@@ -9,7 +9,10 @@ the other on the same samples and settings:
 2. training alone: `speculators train` for one epoch on that store, on the trainer's cores (taskset,
    OMP_NUM_THREADS);
 3. streamed: `speculators datagen --index-only --probe 0` (no states), then `speculators train --hidden-states
-   streamed --stream-backend vllm` for the same epoch, the supervisor splitting the cores as above.
+   streamed --stream-backend vllm` for the same epoch, the supervisor splitting the cores as above;
+4. the control: the same streamed command over the full store of run 1 (hybrid: every state is read from the
+   store, the producer computes nothing), which separates what the spool's machinery costs the trainer from what
+   a verifier computing on the other core costs it.
 
 Printed: each run's wall time (engine and trainer start included: a user waits for them), the trainer's tokens/s
 (stored, and streamed while fed: its waits for the spool left out, as summary.json's stream section counts them),
@@ -103,7 +106,7 @@ def main() -> None:
         common = ["--verifier", args.verifier, "--data", str(data), "--aux-layer-ids", AUX_LAYERS]
         capture_env = {"VLLM_CPU_OMP_THREADS_BIND": producer_core, "OMP_NUM_THREADS": "1"}
         store, index = work / "store", work / "index"
-        for folder in (store, index, work / "stored", work / "streamed"):
+        for folder in (store, index, work / "stored", work / "streamed", work / "control"):
             shutil.rmtree(folder, ignore_errors=True)
 
         capture_wall = run(["datagen", *common, "--output", str(store), "--backend", "vllm"], capture_env,
@@ -127,6 +130,12 @@ def main() -> None:
             {}, work / "streamed.log",
         )  # fmt: skip
         streamed = json.loads((work / "streamed" / "summary.json").read_text())
+        control_wall = run(
+            ["train", "--store", str(store), "--output", str(work / "control"), *train, "--hidden-states", "streamed",
+             "--stream-backend", "vllm", "--spool-gib", "4"],
+            {}, work / "control.log",
+        )  # fmt: skip
+        control = json.loads((work / "control" / "summary.json").read_text())
 
     stream = streamed["stream"]
     slower = max(capture_wall, stored_wall)
@@ -134,10 +143,16 @@ def main() -> None:
         ("capture alone (datagen, 1 core)", f"{capture_wall:.1f} s", f"{capture['tokens_per_second']:,.0f} tok/s"),
         ("training alone (1 epoch)", f"{stored_wall:.1f} s", f"{stored['tokens_per_second']:,.0f} tok/s"),
         ("streamed (1 epoch)", f"{streamed_wall:.1f} s", f"{streamed['tokens_per_second']:,.0f} tok/s fed"),
+        (
+            "streamed over the full store (control)",
+            f"{control_wall:.1f} s",
+            f"{control['tokens_per_second']:,.0f} tok/s",
+        ),
     ]
     ratios = {
         "fed_over_stored_tokens_per_second": streamed["tokens_per_second"] / stored["tokens_per_second"],
         "streamed_wall_over_slower_half": streamed_wall / slower,
+        "control_over_stored_tokens_per_second": control["tokens_per_second"] / stored["tokens_per_second"],
     }
     print(f"\nCPU: {cpu_name()}, producer core {producer_core}, trainer cores {trainer_cores}")
     print("| run | wall | rate |\n|---|---:|---:|")
@@ -145,6 +160,8 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     print(
         f"\nfed / stored trainer tokens/s: {ratios['fed_over_stored_tokens_per_second']:.3f} (target >= 0.95)\n"
+        f"control (no states computed) / stored trainer tokens/s: "
+        f"{ratios['control_over_stored_tokens_per_second']:.3f}\n"
         f"streamed wall / slower half ({'capture' if capture_wall >= stored_wall else 'training'}): "
         f"{ratios['streamed_wall_over_slower_half']:.3f} (target <= 1.1)\n"
         f"trainer wait share {stream['trainer_wait_share']:.3f}, producer wait share "
@@ -158,6 +175,7 @@ def main() -> None:
         "capture": {"wall_seconds": capture_wall, **capture},
         "stored": {"wall_seconds": stored_wall, "tokens_per_second": stored["tokens_per_second"]},
         "streamed": {"wall_seconds": streamed_wall, "tokens_per_second": streamed["tokens_per_second"], **stream},
+        "control": {"wall_seconds": control_wall, "tokens_per_second": control["tokens_per_second"]},
         "ratios": ratios,
     }
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")

@@ -225,6 +225,24 @@ def test_hybrid_reads_the_stores_states_and_keep_all_completes_the_index(
     assert report.computed == 0
 
 
+def test_keep_a_number_of_gib_keeps_shards_up_to_that_many_bytes(batch1_store, stored_run, peaked_verifier, tmp_path):
+    """--keep N: computed shards go into the store while their bytes stay within N GiB, the rest only into the
+    spool; the store's manifest gains exactly the kept ones, with the full store's checksums."""
+    full = HiddenStateStore(batch1_store).manifest()
+    limit = int(2.5 * full.totals.bytes / len(full.samples))  # about two shards' bytes
+    index = make_index(batch1_store, tmp_path / "index")
+    output = tmp_path / "streamed"
+    summary = train(streamed(index, peaked_verifier, output, keep=f"{limit / (1 << 30):.12f}"))
+    assert_same_training(stored_run, output)
+    stream = summary.stream
+    assert stream is not None and 0 < stream["kept_bytes"] <= limit
+    kept = [e for e in HiddenStateStore(index).manifest().samples if e.computed]
+    assert len(kept) == stream["kept_samples"] < len(full.samples)
+    assert sum(e.bytes for e in kept) == stream["kept_bytes"]
+    by_key = {e.key: e for e in full.samples}
+    assert all((e.checksum, e.bytes) == (by_key[e.key].checksum, by_key[e.key].bytes) for e in kept)
+
+
 def test_refusals_are_one_line_each(batch1_store, peaked_verifier, tmp_path):
     index = make_index(batch1_store, tmp_path / "index")
     with pytest.raises(SpeculatorsError) as error:
