@@ -12,7 +12,10 @@ the other on the same samples and settings:
    streamed --stream-backend vllm` for the same epoch, the supervisor splitting the cores as above;
 4. the control: the same streamed command over the full store of run 1 (hybrid: every state is read from the
    store, the producer computes nothing), which separates what the spool's machinery costs the trainer from what
-   a verifier computing on the other core costs it.
+   a verifier computing on the other core costs it;
+5. training beside a capture: run 2 again while a capture of the samples three times over runs on the producer's
+   core for the whole epoch (checked: it is still running when training ends), the stored trainer's rate under
+   the same sharing of the chip as the streamed trainer's.
 
 Printed: each run's wall time (engine and trainer start included: a user waits for them), the trainer's tokens/s
 (stored, and streamed while fed: its waits for the spool left out, as summary.json's stream section counts them),
@@ -69,6 +72,34 @@ def run(command: list[str], env: dict[str, str], log: Path, cores: str | None = 
     return seconds
 
 
+def train_beside_a_capture(
+    command: list[str],
+    env: dict[str, str],
+    log: Path,
+    cores: str,
+    capture: list[str],
+    capture_env: dict[str, str],
+    capture_log: Path,
+    producer_core: str,
+) -> None:
+    """`command` run (as `run` does) once the capture `capture` has started computing on the producer's core;
+    one error if the capture ended before the training did (then the rate is not one beside a capture)."""
+    full = ["taskset", "-c", producer_core, sys.executable, "-m", "speculators.cli", *capture]
+    with open(capture_log, "w") as handle:
+        beside = subprocess.Popen(full, env={**os.environ, **capture_env}, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        while "tok_s=" not in capture_log.read_text(errors="replace"):  # (tqdm's rate: states are computed)
+            if beside.poll() is not None:
+                raise SystemExit(f"the capture beside the training failed; see {capture_log}")
+            time.sleep(1)
+        run(command, env, log, cores)
+        if beside.poll() is not None:
+            raise SystemExit("the capture beside the training ended first: give more --answer-repeats or samples")
+    finally:
+        beside.kill()
+        beside.wait()
+
+
 def write_samples(verifier: str, count: int, repeats: int, path: Path) -> int:
     kind, location = resolve_verifier_source(verifier)
     tokenizer = load_tokenizer(convert_gguf_to_hf(location) if kind == "gguf" else local_model_dir(location))
@@ -106,7 +137,11 @@ def main() -> None:
         common = ["--verifier", args.verifier, "--data", str(data), "--aux-layer-ids", AUX_LAYERS]
         capture_env = {"VLLM_CPU_OMP_THREADS_BIND": producer_core, "OMP_NUM_THREADS": "1"}
         store, index = work / "store", work / "index"
-        for folder in (store, index, work / "stored", work / "streamed", work / "control"):
+        for folder in (
+            store,
+            index,
+            *(work / name for name in ("stored", "streamed", "control", "beside", "store-x3")),
+        ):
             shutil.rmtree(folder, ignore_errors=True)
 
         capture_wall = run(["datagen", *common, "--output", str(store), "--backend", "vllm"], capture_env,
@@ -136,6 +171,17 @@ def main() -> None:
             {}, work / "control.log",
         )  # fmt: skip
         control = json.loads((work / "control" / "summary.json").read_text())
+        thrice = work / "samples-x3.jsonl"
+        lines = data.read_text().splitlines()
+        thrice.write_text("".join(r.replace('"id": "s', f'"id": "x{k}-s', 1) + "\n" for k in range(3) for r in lines))
+        capture_x3 = ["datagen", "--verifier", args.verifier, "--data", str(thrice), "--aux-layer-ids", AUX_LAYERS]
+        capture_x3 += ["--output", str(work / "store-x3"), "--backend", "vllm"]
+        train_beside_a_capture(
+            ["train", "--store", str(store), "--output", str(work / "beside"), *train],
+            {"OMP_NUM_THREADS": threads}, work / "beside.log", trainer_cores,
+            capture_x3, capture_env, work / "capture-x3.log", producer_core,
+        )  # fmt: skip
+        beside = json.loads((work / "beside" / "summary.json").read_text())
 
     stream = streamed["stream"]
     slower = max(capture_wall, stored_wall)
@@ -153,6 +199,8 @@ def main() -> None:
         "fed_over_stored_tokens_per_second": streamed["tokens_per_second"] / stored["tokens_per_second"],
         "streamed_wall_over_slower_half": streamed_wall / slower,
         "control_over_stored_tokens_per_second": control["tokens_per_second"] / stored["tokens_per_second"],
+        "beside_over_stored_tokens_per_second": beside["tokens_per_second"] / stored["tokens_per_second"],
+        "fed_over_beside_tokens_per_second": streamed["tokens_per_second"] / beside["tokens_per_second"],
     }
     print(f"\nCPU: {cpu_name()}, producer core {producer_core}, trainer cores {trainer_cores}")
     print("| run | wall | rate |\n|---|---:|---:|")
@@ -162,6 +210,8 @@ def main() -> None:
         f"\nfed / stored trainer tokens/s: {ratios['fed_over_stored_tokens_per_second']:.3f} (target >= 0.95)\n"
         f"control (no states computed) / stored trainer tokens/s: "
         f"{ratios['control_over_stored_tokens_per_second']:.3f}\n"
+        f"stored training beside a capture / alone: {ratios['beside_over_stored_tokens_per_second']:.3f}; fed / "
+        f"beside a capture: {ratios['fed_over_beside_tokens_per_second']:.3f}\n"
         f"streamed wall / slower half ({'capture' if capture_wall >= stored_wall else 'training'}): "
         f"{ratios['streamed_wall_over_slower_half']:.3f} (target <= 1.1)\n"
         f"trainer wait share {stream['trainer_wait_share']:.3f}, producer wait share "
@@ -176,6 +226,7 @@ def main() -> None:
         "stored": {"wall_seconds": stored_wall, "tokens_per_second": stored["tokens_per_second"]},
         "streamed": {"wall_seconds": streamed_wall, "tokens_per_second": streamed["tokens_per_second"], **stream},
         "control": {"wall_seconds": control_wall, "tokens_per_second": control["tokens_per_second"]},
+        "beside_a_capture": {"tokens_per_second": beside["tokens_per_second"]},
         "ratios": ratios,
     }
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
