@@ -24,6 +24,7 @@ from speculators.train.plan import TrainingPlan, replica_steps
 from speculators.train.trainer import TrainConfig, train
 from tests.conftest import PEAKED_AUX
 from tests.paths import ROOT_DIR
+from tests.unit.train.test_train import config_for as train_config
 
 STEPS = 8
 
@@ -88,22 +89,10 @@ def batch1_store(store, peaked_verifier, tmp_path_factory):
 
 
 def config_for(store, verifier, output, **overrides) -> TrainConfig:
-    options = dict(
-        store=str(store),
-        verifier=str(verifier),
-        output=str(output),
-        token_budget=128,
-        lr=2e-3,
-        precision="fp32",
-        log_every=2,
-        eval_every=4,
-        checkpoint_every=2,
-        progress=False,
-        validation_share=0.3,
-        max_steps=STEPS,
-    )
+    """test_train's tiny run, checkpointed every 2 steps, for STEPS steps, with more validation samples."""
+    options = dict(checkpoint_every=2, validation_share=0.3, max_steps=STEPS)
     options.update(overrides)
-    return TrainConfig(**options)
+    return train_config(store, verifier, output, **options)
 
 
 def streamed(index, verifier, output, **overrides) -> TrainConfig:
