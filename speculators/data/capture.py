@@ -733,64 +733,39 @@ def capture_into_store(settings: CaptureSettings, replica: tuple[int, int] | Non
     samples = read_samples(s.data)
     prepared = Path(s.data).with_name("prepare_report.json")
     data_version = json.loads(prepared.read_text())["prompts"].get("data_version") if prepared.is_file() else None
-    capture_into = partial(
-        capture_samples,
+    common: dict[str, Any] = dict(
         aux_layer_ids=s.aux_layer_ids,
         batch_size=s.batch_size,
         storage=s.storage,
         data_version=data_version,
         overwrite=s.overwrite,
     )
+    # --index-only: a probe of a few samples, one engine whatever --data-parallel-size says
+    capture_into: Callable[..., CaptureReport] = (
+        partial(index_samples, probe=s.probe, **common) if s.index_only else partial(capture_samples, **common)
+    )
     report: CaptureReport
-    if s.index_only:  # (a probe of a few samples: one engine, whatever --data-parallel-size says)
-        report = index_into_store(s, samples, data_version)
-    elif s.backend == "transformers":
+    if s.backend == "transformers":
         verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
         report = capture_into(samples, verifier, s.output, backend="transformers")
     else:  # vLLM loads the weights; here only the config and the files' fingerprint
         facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype, quantization=s.quantization)
         store = Path(s.output).resolve()
         with vllm_log(store.with_name(store.name + "-vllm.log"), replica is None):  # (replicas inherit it)
-            if s.data_parallel_size > 1:
+            if s.data_parallel_size > 1 and not s.index_only:
                 report = run_capture_replicas(s, samples, facts, data_version)
             else:
+                one_process: dict[str, Any] = {} if s.index_only else {"replica": replica}  # (an index: no replica)
                 report = capture_into(
                     samples,
                     facts,
                     s.output,
                     backend="vllm",
-                    replica=replica,
                     tensor_parallel_size=s.tensor_parallel_size,
                     progress=replica is None,
                     nodes=node_group_of(s),
+                    **one_process,
                 )
     if replica is None:
         write_text_atomic(Path(s.output) / "datagen_report.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report
-
-
-def index_into_store(s: CaptureSettings, samples: list[TokenizedSample], data_version: str | None) -> IndexReport:
-    """`datagen --index-only` with either backend (index_samples)."""
-    index_into = partial(
-        index_samples,
-        samples,
-        aux_layer_ids=s.aux_layer_ids,
-        batch_size=s.batch_size,
-        storage=s.storage,
-        data_version=data_version,
-        probe=s.probe,
-        overwrite=s.overwrite,
-    )
-    if s.backend == "transformers":
-        verifier = load_verifier(s.verifier, dtype=s.dtype, device=s.device, quantization=s.quantization)
-        return index_into(verifier, s.output, backend="transformers")
-    facts = VerifierFacts.from_source(s.verifier, dtype=s.dtype, quantization=s.quantization)
-    store = Path(s.output).resolve()
-    with vllm_log(store.with_name(store.name + "-vllm.log"), True):
-        return index_into(
-            facts,
-            s.output,
-            backend="vllm",
-            tensor_parallel_size=s.tensor_parallel_size,
-            nodes=node_group_of(s),
-        )

@@ -107,9 +107,15 @@ class TrainingPlan:
         return sorted({i for pack in self.step_packs(step) for i in pack})
 
     def step_batches(self, step: int, batch_size: int) -> list[list[int]]:
-        """The step's samples in capture batches: sorted by (length, index), cut every `batch_size`."""
-        ordered = sorted(self.step_samples(step), key=lambda i: (self.lengths[i], i))
-        return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+        """The step's samples in capture batches (capture_batches)."""
+        return capture_batches(self.step_samples(step), self.lengths, batch_size)
+
+
+def capture_batches(indices: list[int], lengths: tuple[int, ...], batch_size: int) -> list[list[int]]:
+    """Samples `indices` (of `lengths` tokens) in capture batches: sorted by (length, index), cut every
+    `batch_size`; a function of the samples alone, so a recomputed unit sees the same batches."""
+    ordered = sorted(indices, key=lambda i: (lengths[i], i))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
 def replica_steps(replica: int, replicas: int, start: int, total_steps: int) -> range:

@@ -52,10 +52,10 @@ from speculators.flags import to_argv
 from speculators.serving.engine import cpu_core_lists, gpu_count
 from speculators.settings import TrainConfig
 from speculators.train.data import PackedStore
-from speculators.train.plan import TrainingPlan, replica_steps
+from speculators.train.plan import TrainingPlan, capture_batches, replica_steps
 from speculators.train.records import TrainingSummary
 from speculators.train.resume import store_content
-from speculators.train.run import training_plan
+from speculators.train.run import packed_stores, stream_spool, training_plan
 
 if TYPE_CHECKING:
     import torch
@@ -81,23 +81,18 @@ class StreamPlan:
     plan: TrainingPlan
 
     @classmethod
-    def of(cls, config: TrainConfig, spool: Path, world: int) -> StreamPlan:
-        store, budget, share = config.store, config.token_budget, config.validation_share
-        train = PackedStore(
-            store, budget, "train", share, config.seed, loss_positions=config.loss_positions, spool=spool
-        )
-        validation = PackedStore(store, budget, "validation", share, seed=-1, spool=spool)
+    def of(cls, config: TrainConfig, world: int) -> StreamPlan:
+        train, validation = packed_stores(config)  # (a streamed run's: on the spool, no index refused)
         return cls(config, world, train, validation, training_plan(config, train, world))
 
     def unit_batches(self, unit: int) -> tuple[PackedStore, list[list[int]]]:
-        """The unit's split and its capture batches: the plan's for a step; the validation samples sorted by
-        (length, index) and cut alike for the validation unit."""
+        """The unit's split and its capture batches: the plan's for a step; the validation samples' alike
+        for the validation unit."""
         size = self.config.stream_batch_size
         if unit != VALIDATION_UNIT:
             return self.train, self.plan.step_batches(unit, size)
-        entries = self.validation.entries
-        ordered = sorted(range(len(entries)), key=lambda i: (entries[i].num_tokens, i))
-        return self.validation, [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        validation = self.validation
+        return validation, capture_batches(list(range(len(validation.entries))), validation.lengths, size)
 
     @property
     def bytes_per_token(self) -> int:
@@ -154,7 +149,7 @@ class Producer:
         self.replica, self.replicas = replica, replicas
         self.devices = stream["devices"]["producers"][replica]
         self.cap = int(stream["spool_cap_bytes"])
-        self.streamed = StreamPlan.of(self.config, self.spool.root, int(stream["world"]))
+        self.streamed = StreamPlan.of(self.config, int(stream["world"]))
         self.reserve = replicas * self.streamed.largest_unit()
         self.counters = self.spool.producer_counters(replica)  # (continued across restarts)
         self.store = self.streamed.train.store
@@ -421,11 +416,13 @@ class Supervisor:
     def run(self) -> TrainingSummary:
         config = self.config
         output = Path(config.output)
-        spool_dir = Path(config.spool) if config.spool else output / "spool"
+        located = stream_spool(config)  # (--spool, else <output>/spool: the trainer's and the producers' too)
+        assert located is not None  # (a supervisor's run is streamed)
+        spool_dir = Path(located)
         refuse_foreign_spool(spool_dir)
         made = not spool_dir.exists()
         spool = Spool(spool_dir)
-        streamed = StreamPlan.of(config, spool_dir, config.trainer_processes)
+        streamed = StreamPlan.of(config, config.trainer_processes)
         cap = int(config.spool_gib * GIB)
         self.check_cap(streamed, cap)
         producer_devices, trainer_env, trainer_cores = self.devices()
