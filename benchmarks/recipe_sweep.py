@@ -92,7 +92,7 @@ def main() -> None:
         "--recipe", action="append", default=[], help='NAME="FLAGS": a recipe of ad-hoc overrides, run after --recipes'
     )
     args = parser.parse_args()
-    names = args.recipes.split(",")
+    names = [name for name in args.recipes.split(",") if name]  # (--recipes "": the ad-hoc ones only)
     for spec in args.recipe:
         name, _, flags = spec.partition("=")
         RECIPES[name] = flags.split()

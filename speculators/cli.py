@@ -29,6 +29,7 @@ from speculators.serving.serve import ServerSettings, serve_forever
 from speculators.settings import (
     BenchSettings,
     CaptureSettings,
+    CompareSettings,
     ConvertSettings,
     EvaluateSettings,
     FollowSettings,
@@ -58,7 +59,7 @@ from speculators.verifier.mask_token import default_mask_token_id
 from speculators.verifier.tiny import make_tiny_mistral_verifier, make_tiny_verifier
 
 # Commands whose --dtype is the compute dtype (auto: bf16 where the hardware computes it, else fp32).
-COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "serve", "bench")
+COMPUTE_COMMANDS = ("verifier", "prepare", "datagen", "evaluate", "compare", "serve", "bench")
 
 
 def passthrough(args: argparse.Namespace) -> list[str]:
@@ -247,6 +248,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from speculators.eval.compare import run_comparison
+
+    s: CompareSettings = from_args(CompareSettings, args)
+    report = run_comparison(s)
+    print(report.render())
+    if s.output:
+        print(f"report: {s.output}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     s: ServeSettings = from_args(ServeSettings, args)
     if s.serving_concurrency is not None:
@@ -306,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_evaluate,
         "offline speculative decoding with transformers: acceptance, speed, lossless check",
     )
+    command(
+        "compare",
+        CompareSettings,
+        cmd_compare,
+        "several drafters' acceptance on the same prompts, replayed on the verifier's greedy answers, with "
+        "paired bootstrap intervals",
+    )
     serve = command(
         "serve", ServeSettings, cmd_serve, "run vLLM's OpenAI server for a verifier, alone or with a speculator"
     )
@@ -343,7 +362,7 @@ def compute_device(args: argparse.Namespace) -> str:
 def check_output_folder(args: argparse.Namespace) -> None:
     """A command whose --output is a folder refuses a file there, before any work."""
     output = getattr(args, "output", None)
-    if output and args.command != "evaluate" and Path(output).exists() and not Path(output).is_dir():
+    if output and args.command not in ("evaluate", "compare") and Path(output).exists() and not Path(output).is_dir():
         raise SpeculatorsError(f"--output {output} is a file, not a folder; name a new or empty folder")
 
 

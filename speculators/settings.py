@@ -14,6 +14,7 @@ serialises a model into the command it runs. Import-light: pydantic only.
     vocab         VocabSettings
     train         TrainConfig          = TrainRecipe (+ the store, the verifier, the drafter's shape)
     evaluate      EvaluateSettings     = QuantizedVerifier (+ the verifier, the speculator, the prompts)
+    compare       CompareSettings      = QuantizedVerifier (+ the verifier, several speculators, prompt sources)
     serve         ServeSettings        = ServerSettings + MultiNode (+ --quiet)
     follow        FollowSettings       = MultiNode (+ --idle-timeout)
     bench         BenchSettings        = BenchProfile + ServerLaunch (+ the servers' verifier and speculator)
@@ -1125,4 +1126,53 @@ class EvaluateSettings(QuantizedVerifier):
         "--dtype)",
         json_schema_extra=PARSE_CHECK,
     )
+    output: PathText | None = Field(None, description="write the report as JSON here")
+
+
+class CompareSettings(QuantizedVerifier):
+    verifier: PathText = Field(description="hub id, local directory or GGUF file of the verifier")
+    speculators: list[str] = Field(
+        min_length=1,
+        description="NAME=DIR (or DIR, named by its folder): a drafter checkpoint of any algorithm to compare; "
+        "repeatable",
+        json_schema_extra={"flag": "speculator", "repeat": True},
+    )
+    baseline: str | None = Field(
+        None, description="the drafter the others are measured against (default: the first --speculator)"
+    )
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="a prompt source (mt-bench: its questions in two turns, reported per category and turn; "
+        "natural:eval; any source prepare reads); repeatable, each reported on its own (default: mt-bench)",
+        json_schema_extra={"repeat": True},
+    )
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_DRAFT_TOKENS,
+        description="K for every drafter (default: each drafter's own K)",
+        json_schema_extra={**PARSE_CHECK, "short": "-k"},
+    )
+    max_prompts: int = Field(
+        80,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="prompts per source (mt-bench: questions, round-robin over the categories; 80 is all)",
+        json_schema_extra=PARSE_CHECK,
+    )
+    max_new_tokens: int = Field(
+        128, ge=1, le=MAX_TOKENS, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK
+    )
+    dtype: ComputeDtype = Field("float32", description="compute dtype of the verifier and the drafters")
+    stop_at_eos: bool = Field(
+        True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
+    )
+    resamples: int = Field(
+        2000,
+        ge=100,
+        le=1_000_000,
+        description="bootstrap resamples of the paired interval",
+        json_schema_extra=PARSE_CHECK,
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="the bootstrap's seed")
     output: PathText | None = Field(None, description="write the report as JSON here")
