@@ -8,7 +8,11 @@ Every recipe is `speculators train` with the same store, seed and base flags (th
 `smollm2_135m` variant: lr 1e-3, 2,048-token packs, 3 TTT steps, K=3, the store's validation samples
 only) plus its own overrides; each runs alone, one after the other. `--train-samples N` trains on
 the store's first N training samples only (a sub-store beside the output: the filtered manifest, the
-store's shards linked, its own draft vocabulary), to compare data budgets on one capture. The table
+store's shards linked, its own draft vocabulary), to compare data budgets on one capture. `--compare SOURCE`
+(repeatable: mt-bench, natural:eval, ...) then runs `speculators compare` over every recipe's drafter: each
+replayed on the verifier's greedy answers to the same prompts (MT-Bench: `--compare-questions`, 80 is all of
+it, both turns), against the first recipe with a paired bootstrap interval, the table printed after the
+sweep's and written to OUTPUT/compare.json. The table
 gives, per recipe, the replayed acceptance length with its per-position rates, the per-token
 estimate, validation accuracy per TTT step, packed tokens/s and wall time. Use a store whose
 validation samples come from a validation source (e.g. `prepare --validation-source
@@ -91,6 +95,10 @@ def main() -> None:
     parser.add_argument(
         "--recipe", action="append", default=[], help='NAME="FLAGS": a recipe of ad-hoc overrides, run after --recipes'
     )
+    parser.add_argument("--compare", action="append", default=[], help="a prompt source for speculators compare")
+    parser.add_argument("--compare-questions", default="80", help="compare: prompts per source (MT-Bench questions)")
+    parser.add_argument("--compare-max-new-tokens", default="128", help="compare: new tokens per answer")
+    parser.add_argument("--compare-dtype", default="auto", help="compare: the verifier's and drafters' dtype")
     args = parser.parse_args()
     names = [name for name in args.recipes.split(",") if name]  # (--recipes "": the ad-hoc ones only)
     for spec in args.recipe:
@@ -163,6 +171,22 @@ def main() -> None:
             f"| {name} | `{overrides}` | **{replayed:.3f}** ({' / '.join(f'{r:.3f}' for r in rates)}) | "
             f"{estimate:.2f} | {' / '.join(f'{a:.3f}' for a in accuracy)} | {speed:.0f} | {wall:.0f} |"
         )
+
+    if args.compare:
+        compare(args, names)
+
+
+def compare(args: argparse.Namespace, names: list[str]) -> None:
+    """Every recipe's drafter on the --compare prompt sources, against the first recipe: `speculators compare`."""
+    command = [sys.executable, "-m", "speculators.cli", "compare", "--verifier", args.verifier]
+    for name in names:
+        command += ["--speculator", f"{name}={Path(args.output) / name / 'drafter'}"]
+    for source in args.compare:
+        command += ["--prompts", source]
+    command += ["--max-prompts", args.compare_questions, "--max-new-tokens", args.compare_max_new_tokens]
+    command += ["--dtype", args.compare_dtype, "--output", str(Path(args.output) / "compare.json")]
+    print(f"\n$ {' '.join(command[2:])}", flush=True)
+    subprocess.run(command, check=True)
 
 
 if __name__ == "__main__":

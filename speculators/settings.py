@@ -13,8 +13,9 @@ serialises a model into the command it runs. Import-light: pydantic only.
     datagen       CaptureSettings      = StoreFormat + VerifierCompute (+ the samples, the store)
     vocab         VocabSettings
     train         TrainConfig          = TrainRecipe (+ the store, the verifier, the drafter's shape)
-    evaluate      EvaluateSettings     = QuantizedVerifier (+ the verifier, the speculator, the prompts)
-    compare       CompareSettings      = QuantizedVerifier (+ the verifier, several speculators, prompt sources)
+    evaluate      EvaluateSettings     = OfflineDecoding (QuantizedVerifier + the verifier, how answers are
+                                         decoded) + the speculator, the prompts
+    compare       CompareSettings      = OfflineDecoding + several speculators, prompt sources, the bootstrap
     serve         ServeSettings        = ServerSettings + MultiNode (+ --quiet)
     follow        FollowSettings       = MultiNode (+ --idle-timeout)
     bench         BenchSettings        = BenchProfile + ServerLaunch (+ the servers' verifier and speculator)
@@ -1083,8 +1084,22 @@ class VerifyStoreSettings(Settings):
 # ----- evaluate ------------------------------------------------------------------------------------
 
 
-class EvaluateSettings(QuantizedVerifier):
+class OfflineDecoding(QuantizedVerifier):
+    """What `evaluate` and `compare` share: the verifier, and how its greedy answers are decoded."""
+
     verifier: PathText = Field(description="hub id, local directory or GGUF file of the verifier")
+    max_new_tokens: int = Field(
+        128, ge=1, le=MAX_TOKENS, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK
+    )
+    dtype: ComputeDtype = Field(
+        "float32", description="compute dtype of the verifier and the drafters (float32: the exact lossless check)"
+    )
+    stop_at_eos: bool = Field(
+        True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
+    )
+
+
+class EvaluateSettings(OfflineDecoding):
     speculator: PathText | None = Field(None, description="speculator checkpoint (ours or the reference library's)")
     prompts: str = Field(
         "demo:eval",
@@ -1111,13 +1126,6 @@ class EvaluateSettings(QuantizedVerifier):
         description="mt-bench: questions, round-robin over the categories",
         json_schema_extra=PARSE_CHECK,
     )
-    max_new_tokens: int = Field(
-        128, ge=1, le=MAX_TOKENS, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK
-    )
-    dtype: ComputeDtype = Field("float32", description="compute dtype (float32: the exact lossless check)")
-    stop_at_eos: bool = Field(
-        True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
-    )
     tie_tolerance: float | None = Field(
         None,
         ge=0,
@@ -1129,8 +1137,7 @@ class EvaluateSettings(QuantizedVerifier):
     output: PathText | None = Field(None, description="write the report as JSON here")
 
 
-class CompareSettings(QuantizedVerifier):
-    verifier: PathText = Field(description="hub id, local directory or GGUF file of the verifier")
+class CompareSettings(OfflineDecoding):
     speculators: list[str] = Field(
         min_length=1,
         description="NAME=DIR (or DIR, named by its folder): a drafter checkpoint of any algorithm to compare; "
@@ -1159,13 +1166,6 @@ class CompareSettings(QuantizedVerifier):
         le=MAX_SAMPLES,
         description="prompts per source (mt-bench: questions, round-robin over the categories; 80 is all)",
         json_schema_extra=PARSE_CHECK,
-    )
-    max_new_tokens: int = Field(
-        128, ge=1, le=MAX_TOKENS, description="per answer (mt-bench: per turn)", json_schema_extra=PARSE_CHECK
-    )
-    dtype: ComputeDtype = Field("float32", description="compute dtype of the verifier and the drafters")
-    stop_at_eos: bool = Field(
-        True, description="stop an answer at its end of turn (--no-stop-at-eos: always generate --max-new-tokens)"
     )
     resamples: int = Field(
         2000,

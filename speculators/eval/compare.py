@@ -403,47 +403,30 @@ def compare_source(
 ) -> list[ComparedPrompt]:
     """One prompt source's results: MT-Bench in two turns (turn 2 after the verifier's own greedy turn-1
     answer, as `evaluate` builds it), any other source's prompts as they are."""
-    tokenizer = verifier.tokenizer
+
+    def run(conversations: list[Conversation], units: list[str] | None) -> tuple[list[ComparedPrompt], list[list[int]]]:
+        prompts = tokenize_prompts(verifier.tokenizer, conversations, verifier)
+        results, answers = compare_prompts(
+            verifier, prompts, drafters, source, max_new_tokens, stop_ids, units, progress
+        )
+        label(results, conversations)
+        return results, answers
+
     if source != MT_BENCH:
         conversations = load_prompts(source, max_prompts)
         if progress:
             print(f"{source}: {len(conversations)} prompts, at most {max_new_tokens} new tokens", flush=True)
-        results, _ = compare_prompts(
-            verifier,
-            tokenize_prompts(tokenizer, conversations, verifier),
-            drafters,
-            source,
-            max_new_tokens,
-            stop_ids,
-            progress=progress,
-        )
-        label(results, conversations)
-        return results
+        return run(conversations, None)[0]
     questions = mt_bench_questions(max_prompts)
     units = [question.id for question in questions]
-    turns: list[list[ComparedPrompt]] = []
-    answers: list[list[int]] = []
-    for turn in (1, 2):
-        if turn == 1:
-            conversations = [question.first_turn() for question in questions]
-        else:
-            texts = [answer_text(tokenizer, answer) for answer in answers]
-            conversations = [q.second_turn(text) for q, text in zip(questions, texts, strict=True)]
-        if progress:
-            print(f"MT-Bench turn {turn} of {len(questions)} questions", flush=True)
-        results, answers = compare_prompts(
-            verifier,
-            tokenize_prompts(tokenizer, conversations, verifier),
-            drafters,
-            source,
-            max_new_tokens,
-            stop_ids,
-            units,
-            progress,
-        )
-        label(results, conversations)
-        turns.append(results)
-    return [result for pair in zip(turns[0], turns[1], strict=True) for result in pair]
+    if progress:
+        print(f"MT-Bench turn 1 of {len(questions)} questions", flush=True)
+    first, answers = run([question.first_turn() for question in questions], units)
+    texts = [answer_text(verifier.tokenizer, answer) for answer in answers]
+    if progress:
+        print(f"MT-Bench turn 2 of {len(questions)} questions", flush=True)
+    second, _ = run([q.second_turn(text) for q, text in zip(questions, texts, strict=True)], units)
+    return [result for pair in zip(first, second, strict=True) for result in pair]
 
 
 def label(results: Sequence[ComparedPrompt], conversations: Sequence[Conversation]) -> None:

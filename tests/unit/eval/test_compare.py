@@ -20,11 +20,10 @@ from speculators.eval.compare import (
     parse_speculators,
 )
 from speculators.eval.evaluate import evaluate, load_proposer, tokenize_prompts
-from speculators.train.trainer import train
 from speculators.verifier.loading import load_verifier
 from tests.conftest import write_peaked_prompts
 from tests.unit.eval.test_parallel_proposer import train_peaked_peagle
-from tests.unit.train.test_train import config_for
+from tests.unit.train.test_dflash_train import train_peaked_dflash
 
 NEW_TOKENS = 40
 
@@ -38,25 +37,8 @@ def prompts_file(tmp_path_factory):
 def drafters(store, peaked_verifier, trained_drafter, tmp_path_factory):
     """An EAGLE-3 (K = 3), a P-EAGLE (K = 3) and a DFlash (block 4: K = 3) drafter trained on the peaked store."""
     peagle = train_peaked_peagle(store, peaked_verifier, tmp_path_factory.mktemp("compare-peagle"))
-    dflash_run = tmp_path_factory.mktemp("compare-dflash")
-    train(
-        config_for(
-            store,
-            peaked_verifier,
-            dflash_run,
-            algorithm="dflash",
-            block_size=4,
-            epochs=80,
-            lr=1e-2,
-            warmup=0.05,
-            validation_share=0.0,
-            token_budget=512,
-            log_every=50,
-            eval_every=1000,
-            checkpoint_every=1000,
-        )
-    )
-    return {"eagle3": trained_drafter, "peagle": peagle, "dflash": dflash_run / "drafter"}
+    dflash = train_peaked_dflash(store, peaked_verifier, tmp_path_factory.mktemp("compare-dflash"))
+    return {"eagle3": trained_drafter, "peagle": peagle, "dflash": dflash}
 
 
 def test_replayed_counts_equal_speculative_decoding_for_every_algorithm(peaked_verifier, drafters, prompts_file):

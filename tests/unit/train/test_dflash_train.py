@@ -72,13 +72,12 @@ def test_dflash_trains_and_a_resumed_run_equals_an_uninterrupted_one(store, peak
     assert validations, "validation reports the replayed acceptance"
 
 
-@pytest.fixture(scope="module")
-def trained_dflash(store, peaked_verifier, tmp_path_factory):
-    output = tmp_path_factory.mktemp("dflash-run")
+def train_peaked_dflash(store, verifier, output):
+    """A tiny DFlash drafter (block 4: K = 3) overfit to the peaked verifier's answers."""
     train(
         config_for(
             store,
-            peaked_verifier,
+            verifier,
             output,
             algorithm="dflash",
             block_size=4,
@@ -93,6 +92,11 @@ def trained_dflash(store, peaked_verifier, tmp_path_factory):
         )
     )
     return output / "drafter"
+
+
+@pytest.fixture(scope="module")
+def trained_dflash(store, peaked_verifier, tmp_path_factory):
+    return train_peaked_dflash(store, peaked_verifier, tmp_path_factory.mktemp("dflash-run"))
 
 
 def test_a_trained_dflash_drafter_is_lossless_offline_with_acceptance_above_one(
