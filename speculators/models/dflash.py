@@ -10,7 +10,9 @@ n aux layers, K = block size - 1:
     logits = lm_head(norm(block)) over the draft vocab; drafts = argmax of the K mask slots, d2t to target ids
 
 Training runs the same layers on many blocks of one packed sequence at once: a block anchored at pack
-index a starts with the real token input_ids[a] and sees the keys of its own document's states up to a.
+index a starts with the real token input_ids[a] and sees the keys of its own document's states up to a;
+the attention scores each chunk of consecutive blocks of one document only against the keys it can see
+(`context_spans`), not against the whole pack.
 
 The checkpoint is the speculators format vLLM 0.32 detects (speculators_model_type "dflash"): config.json,
 model.safetensors (`fc.weight`, `hidden_norm.weight`, `layers.i.*`, `norm.weight`, `lm_head.weight`, `d2t`,
