@@ -383,16 +383,21 @@ class DFlashAttention(nn.Module):
             scale = self.head_dim**-0.5
             block_scores = (q @ block_k.transpose(-1, -2)) * scale
             softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # (bf16 scores: fp32; fp64 stays fp64)
+            # (split, not sliced, by chunk: the backward of a split is one cat, of a slice a zero-filled copy)
+            sizes = [span.last - span.first for span in spans]
             chunks = []
-            for first, last, key_start, key_end, visible in spans:
-                span_k, span_v = context_k[0, :, key_start:key_end], context_v[0, :, key_start:key_end]
-                context_scores = torch.einsum("nhbd,hcd->nhbc", q[first:last], span_k) * scale
-                context_scores = context_scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-                scores = torch.cat([context_scores, block_scores[first:last]], dim=-1)
+            for span, chunk_q, chunk_block_scores, chunk_block_v in zip(
+                spans, q.split(sizes), block_scores.split(sizes), block_v.split(sizes), strict=True
+            ):
+                span_k = context_k[0, :, span.key_start : span.key_end]
+                span_v = context_v[0, :, span.key_start : span.key_end]
+                context_scores = torch.einsum("nhbd,hcd->nhbc", chunk_q, span_k) * scale
+                context_scores = context_scores.masked_fill(~span.visible[:, None, None, :], float("-inf"))
+                scores = torch.cat([context_scores, chunk_block_scores], dim=-1)
                 probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(q.dtype)
-                length = key_end - key_start
+                length = span.key_end - span.key_start
                 chunk = torch.einsum("nhbc,hcd->nhbd", probs[..., :length], span_v)
-                chunks.append(chunk + probs[..., length:] @ block_v[first:last])
+                chunks.append(chunk + probs[..., length:] @ chunk_block_v)
             out = torch.cat(chunks)
         return self.o_proj(out.transpose(1, 2).reshape(blocks, size, self.num_heads * self.head_dim))
 
