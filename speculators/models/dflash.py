@@ -10,7 +10,9 @@ n aux layers, K = block size - 1:
     logits = lm_head(norm(block)) over the draft vocab; drafts = argmax of the K mask slots, d2t to target ids
 
 Training runs the same layers on many blocks of one packed sequence at once: a block anchored at pack
-index a starts with the real token input_ids[a] and sees the keys of its own document's states up to a.
+index a starts with the real token input_ids[a] and sees the keys of its own document's states up to a;
+the attention scores each chunk of consecutive blocks of one document only against the keys it can see
+(`context_spans`), not against the whole pack.
 
 The checkpoint is the speculators format vLLM 0.32 detects (speculators_model_type "dflash"): config.json,
 model.safetensors (`fc.weight`, `hidden_norm.weight`, `layers.i.*`, `norm.weight`, `lm_head.weight`, `d2t`,
@@ -74,6 +76,45 @@ class ContextStates(NamedTuple):
 
     states: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor]
+
+
+# Blocks per training attention chunk (at most): a long document's early blocks do not pay for its late context.
+CONTEXT_CHUNK_BLOCKS = 64
+
+
+class ContextSpan(NamedTuple):
+    """Training attention of blocks first..last-1 (consecutive anchors of one document) over the context keys
+    key_start..key_end-1 (that document's, up to the chunk's last anchor); `visible` [last - first, key_end -
+    key_start] bool: block i sees the keys up to its own anchor."""
+
+    first: int
+    last: int
+    key_start: int
+    key_end: int
+    visible: torch.Tensor
+
+
+def context_spans(
+    anchors: torch.Tensor, document_ids: torch.Tensor, max_blocks: int = CONTEXT_CHUNK_BLOCKS
+) -> list[tuple[int, int, int, int]]:
+    """(first block, last block exclusive, key start, key end exclusive) per chunk of at most `max_blocks`
+    consecutive anchors of one document, in anchor order; `anchors` [N] ascending, `document_ids` [1, T] (a
+    pack lays its documents end to end). One device-to-host copy of [N, 2] ints; no anchors: one empty chunk,
+    so that a forward still runs every projection."""
+    documents = document_ids[0]
+    indices = torch.arange(documents.numel(), device=documents.device)
+    starts_here = torch.ones_like(documents, dtype=torch.bool)
+    starts_here[1:] = documents[1:] != documents[:-1]
+    document_start = torch.where(starts_here, indices, 0).cummax(0).values  # [T]: the start of each index's document
+    table = torch.stack([anchors, document_start[anchors]], dim=1).tolist()
+    spans: list[tuple[int, int, int, int]] = []
+    first = 0
+    for block, (anchor, start) in enumerate(table):
+        last_of_chunk = block + 1 == len(table) or table[block + 1][1] != start or block + 1 - first == max_blocks
+        if last_of_chunk:
+            spans.append((first, block + 1, start, anchor + 1))
+            first = block + 1
+    return spans or [(0, 0, 0, 0)]
 
 
 class DFlashConfig(DraftLayerSizes, BaseModel):
@@ -319,10 +360,10 @@ class DFlashAttention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         context: KeyValues | ContextStates,
         k_norm: RMSNorm,
-        context_visible: torch.Tensor | None = None,
+        spans: list[ContextSpan] | None = None,
     ) -> torch.Tensor:
         """x [N, B, H]: N blocks; context keys/values [1, kv_heads, C, hd] (or the states to project them from);
-        `context_visible` bool [N, C] (None: every block sees the whole context, as at inference)."""
+        `spans`: the context each chunk of blocks sees (None: every block sees all of it, as at inference)."""
         if isinstance(context, ContextStates):
             context = self.keys_values(context.states, context.rotary, k_norm)
         blocks, size, _ = x.shape
@@ -332,18 +373,32 @@ class DFlashAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         context_k, context_v = (t.repeat_interleave(groups, dim=1) for t in context)
         block_k, block_v = block_k.repeat_interleave(groups, dim=1), block_v.repeat_interleave(groups, dim=1)
-        if context_visible is None:  # inference: one key sequence [context ; block], plain attention
+        if spans is None:  # inference: one key sequence [context ; block], plain attention
             k = torch.cat([context_k.expand(blocks, -1, -1, -1), block_k], dim=2)
             v = torch.cat([context_v.expand(blocks, -1, -1, -1), block_v], dim=2)
             out = F.scaled_dot_product_attention(q, k, v)
         else:  # training: each block's own share of the context, without copying the context per block
+            # A chunk of blocks scores only the context span it can see (its document up to its last anchor),
+            # not the whole pack: most of a pack is other documents or later context.
             scale = self.head_dim**-0.5
-            context_scores = torch.einsum("nhbd,hcd->nhbc", q, context_k[0]) * scale
-            context_scores = context_scores.masked_fill(~context_visible[:, None, None, :], float("-inf"))
             block_scores = (q @ block_k.transpose(-1, -2)) * scale
-            probs = torch.softmax(torch.cat([context_scores, block_scores], dim=-1).float(), dim=-1).to(q.dtype)
-            length = context_k.shape[2]
-            out = torch.einsum("nhbc,hcd->nhbd", probs[..., :length], context_v[0]) + probs[..., length:] @ block_v
+            softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # (bf16 scores: fp32; fp64 stays fp64)
+            # (split, not sliced, by chunk: the backward of a split is one cat, of a slice a zero-filled copy)
+            sizes = [span.last - span.first for span in spans]
+            chunks = []
+            for span, chunk_q, chunk_block_scores, chunk_block_v in zip(
+                spans, q.split(sizes), block_scores.split(sizes), block_v.split(sizes), strict=True
+            ):
+                span_k = context_k[0, :, span.key_start : span.key_end]
+                span_v = context_v[0, :, span.key_start : span.key_end]
+                context_scores = torch.einsum("nhbd,hcd->nhbc", chunk_q, span_k) * scale
+                context_scores = context_scores.masked_fill(~span.visible[:, None, None, :], float("-inf"))
+                scores = torch.cat([context_scores, chunk_block_scores], dim=-1)
+                probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(q.dtype)
+                length = span.key_end - span.key_start
+                chunk = torch.einsum("nhbc,hcd->nhbd", probs[..., :length], span_v)
+                chunks.append(chunk + probs[..., length:] @ chunk_block_v)
+            out = torch.cat(chunks)
         return self.o_proj(out.transpose(1, 2).reshape(blocks, size, self.num_heads * self.head_dim))
 
 
@@ -363,9 +418,9 @@ class DFlashDecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         context: KeyValues | ContextStates,
         k_norm: RMSNorm,
-        context_visible: torch.Tensor | None = None,
+        spans: list[ContextSpan] | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, context, k_norm, context_visible)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, context, k_norm, spans)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -451,16 +506,16 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
         first_tokens: torch.Tensor,
         block_positions: torch.Tensor,
         context: list[KeyValues] | ContextStates,
-        context_visible: torch.Tensor | None = None,
+        spans: list[ContextSpan] | None = None,
     ) -> torch.Tensor:
         """Final-norm outputs [N, B, H] of N blocks: `first_tokens` [N] at `block_positions` [N, B], over the
-        context keys/values per layer, or the context states every layer projects itself (`context_visible`
-        [N, C]: the context each block sees; None: all of it)."""
+        context keys/values per layer, or the context states every layer projects itself (`spans`:
+        the context each chunk of blocks sees; None: all of it)."""
         hidden = self.block_inputs(first_tokens, block_positions.shape[-1])
         rotary = self.rotary(block_positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             layer_context = context if isinstance(context, ContextStates) else context[i]
-            hidden = layer(hidden, rotary, layer_context, self.key_norm(i), context_visible)
+            hidden = layer(hidden, rotary, layer_context, self.key_norm(i), spans)
         return self.norm(hidden)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -495,12 +550,15 @@ class DFlashDrafter(DraftVocabulary, nn.Module):
         """
         states = self.context_states(aux_hidden_states[0])[None]
         context = ContextStates(states, self.rotary(position_ids - 1, states.dtype))
-        indices = torch.arange(input_ids.shape[1], device=input_ids.device)
-        documents = document_ids[0]
-        visible = (documents[None, :] == documents[anchors, None]) & (indices[None, :] <= anchors[:, None])
+        # The chunks of blocks and what each sees, once for every layer: a chunk's blocks see its key span up
+        # to their own anchors.
+        spans = []
+        for first, last, key_start, key_end in context_spans(anchors, document_ids):
+            keys = torch.arange(key_start, key_end, device=anchors.device)
+            spans.append(ContextSpan(first, last, key_start, key_end, keys[None, :] <= anchors[first:last, None]))
         offsets = torch.arange(self.config.block_size, device=input_ids.device)
         positions = position_ids[0, anchors, None] + offsets
-        return self(input_ids[0, anchors], positions, context, visible)[:, 1:]
+        return self(input_ids[0, anchors], positions, context, spans)[:, 1:]
 
     # ----- checkpoint ---------------------------------------------------------------------------
 

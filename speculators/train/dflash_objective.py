@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     from speculators.models.dflash import DFlashDrafter
     from speculators.train.data import Pack
 
-VALIDATION_ANCHORS_PER_FORWARD = (
-    256  # blocks per validation forward (at most): bounds the [anchors, heads, B, T] scores
-)
+VALIDATION_ANCHORS_PER_FORWARD = 256  # blocks per validation forward (at most): bounds its activations
 
 
 def scorable_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -9,7 +9,13 @@ import torch
 from safetensors import safe_open
 
 from speculators.errors import CheckpointFormatError, SpeculatorsError
-from speculators.models.dflash import DFlashDrafter, build_dflash_config
+from speculators.models.dflash import (
+    CONTEXT_CHUNK_BLOCKS,
+    DFlashDrafter,
+    apply_rotary,
+    build_dflash_config,
+    context_spans,
+)
 
 H, V, D, HEAD = 64, 512, 128, 32
 AUX = [1, 4, 8]
@@ -236,3 +242,96 @@ def test_validate_reads_a_dflash_checkpoint_through_its_algorithm(tmp_path, tiny
     )
     report = validate_checkpoint(tmp_path / "d")
     assert report.problems == ["missing tensor hidden_norm.weight"]
+
+
+def dense_training_attention(attention, x, rotary, context_rotary, states, k_norm, visible):
+    """The reference: every block's queries against all C context keys and its own block's, the context
+    masked by `visible` [N, C], one softmax over [N, heads, B, C + B], the weighted sum."""
+    blocks, size, _ = x.shape
+    q = attention.q_norm(attention.q_proj(x).view(blocks, size, attention.num_heads, attention.head_dim))
+    q = apply_rotary(q.transpose(1, 2), rotary)
+    context_k, context_v = attention.keys_values(states, context_rotary, k_norm)
+    block_k, block_v = attention.keys_values(x, rotary, k_norm)
+    groups = attention.num_heads // attention.num_kv_heads
+    k = torch.cat([context_k.expand(blocks, -1, -1, -1), block_k], dim=2).repeat_interleave(groups, dim=1)
+    v = torch.cat([context_v.expand(blocks, -1, -1, -1), block_v], dim=2).repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * attention.head_dim**-0.5
+    seen = torch.cat([visible, torch.ones(blocks, size, dtype=torch.bool)], dim=1)
+    probs = torch.softmax(scores.masked_fill(~seen[:, None, None, :], float("-inf")), dim=-1)
+    return attention.o_proj((probs @ v).transpose(1, 2).reshape(blocks, size, -1))
+
+
+def dense_training_forward(drafter, input_ids, aux, position_ids, document_ids, anchors):
+    """training_forward with the reference attention in every layer (the dense [N, C] visibility mask)."""
+    indices, documents = torch.arange(input_ids.shape[1]), document_ids[0]
+    visible = (documents[None, :] == documents[anchors, None]) & (indices[None, :] <= anchors[:, None])
+    states = drafter.context_states(aux[0])[None]
+    context_rotary = drafter.rotary(position_ids - 1, states.dtype)
+    positions = position_ids[0, anchors, None] + torch.arange(drafter.config.block_size)
+    hidden = drafter.block_inputs(input_ids[0, anchors], positions.shape[-1])
+    rotary = drafter.rotary(positions, hidden.dtype)
+    for i, layer in enumerate(drafter.layers):
+        normed = layer.input_layernorm(hidden)
+        attention = layer.self_attn
+        hidden = hidden + dense_training_attention(
+            attention, normed, rotary, context_rotary, states, drafter.key_norm(i), visible
+        )
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return drafter.norm(hidden)[:, 1:]
+
+
+def test_chunked_training_attention_equals_dense_masked_attention_and_its_gradients():
+    """The training attention scores each chunk of blocks only against its document's context up to the
+    chunk's last anchor; it equals dense masked attention over the whole pack in the outputs and in the
+    gradients of every parameter and of the aux input (fp64): documents of unequal lengths and of one token,
+    anchors at document starts and ends, and more anchors in one document than a chunk holds."""
+    drafter = make_drafter().double().train()
+    generator = torch.Generator().manual_seed(5)
+    lengths = [1, 150, 9, 1, 30]
+    total = sum(lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    ends = [start + n - 1 for start, n in zip(starts, lengths, strict=True)]
+    anchors = torch.tensor(sorted({*starts, *ends, *range(4, 148), 168}))  # document 1: 146 anchors
+    input_ids = torch.randint(0, V, (1, total), generator=generator)
+    aux = torch.randn(1, total, 3, H, generator=generator, dtype=torch.float64)
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    position_ids = torch.cat([torch.arange(1, n + 1) for n in lengths])[None]
+    assert CONTEXT_CHUNK_BLOCKS == 64
+    assert context_spans(anchors, document_ids) == [
+        (0, 1, 0, 1),  # a one-token document
+        (1, 65, 1, 67),  # document 1 in three chunks, each up to its last anchor
+        (65, 129, 1, 131),
+        (129, 147, 1, 151),
+        (147, 149, 151, 160),
+        (149, 150, 160, 161),  # a one-token document
+        (150, 153, 161, 191),
+    ]
+    weights = torch.randn(len(anchors), drafter.config.speculative_tokens, H, generator=generator, dtype=torch.float64)
+
+    results = []
+    for forward in (DFlashDrafter.training_forward, dense_training_forward):
+        drafter.zero_grad()
+        leaf = aux.clone().requires_grad_(True)
+        out = forward(drafter, input_ids, leaf, position_ids, document_ids, anchors)
+        (out * weights).sum().backward()
+        grads = {name: param.grad.clone() for name, param in drafter.named_parameters() if param.grad is not None}
+        results.append((out.detach(), grads, leaf.grad))
+    (chunked, chunked_grads, chunked_aux), (dense, dense_grads, dense_aux) = results
+    torch.testing.assert_close(chunked, dense, rtol=1e-10, atol=1e-10)
+    trainable = {name for name, param in drafter.named_parameters() if param.requires_grad}
+    assert set(chunked_grads) == set(dense_grads) == trainable - {"lm_head.weight"}  # (the objective's)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(chunked_aux, dense_aux, rtol=1e-10, atol=1e-10)
+
+
+def test_no_anchors_make_one_empty_chunk_and_an_empty_forward():
+    """A validation forward may get no anchors: it still runs (every rank runs the same forwards)."""
+    drafter = make_drafter()
+    document_ids = torch.zeros(1, 6, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)
+    assert context_spans(none, document_ids) == [(0, 0, 0, 0)]
+    out = drafter.training_forward(
+        torch.zeros(1, 6, dtype=torch.long), torch.randn(1, 6, 3, H), torch.arange(1, 7)[None], document_ids, none
+    )
+    assert out.shape == (0, 3, H)
