@@ -352,6 +352,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("parallel_drafters.json"))
     parser.add_argument("--retrain", action="store_true")
     args = parser.parse_args()
+    from speculators.precision import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype)  # (auto: bf16 where this CPU computes it, as the commands read it)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     unknown = [a for a in args.algorithms if base(a) not in PARALLEL]
     if unknown:
