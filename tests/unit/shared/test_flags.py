@@ -26,6 +26,7 @@ COMMANDS = {
     "vocab": settings.VocabSettings,
     "train": settings.TrainConfig,
     "evaluate": settings.EvaluateSettings,
+    "compare": settings.CompareSettings,
     "serve": settings.ServeSettings,
     "follow": settings.FollowSettings,
     "bench": settings.BenchSettings,
