@@ -1,7 +1,7 @@
 """Several drafters' acceptance on the same prompts in one run, replayed on the verifier's own greedy answers.
 
 With greedy acceptance, speculative decoding emits exactly the verifier's greedy tokens, so how many drafts a
-verifier step accepts depends only on the drafter's proposals against that answer. `compare_drafters` decodes
+verifier step accepts depends only on the drafter's proposals against that answer. `compare_prompts` decodes
 each prompt's greedy answer once (one token per pass, as `evaluate`'s baseline), runs the verifier once over
 prompt + answer capturing every aux layer any of the drafters reads, then walks each drafter through speculative
 decoding on that answer (`replay_generate`): at each step the drafter gets the states of the positions verified
@@ -34,9 +34,10 @@ from speculators.eval.evaluate import (
     NO_CATEGORY,
     EvalPrompt,
     Proposer,
-    answer_text,
     greedy_generate,
+    label_results,
     load_proposer,
+    mt_bench_turns,
     tokenize_prompts,
 )
 from speculators.precision import with_compute_dtype
@@ -409,7 +410,7 @@ def compare_source(
         results, answers = compare_prompts(
             verifier, prompts, drafters, source, max_new_tokens, stop_ids, units, progress
         )
-        label(results, conversations)
+        label_results(results, conversations)
         return results, answers
 
     if source != MT_BENCH:
@@ -419,18 +420,5 @@ def compare_source(
         return run(conversations, None)[0]
     questions = mt_bench_questions(max_prompts)
     units = [question.id for question in questions]
-    if progress:
-        print(f"MT-Bench turn 1 of {len(questions)} questions", flush=True)
-    first, answers = run([question.first_turn() for question in questions], units)
-    texts = [answer_text(verifier.tokenizer, answer) for answer in answers]
-    if progress:
-        print(f"MT-Bench turn 2 of {len(questions)} questions", flush=True)
-    second, _ = run([q.second_turn(text) for q, text in zip(questions, texts, strict=True)], units)
+    first, second = mt_bench_turns(verifier.tokenizer, questions, lambda turn: run(turn, units), progress)
     return [result for pair in zip(first, second, strict=True) for result in pair]
-
-
-def label(results: Sequence[ComparedPrompt], conversations: Sequence[Conversation]) -> None:
-    """Each result gets its conversation's category and turn (the number of user turns it holds)."""
-    for result, conversation in zip(results, conversations, strict=True):
-        result.category = conversation.category
-        result.turn = sum(message["role"] == "user" for message in conversation.messages)

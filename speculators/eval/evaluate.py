@@ -19,10 +19,10 @@ table laid out like the EAGLE and SpecForge papers': one column per category, th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, get_args
 
 from speculators.atomic_io import write_text_atomic
 from speculators.checkpoint.validation import check_against_verifier
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 # (id, prompt ids) or, for a prompt with images, (id, prompt ids, image parts)
 EvalPrompt = tuple[str, list[int]] | tuple[str, list[int], list[dict[str, str]]]
+
+TurnResults = TypeVar("TurnResults")  # what a decoding of one MT-Bench turn returns (mt_bench_turns)
 
 # The `evaluate` command's defaults (its settings model), which the Python API below shares.
 DEFAULTS = {name: field.default for name, field in EvaluateSettings.model_fields.items()}
@@ -684,9 +686,10 @@ def tokenize_prompts(
     return prompts
 
 
-def label_results(report: EvaluationReport, conversations: Sequence[Conversation]) -> None:
-    """Each result gets its conversation's category and turn (the number of user turns it holds)."""
-    for result, conversation in zip(report.results, conversations, strict=True):
+def label_results(results: Sequence[Any], conversations: Sequence[Conversation]) -> None:
+    """Each result (evaluate's PromptResult, compare's ComparedPrompt) gets its conversation's category and
+    turn (the number of user turns it holds)."""
+    for result, conversation in zip(results, conversations, strict=True):
         result.category = conversation.category
         result.turn = sum(message["role"] == "user" for message in conversation.messages)
 
@@ -718,19 +721,12 @@ def evaluate_mt_bench(
     not as the generated ids: that is what a chat client sends, what `speculators bench` sends to vLLM and
     how FastChat and EAGLE build turn 2, so the three measure the same turn-2 prompts. Results are by
     question, turn 1 then turn 2, each with its category and turn."""
-    tokenizer = verifier.tokenizer
-    turns: list[EvaluationReport] = []
-    for turn in (1, 2):
-        if turn == 1:
-            conversations = [question.first_turn() for question in questions]
-        else:
-            answers = [answer_text(tokenizer, result.greedy_ids) for result in turns[0].results]
-            conversations = [question.second_turn(a) for question, a in zip(questions, answers, strict=True)]
-        if progress:
-            print(f"MT-Bench turn {turn} of {len(questions)} questions", flush=True)
+
+    def decode(conversations: list[Conversation]) -> tuple[EvaluationReport, list[list[int]]]:
+        prompts = tokenize_prompts(verifier.tokenizer, conversations, verifier)
         report = evaluate(
             verifier,
-            tokenize_prompts(tokenizer, conversations, verifier),
+            prompts,
             proposer,
             num_speculative_tokens,
             max_new_tokens,
@@ -739,8 +735,10 @@ def evaluate_mt_bench(
             settings,
             progress,
         )
-        label_results(report, conversations)
-        turns.append(report)
+        label_results(report.results, conversations)
+        return report, [result.greedy_ids for result in report.results]
+
+    turns = mt_bench_turns(verifier.tokenizer, questions, decode, progress)
     merged = EvaluationReport(
         settings={**turns[0].settings, "mt_bench_questions": len(questions)},
         results=[result for pair in zip(turns[0].results, turns[1].results, strict=True) for result in pair],
@@ -749,6 +747,25 @@ def evaluate_mt_bench(
     if noise:
         merged.settings["fp8_order_noise"] = max(noise)
     return merged
+
+
+def mt_bench_turns(
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[MtBenchQuestion],
+    decode: Callable[[list[Conversation]], tuple[TurnResults, list[list[int]]]],
+    progress: bool = True,
+) -> tuple[TurnResults, TurnResults]:
+    """MT-Bench's two turns through `decode` (conversations -> its results and the verifier's greedy answer
+    ids, in order): turn 1 of every question, then turn 2 after the verifier's own turn-1 answer as text
+    (answer_text, MtBenchQuestion.second_turn). The one rule `evaluate` and `compare` build turn 2 by."""
+    if progress:
+        print(f"MT-Bench turn 1 of {len(questions)} questions", flush=True)
+    first, answers = decode([question.first_turn() for question in questions])
+    texts = [answer_text(tokenizer, answer) for answer in answers]
+    if progress:
+        print(f"MT-Bench turn 2 of {len(questions)} questions", flush=True)
+    second, _ = decode([question.second_turn(text) for question, text in zip(questions, texts, strict=True)])
+    return first, second
 
 
 def load_proposer(kind: str, verifier: Verifier, speculator: str | None, dtype: str) -> Proposer:
@@ -838,7 +855,7 @@ def run_evaluation(settings: EvaluateSettings) -> EvaluationReport:
             s.tie_tolerance,
             recorded,
         )
-        label_results(report, conversations)
+        label_results(report.results, conversations)
     if s.output is not None:
         import json
 
