@@ -83,6 +83,7 @@ from speculators.eval.bench_report import (
 )
 from speculators.eval.guidellm import (
     GUIDELLM_ATTEMPTS,
+    GuideLLMRecordedNothing,
     guidellm_command,
     guidellm_profile,
     profile_name,
@@ -412,7 +413,8 @@ def run_profile(
 ) -> dict[str, Any]:
     """One GuideLLM run of a profile against the server (read_guidellm_report's summary), with what moved
     around it: the spec-decode counters, the prefix cache and the machine's load. Taken again, up to
-    GUIDELLM_ATTEMPTS times, when GuideLLM recorded fewer requests than it was given."""
+    GUIDELLM_ATTEMPTS times, when GuideLLM recorded fewer requests than it was given (none: it then fails
+    with GuideLLMRecordedNothing)."""
 
     for attempt in range(1, GUIDELLM_ATTEMPTS + 1):
         wait_until_idle(server.url)  # (a request an earlier attempt left in flight is not counted)
@@ -421,7 +423,13 @@ def run_profile(
         # which counts it) for prompts the other prefills.
         server.reset_prefix_cache()
         before, load_before = server.metrics(), load_snapshot(server.process_groups())
-        run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+        try:
+            run_guidellm(command, paths["log"], folder, settings.guidellm_timeout)
+        except GuideLLMRecordedNothing:
+            if attempt == GUIDELLM_ATTEMPTS:
+                raise
+            print(f"{label}: GuideLLM ended the run before recording any request; running it again", flush=True)
+            continue
         load = other_load(load_before, load_snapshot(server.process_groups()))
         summary = read_guidellm_report(paths["json"])
         after = server.metrics()

@@ -79,6 +79,13 @@ def guidellm_command(
 
 
 GUIDELLM_ATTEMPTS = 3
+# What GuideLLM 0.8.1 raises when its scheduler ended the run before it recorded any request (the run ending
+# with its requests still in flight, as in run_profile's short counts, with none of them done).
+RECORDED_NOTHING = "No measurement start or end times available"
+
+
+class GuideLLMRecordedNothing(SpeculatorsError):
+    """GuideLLM ended a run before recording any request: the run is worth taking again."""
 
 
 def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) -> None:
@@ -89,8 +96,10 @@ def run_guidellm(command: list[str], log_path: Path, cwd: Path, timeout: float) 
         except subprocess.TimeoutExpired:
             raise SpeculatorsError(f"GuideLLM did not finish in {timeout:.0f} s; see {log_path}") from None
     if result.returncode != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise SpeculatorsError(f"GuideLLM failed with code {result.returncode}; the end of {log_path}:\n{tail}")
+        lines = log_path.read_text(errors="replace").splitlines()
+        tail = "\n".join(lines[-25:])
+        error = GuideLLMRecordedNothing if any(RECORDED_NOTHING in line for line in lines[-5:]) else SpeculatorsError
+        raise error(f"GuideLLM failed with code {result.returncode}; the end of {log_path}:\n{tail}")
 
 
 def read_guidellm_report(path: Path) -> dict[str, Any]:

@@ -289,3 +289,109 @@ def test_report_md_has_the_under_load_section_and_the_plot_is_drawn(tmp_path):
     assert summary["runs"] == 12 and not summary["quiet"]
     assert summary["busy_runs"] == ["load K=0 c=8", "load K=1 c=8", "load K=2 c=8"]
     assert math.isclose(summary["other_cores_max"], 0.5)
+
+
+# ----- GuideLLM runs that recorded nothing ----------------------------------------------------------
+
+
+def fake_guidellm(tmp_path, failures: int) -> list[str]:
+    """A command that fails `failures` times as GuideLLM 0.8.1 does when its scheduler ends a run before
+    recording a request (the message copied from the installed GuideLLM's source, so a new wording
+    fails this test), then writes a report of 2 successful requests."""
+    import inspect
+    import sys
+
+    from guidellm.benchmark.schemas import metrics
+
+    from speculators.eval.guidellm import RECORDED_NOTHING
+
+    assert RECORDED_NOTHING in inspect.getsource(metrics.GenerativeMetrics.compile)
+    stat = {"successful": {"median": 5.0, "mean": 5.0}}
+    report = {
+        "metadata": {"guidellm_version": "0.8.1"},
+        "benchmarks": [
+            {
+                "duration": 1.0,
+                "metrics": {
+                    **{name: stat for name in ("time_to_first_token_ms", "inter_token_latency_ms",
+                                               "time_per_output_token_ms", "output_tokens_per_second",
+                                               "request_latency", "output_tokens_per_iteration",
+                                               "output_token_count")},
+                    "request_totals": {"successful": 2, "errored": 0, "incomplete": 0},
+                },
+            }
+        ],
+    }  # fmt: skip
+    script = tmp_path / "guidellm.py"
+    script.write_text(
+        "import json, pathlib, sys\n"
+        f"count = pathlib.Path({str(tmp_path / 'runs')!r})\n"
+        "runs = int(count.read_text()) + 1 if count.exists() else 1\n"
+        "count.write_text(str(runs))\n"
+        f"if runs <= {failures}:\n"
+        "    print('Traceback (most recent call last):')\n"
+        f"    print('ValueError: Cannot compile GenerativeMetrics: ' + {RECORDED_NOTHING + '.'!r})\n"
+        "    sys.exit(1)\n"
+        f"pathlib.Path({str(tmp_path / 'report.json')!r}).write_text({json.dumps(report)!r})\n"
+    )
+    return [sys.executable, str(script)]
+
+
+class IdleServer:
+    """What run_profile reads of a vLLM server: its counters, which stand still here."""
+
+    url = "http://h"
+
+    def metrics(self):
+        from speculators.serving.serve import parse_spec_decode_counters
+
+        return parse_spec_decode_counters("")
+
+    def reset_prefix_cache(self):
+        pass
+
+    def process_groups(self):
+        return []
+
+
+@pytest.mark.parametrize("failures", [1, 2, 3])
+def test_a_guidellm_run_that_recorded_nothing_is_taken_again_up_to_the_attempts(
+    tmp_path, monkeypatch, capsys, failures
+):
+    """The CI failure of 2026-12-06: GuideLLM exited 1 on a load point, having recorded none of its 2
+    requests. bench takes such a run again (up to GUIDELLM_ATTEMPTS runs); the last one's failure, and any
+    other GuideLLM failure, still fails bench with the end of its log."""
+    from speculators.eval import bench
+    from speculators.eval.guidellm import GUIDELLM_ATTEMPTS, GuideLLMRecordedNothing
+    from speculators.settings import BenchSettings
+
+    monkeypatch.setattr(bench, "wait_until_idle", lambda url: None)
+    paths = {"json": tmp_path / "report.json", "log": tmp_path / "guidellm.log"}
+    settings = BenchSettings(verifier="v", speculator="s", output=str(tmp_path), num_speculative_tokens=3)
+    command = fake_guidellm(tmp_path, failures)
+    server = IdleServer()
+    if failures < GUIDELLM_ATTEMPTS:
+        summary = bench.run_profile(server, command, paths, 2, tmp_path, settings, "[speculator] load c=1")  # type: ignore[arg-type]
+        assert summary["requests"]["successful"] == 2 and summary["tpot_ms"] == 5.0
+        assert capsys.readouterr().out.count("ended the run before recording any request; running it again") == failures
+    else:
+        with pytest.raises(GuideLLMRecordedNothing, match=r"GuideLLM failed with code 1; the end of .*guidellm\.log"):
+            bench.run_profile(server, command, paths, 2, tmp_path, settings, "[speculator] load c=1")  # type: ignore[arg-type]
+    assert int((tmp_path / "runs").read_text()) == min(failures + 1, GUIDELLM_ATTEMPTS)
+
+
+def test_any_other_guidellm_failure_fails_at_once(tmp_path, monkeypatch):
+    import sys
+
+    from speculators.eval import bench
+    from speculators.eval.guidellm import GuideLLMRecordedNothing
+    from speculators.settings import BenchSettings
+
+    monkeypatch.setattr(bench, "wait_until_idle", lambda url: None)
+    paths = {"json": tmp_path / "report.json", "log": tmp_path / "guidellm.log"}
+    settings = BenchSettings(verifier="v", speculator="s", output=str(tmp_path), num_speculative_tokens=3)
+    command = [sys.executable, "-c", "import sys; print('ConnectionError: refused'); sys.exit(2)"]
+    with pytest.raises(SpeculatorsError, match="GuideLLM failed with code 2") as failure:
+        bench.run_profile(IdleServer(), command, paths, 2, tmp_path, settings, "[speculator] load c=1")  # type: ignore[arg-type]
+    assert not isinstance(failure.value, GuideLLMRecordedNothing)
+    assert "ConnectionError: refused" in str(failure.value)
