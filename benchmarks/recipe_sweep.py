@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,15 +56,31 @@ def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
     """A store holding the first `train_samples` training samples of `store` and all its validation-
     source samples, sharing its shards, with its own draft vocabulary."""
     from speculators.data.conversation import VALIDATION_PREFIX
-    from speculators.data.store import StoreManifest, StoreTotals
+    from speculators.data.store import StoreManifest
 
     manifest = StoreManifest.read(store / "manifest.json")
     train = [e for e in manifest.samples if not e.id.startswith(VALIDATION_PREFIX)][:train_samples]
-    keep = {e.key for e in train} | {e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX)}
-    directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / "shards").exists():
-        (directory / "shards").symlink_to((store / "shards").resolve(), target_is_directory=True)
+    return select_store(store, [e.key for e in train], directory)
+
+
+def select_store(store: Path, train_keys: list[str], directory: Path) -> Path:
+    """A store holding the training samples of `store` whose keys are `train_keys` and all its
+    validation-source samples, with its own draft vocabulary of the same size. Its shards are hard links
+    to the store's (copies across file systems): a store reads nothing through a symlink out of it."""
+    from speculators.data.conversation import VALIDATION_PREFIX
+    from speculators.data.store import StoreManifest, StoreTotals
+
+    manifest = StoreManifest.read(store / "manifest.json")
+    keep = set(train_keys) | {e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX)}
     samples = [e for e in manifest.samples if e.key in keep]
+    for entry in samples:
+        target = directory / entry.shard
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(store / entry.shard, target)
+            except OSError:
+                shutil.copy2(store / entry.shard, target)
     manifest.model_copy(update={"samples": samples, "totals": StoreTotals.over(samples)}).write(
         directory / "manifest.json"
     )
