@@ -1,0 +1,251 @@
+"""Which data teaches the demo's drafter most per minute of training, in one run: drafters trained with
+the variant's recipe on the same number of tokens x epochs, each from a different choice of data, then
+all of them judged by `speculators compare` on MT-Bench and `natural:eval` with paired intervals.
+
+    python benchmarks/data_mix.py --work-dir /tmp/mix [--variant smollm2_135m] [--pool 1800] \
+        [--turns-pool 600] [--arms first,every-turn,short,long,code-math,twice-once,half-twice] \
+        [--budget-tokens T] [--compare mt-bench --compare natural:eval] [--compare-questions 80]
+
+Two pools, built with the variant's own commands (its prompt sources, datagen and capture, as the Dagster
+steps run them; `data_scaling.build_store`), differing in one knob only:
+- `pool-first`: `max_samples` = --pool, every conversation's first user turn (the demo's `max_user_turns: 1`);
+- `pool-turns`: `max_samples` = --turns-pool, every user turn (`max_user_turns` unset); an answer clipped at
+  the variant's `max_answer_tokens` still ends its conversation, as it does in the variant.
+
+The budget T is the training tokens of the variant's own `max_samples` first training samples of
+`pool-first` (the demo's data; --budget-tokens sets it). Each arm takes training samples until their
+tokens reach its budget (the sample that crosses it is the last), keeps every validation sample
+(`natural:validation`, answered by the verifier: the replayed acceptance), gets a draft vocabulary of its
+own, and trains for the variant's epochs unless said:
+- `first`: pool-first in its order, T tokens: the demo's data (the baseline);
+- `every-turn`: pool-turns in its order, T tokens;
+- `short` / `long`: pool-first's shortest / longest samples first, T tokens;
+- `code-math`: half of T from pool-first's code and maths rows (CODE_OR_MATH below), half from the rest;
+- `twice-once`: pool-first in order, 2T tokens, half the epochs;
+- `half-twice`: pool-first in order, T / 2 tokens, twice the epochs.
+So every arm trains on T x epochs tokens (its packing decides the steps; the table gives the minutes).
+The recipes are chosen on the replayed acceptance (natural:validation); MT-Bench and natural:eval, which
+no recipe was chosen on, are the reported figures. Every step resumes: finished pools, stores and
+drafters are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from data_scaling import build_store, train  # (this script's folder is on sys.path when it runs)
+from recipe_sweep import best_validation, select_store
+
+ARMS = {
+    "first": "pool-first in order, T tokens (the demo's data)",
+    "every-turn": "every user turn (pool-turns in order), T tokens",
+    "short": "the shortest first turns, T tokens",
+    "long": "the longest first turns, T tokens",
+    "code-math": "half of T from code and maths rows, half from the rest",
+    "twice-once": "2T tokens, half the epochs",
+    "half-twice": "T / 2 tokens, twice the epochs",
+}
+# A row is code or maths when its text (prompt and answer) holds a code fence, a line of code, a
+# programming word or an arithmetic expression. A heuristic for ShareGPT's English rows; the table
+# reports the share it finds.
+CODE_OR_MATH = re.compile(
+    r"```|^\s*(def|class|import|from \S+ import|return|function|const|let|var|public|#include|SELECT)\b"
+    r"|\b(python|javascript|typescript|java|c\+\+|c#|sql|html|css|regex|api|json|code|script|function|bug|compile"
+    r"|equation|solve|calculate|integral|derivative|probability|algebra|theorem|matrix|formula)\b"
+    r"|\d+(\.\d+)?\s*[-+*/^=]\s*\d+",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+class Sample(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def take_tokens(samples: Sequence[Sample], budget: int) -> list[Sample]:
+    """Samples in order until their tokens reach `budget` (the one that crosses it is the last)."""
+    taken: list[Sample] = []
+    total = 0
+    for sample in samples:
+        if total >= budget:
+            break
+        taken.append(sample)
+        total += sample.num_tokens
+    return taken
+
+
+def select_arm(arm: str, samples: Sequence[Sample], is_code_math: Callable[[str], bool], budget: int) -> list[Sample]:
+    """The training samples of an arm drawn from pool-first's (or, for every-turn, pool-turns') samples."""
+    if arm in ("first", "every-turn"):
+        return take_tokens(samples, budget)
+    if arm == "twice-once":
+        return take_tokens(samples, 2 * budget)
+    if arm == "half-twice":
+        return take_tokens(samples, budget // 2)
+    if arm in ("short", "long"):  # stable: equal lengths keep the pool's order
+        return take_tokens(sorted(samples, key=lambda s: s.num_tokens, reverse=arm == "long"), budget)
+    if arm == "code-math":
+        code = take_tokens([s for s in samples if is_code_math(s.id)], budget // 2)
+        rest = take_tokens([s for s in samples if not is_code_math(s.id)], budget - sum(s.num_tokens for s in code))
+        return code + rest
+    raise ValueError(f"unknown arm {arm}; name one of {', '.join(ARMS)}")
+
+
+def epochs_of(arm: str, epochs: float) -> float:
+    return {"twice-once": epochs / 2, "half-twice": epochs * 2}.get(arm, epochs)
+
+
+def conversation_texts(data: Path) -> dict[str, str]:
+    """Each conversation's text (every message) by id, from a prepare folder's conversations.jsonl."""
+    texts = {}
+    with open(data / "conversations.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            texts[row["id"]] = "\n".join(str(m.get("content") or "") for m in row["messages"])
+    return texts
+
+
+def user_turns(data: Path) -> dict[str, int]:
+    turns = {}
+    with open(data / "conversations.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            turns[row["id"]] = sum(1 for m in row["messages"] if m["role"] == "user")
+    return turns
+
+
+def compare(args: argparse.Namespace, drafters: dict[str, Path]) -> dict[str, Any]:
+    out = args.work_dir / "compare.json"
+    if not out.is_file():
+        command = [sys.executable, "-m", "speculators.cli", "compare", "--verifier", args.verifier]
+        for name, drafter in drafters.items():
+            command += ["--speculator", f"{name}={drafter}"]
+        for source in args.compare:
+            command += ["--prompts", source]
+        command += ["--baseline", next(iter(drafters)), "--max-prompts", str(args.compare_questions)]
+        command += ["--max-new-tokens", str(args.compare_max_new_tokens), "--dtype", "auto", "--output", str(out)]
+        print(f"\n$ speculators {' '.join(command[3:])}", flush=True)
+        subprocess.run(command, check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", required=True, type=Path)
+    parser.add_argument("--variant", default="smollm2_135m")
+    parser.add_argument("--pool", type=int, default=1800, help="pool-first's conversations (max_samples)")
+    parser.add_argument("--turns-pool", type=int, default=600, help="pool-turns' conversations (max_samples)")
+    parser.add_argument("--arms", default=",".join(ARMS), help="the arms, the first one the baseline")
+    parser.add_argument("--budget-tokens", type=int, help="T (default: the variant's max_samples first samples)")
+    parser.add_argument("--compare", action="append", help="a prompt source for speculators compare (repeatable)")
+    parser.add_argument("--compare-questions", type=int, default=80, help="compare: prompts per source")
+    parser.add_argument("--compare-max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    args.compare = args.compare or ["mt-bench", "natural:eval"]
+    arms = [arm for arm in args.arms.split(",") if arm]
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm {unknown[0]}; name one of {', '.join(ARMS)}")
+
+    from speculators.data.conversation import VALIDATION_PREFIX
+    from speculators.data.store import StoreManifest
+    from speculators_assets.variants import load_variants
+
+    base = load_variants()[args.variant]
+    args.verifier = base.verifier
+    work: Path = args.work_dir
+
+    def pool(name: str, samples: int, turns: int | None) -> tuple[Path, Path]:
+        prompts = base.prompts.model_copy(update={"max_samples": samples, "max_user_turns": turns})
+        started = time.perf_counter()
+        store = build_store(base.model_copy(update={"prompts": prompts}), work / name)
+        print(f"{name}: {store} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
+        return store, work / name / "data"
+
+    first_store, first_data = pool("pool-first", args.pool, 1)
+    pools = {"first": (first_store, first_data)}
+    if "every-turn" in arms:
+        pools["turns"] = pool("pool-turns", args.turns_pool, None)
+
+    def training(store: Path) -> list[Any]:
+        samples = StoreManifest.read(store / "manifest.json").samples
+        return [e for e in samples if not e.id.startswith(VALIDATION_PREFIX)]
+
+    first = training(first_store)
+    budget = args.budget_tokens or sum(e.num_tokens for e in first[: base.prompts.max_samples])
+    texts = conversation_texts(first_data)
+    code_math = {key for key, text in texts.items() if CODE_OR_MATH.search(text)}
+    epochs = float(base.training.epochs or 1)
+    pool_tokens = sum(e.num_tokens for e in first)
+    share = sum(e.num_tokens for e in first if e.id in code_math) / pool_tokens
+    print(
+        f"pool-first: {len(first)} samples, {pool_tokens} tokens, code and maths {share:.1%} of them; "
+        f"budget T = {budget} tokens x {epochs:g} epochs",
+        flush=True,
+    )
+
+    rows, drafters = [], {}
+    for arm in arms:
+        store, data = pools["turns" if arm == "every-turn" else "first"]
+        chosen = select_arm(arm, training(store), lambda key: key in code_math, budget)
+        sub = select_store(store, [e.key for e in chosen], work / f"store-{arm}")
+        arm_epochs = epochs_of(arm, epochs)
+        recipe = base.training.model_copy(update={"epochs": arm_epochs})
+        summary = train(base.model_copy(update={"training": recipe}), sub, work / f"drafter-{arm}")
+        drafters[arm] = work / f"drafter-{arm}" / "drafter"
+        turns = user_turns(data)
+        tokens = sum(e.num_tokens for e in chosen)
+        rows.append(
+            {
+                "arm": arm,
+                "samples": len(chosen),
+                "tokens": tokens,
+                "epochs": arm_epochs,
+                "mean_tokens": tokens / len(chosen),
+                "mean_user_turns": sum(turns.get(e.id, 1) for e in chosen) / len(chosen),
+                "code_math_share": sum(e.num_tokens for e in chosen if e.id in code_math) / tokens,
+                "train_minutes": summary.train_seconds / 60,
+                "replayed": best_validation(summary, work / f"drafter-{arm}")["replayed_acceptance_length"],
+            }
+        )
+
+    report = compare(args, drafters)
+    (work / "data_mix.json").write_text(json.dumps({"budget_tokens": budget, "arms": rows}, indent=2) + "\n")
+    print(
+        f"\nvariant {args.variant} (its recipe), budget T = {budget} tokens x {epochs:g} epochs; replayed on "
+        f"natural:validation; {', '.join(args.compare)} by `speculators compare` against `{arms[0]}` "
+        f"(paired bootstrap 95% over questions)\n"
+    )
+    sets = list(report["prompt_sets"])
+    print(
+        "| arm | data | samples | tokens x epochs | tokens/sample | user turns | code+maths | train min | replayed | "
+        + " | ".join(f"{name} AL (ratio, 95%)" for name in sets)
+        + " |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---|" * len(sets))
+    for row in rows:
+        cells = []
+        for name in sets:
+            d = report["prompt_sets"][name]["drafters"][row["arm"]]
+            v = d["versus_baseline"]
+            cells.append(f"{d['acceptance_length']:.3f} ({v['ratio']:.3f}x, {v['low']:.3f}-{v['high']:.3f})")
+        print(
+            f"| {row['arm']} | {ARMS[row['arm']]} | {row['samples']} | {row['tokens']} x {row['epochs']:g} | "
+            f"{row['mean_tokens']:.0f} | {row['mean_user_turns']:.2f} | {row['code_math_share']:.1%} | "
+            f"{row['train_minutes']:.1f} | {row['replayed']:.3f} | " + " | ".join(cells) + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
