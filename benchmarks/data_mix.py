@@ -3,7 +3,7 @@ the variant's recipe on the same number of tokens x epochs, each from a differen
 all of them judged by `speculators compare` on MT-Bench and `natural:eval` with paired intervals.
 
     python benchmarks/data_mix.py --work-dir /tmp/mix [--variant smollm2_135m] [--pool 1800] \
-        [--turns-pool 600] [--arms first,every-turn,short,long,code-math,twice-once,half-twice] \
+        [--turns-pool 600] [--arms first,every-turn,short,long,code-math,prose,twice-once,half-twice] \
         [--budget-tokens T] [--compare mt-bench --compare natural:eval] [--compare-questions 80]
 
 Two pools, built with the variant's own commands (its prompt sources, datagen and capture, as the Dagster
@@ -20,7 +20,8 @@ own, and trains for the variant's epochs unless said:
 - `first`: pool-first in its order, T tokens: the demo's data (the baseline);
 - `every-turn`: pool-turns in its order, T tokens;
 - `short` / `long`: pool-first's shortest / longest samples first, T tokens;
-- `code-math`: half of T from pool-first's code and maths rows (CODE_OR_MATH below), half from the rest;
+- `code-math` / `prose`: pool-first's code and maths rows only (CODE_OR_MATH below) / none of them, T tokens
+  each, against `first`'s natural share (the script prints it);
 - `twice-once`: pool-first in order, 2T tokens, half the epochs;
 - `half-twice`: pool-first in order, T / 2 tokens, twice the epochs.
 So every arm trains on T x epochs tokens (its packing decides the steps; the table gives the minutes).
@@ -49,18 +50,19 @@ ARMS = {
     "every-turn": "every user turn (pool-turns in order), T tokens",
     "short": "the shortest first turns, T tokens",
     "long": "the longest first turns, T tokens",
-    "code-math": "half of T from code and maths rows, half from the rest",
+    "code-math": "code and maths rows only, T tokens",
+    "prose": "no code or maths rows, T tokens",
     "twice-once": "2T tokens, half the epochs",
     "half-twice": "T / 2 tokens, twice the epochs",
 }
-# A row is code or maths when its text (prompt and answer) holds a code fence, a line of code, a
-# programming word or an arithmetic expression. A heuristic for ShareGPT's English rows; the table
-# reports the share it finds.
+# A row is code or maths when its text (prompt and answer) holds a code fence, a line that opens like code,
+# a programming language's name, a maths word, or an arithmetic expression (no "-": dates and ranges are not
+# maths). A heuristic for ShareGPT's English rows; the script prints the share it finds in the pool.
 CODE_OR_MATH = re.compile(
-    r"```|^\s*(def|class|import|from \S+ import|return|function|const|let|var|public|#include|SELECT)\b"
-    r"|\b(python|javascript|typescript|java|c\+\+|c#|sql|html|css|regex|api|json|code|script|function|bug|compile"
-    r"|equation|solve|calculate|integral|derivative|probability|algebra|theorem|matrix|formula)\b"
-    r"|\d+(\.\d+)?\s*[-+*/^=]\s*\d+",
+    r"```|^\s*(def|class|import|from \S+ import|return|function|const|let|var|public|private|#include|SELECT)\s"
+    r"|\b(python|javascript|typescript|java|c\+\+|c#|sql|html|css|php|golang|bash|regex)\b"
+    r"|\b(equations?|integrals?|derivatives?|probability|algebra|theorem|calculus|solve for)\b"
+    r"|\b\d+(\.\d+)?\s*[+*/^=×÷]\s*\(?\d",
     re.IGNORECASE | re.MULTILINE,
 )
 
@@ -96,9 +98,9 @@ def select_arm(arm: str, samples: Sequence[Sample], is_code_math: Callable[[str]
     if arm in ("short", "long"):  # stable: equal lengths keep the pool's order
         return take_tokens(sorted(samples, key=lambda s: s.num_tokens, reverse=arm == "long"), budget)
     if arm == "code-math":
-        code = take_tokens([s for s in samples if is_code_math(s.id)], budget // 2)
-        rest = take_tokens([s for s in samples if not is_code_math(s.id)], budget - sum(s.num_tokens for s in code))
-        return code + rest
+        return take_tokens([s for s in samples if is_code_math(s.id)], budget)
+    if arm == "prose":
+        return take_tokens([s for s in samples if not is_code_math(s.id)], budget)
     raise ValueError(f"unknown arm {arm}; name one of {', '.join(ARMS)}")
 
 

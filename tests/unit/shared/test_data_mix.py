@@ -55,7 +55,8 @@ def test_take_tokens_stops_at_the_sample_that_crosses_the_budget(data_mix):
         ("half-twice", ["a"]),  # budget 300: a reaches it
         ("short", ["b", "f", "d", "a"]),  # shortest first: 100 + 150 + 200 + 300
         ("long", ["c", "e"]),  # longest first: 500 + 400
-        ("code-math", ["c", "a"]),  # 500 of code (>= 300), then 300 of the rest (>= the 100 left)
+        ("code-math", ["c", "f"]),  # the code rows only: 650 tokens
+        ("prose", ["a", "b", "d"]),  # none of them: 600
     ],
 )
 def test_each_arm_draws_its_samples_by_its_rule(data_mix, arm, expected):
@@ -81,6 +82,9 @@ def test_the_budget_arms_keep_tokens_times_epochs(data_mix):
         ("What is 12 * 7?", True),
         ("Explain the SQL join types", True),
         ("Solve the equation for x", True),
+        ("x = 3 + 4 * (2 - 1)", True),
+        ("We met on 2023-01-05 and stayed 3 - 5 days.", False),
+        ("Write a function that reads my notes", False),
         ("Tell me a story about a dog.", False),
         ("I have 3 cats and 2 dogs; name them.", False),
         ("Summarize the main ideas of this product launch", False),
