@@ -186,11 +186,14 @@ def main() -> None:
 
     first = training(first_store)
     budget = args.budget_tokens or sum(e.num_tokens for e in first[: base.prompts.max_samples])
-    texts = conversation_texts(first_data)
-    code_math = {key for key, text in texts.items() if CODE_OR_MATH.search(text)}
+    # Each pool's rows told apart on their own text (every-turn rows hold more turns than first-turn ones).
+    code_math = {
+        name: {key for key, text in conversation_texts(data).items() if CODE_OR_MATH.search(text)}
+        for name, (_, data) in pools.items()
+    }
     epochs = float(base.training.epochs or 1)
     pool_tokens = sum(e.num_tokens for e in first)
-    share = sum(e.num_tokens for e in first if e.id in code_math) / pool_tokens
+    share = sum(e.num_tokens for e in first if e.id in code_math["first"]) / pool_tokens
     print(
         f"pool-first: {len(first)} samples, {pool_tokens} tokens, code and maths {share:.1%} of them; "
         f"budget T = {budget} tokens x {epochs:g} epochs",
@@ -199,8 +202,10 @@ def main() -> None:
 
     rows, drafters = [], {}
     for arm in arms:
-        store, data = pools["turns" if arm == "every-turn" else "first"]
-        chosen = select_arm(arm, training(store), lambda key: key in code_math, budget)
+        name = "turns" if arm == "every-turn" else "first"
+        store, data = pools[name]
+        marks = code_math[name]
+        chosen = select_arm(arm, training(store), marks.__contains__, budget)
         sub = select_store(store, [e.key for e in chosen], work / f"store-{arm}")
         arm_epochs = epochs_of(arm, epochs)
         recipe = base.training.model_copy(update={"epochs": arm_epochs})
@@ -216,7 +221,7 @@ def main() -> None:
                 "epochs": arm_epochs,
                 "mean_tokens": tokens / len(chosen),
                 "mean_user_turns": sum(turns.get(e.id, 1) for e in chosen) / len(chosen),
-                "code_math_share": sum(e.num_tokens for e in chosen if e.id in code_math) / tokens,
+                "code_math_share": sum(e.num_tokens for e in chosen if e.id in marks) / tokens,
                 "train_minutes": summary.train_seconds / 60,
                 "replayed": best_validation(summary, work / f"drafter-{arm}")["replayed_acceptance_length"],
             }
