@@ -981,6 +981,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--block-size {args.block_size} must be at least 2 (the bonus token and one mask slot)")
     if not args.lr > 0 or not args.ours_lr > 0:
         parser.error(f"--lr {args.lr} and --ours-lr {args.ours_lr} must be positive")
+    if args.ours_fc_norm and args.algorithm == "dflash":
+        parser.error("--ours-fc-norm changes an eagle3 drafter's aux-state norms; a dflash drafter has none: drop it")
     if not 0 <= args.validation_share < 1 or not 0 <= args.warmup <= 1:
         parser.error(
             f"--validation-share {args.validation_share} must be in [0, 1) and --warmup {args.warmup} in [0, 1]"

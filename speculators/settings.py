@@ -635,6 +635,16 @@ class TrainConfig(TrainRecipe, StreamSettings):
         return named
 
     @model_validator(mode="after")
+    def _fc_norm_has_a_norm_to_change(self) -> TrainConfig:
+        # DFlash's drafter has no norm over its aux states before fc, so the flag would train the same weights.
+        if self.fc_norm and self.algorithm == "dflash":
+            raise ValueError(
+                "--fc-norm changes the aux-state norms of an eagle3 or peagle drafter, and a dflash drafter has "
+                "none; drop --fc-norm or train --algorithm eagle3 / peagle"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _block_holds_the_drafts(self) -> TrainConfig:
         if self.speculative_tokens and self.block_size and self.block_size != self.speculative_tokens + 1:
             raise ValueError(

@@ -132,6 +132,10 @@ def test_dflash_settings_that_cannot_work_are_one_line(store, peaked_verifier, t
     assert dpace.steps == 2 and all(math.isfinite(value) for value in dpace.final_train["loss"])
     with pytest.raises(ValueError, match="--block-size 5 does not hold the bonus token and --speculative-tokens 3"):
         config_for(store, peaked_verifier, tmp_path / "c", algorithm="dflash", block_size=5, speculative_tokens=3)
+    # --fc-norm would train the same weights (a dflash drafter has no aux-state norm): refused, not ignored.
+    with pytest.raises(ValueError, match="a dflash drafter has none; drop --fc-norm"):
+        config_for(store, peaked_verifier, tmp_path / "e", algorithm="dflash", fc_norm=True)
+    assert config_for(store, peaked_verifier, tmp_path / "f", algorithm="peagle", fc_norm=True).fc_norm
 
 
 @pytest.mark.slow
