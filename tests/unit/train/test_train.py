@@ -351,9 +351,15 @@ def test_a_run_of_one_process_resumes_on_two_with_the_same_packs_per_step(store,
     single = config_for(
         store, peaked_verifier, tmp_path / "single", max_steps=4, checkpoint_every=2, grad_accumulation=2
     )
-    train(single)
     output = tmp_path / "resumed"
-    interrupt_at_checkpoint(single.model_copy(update={"output": str(output)}), 2)
+    # One thread, as each torchrun process below runs: on some CPUs a 2-thread matmul sums in another order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(single)
+        interrupt_at_checkpoint(single.model_copy(update={"output": str(output)}), 2)
+    finally:
+        torch.set_num_threads(threads)
     on_two = single.model_copy(update={"output": str(output), "grad_accumulation": 1, "progress": False})
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
