@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,20 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 CAPTURE_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 PEAKED_AUX = [1, 4, 6]
 PEAKED_PROMPTS = 8
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread inside, as a process pinned to one core runs: on some CPUs (2 AMD EPYC cores with
+    AVX-512 BF16) a 2-thread matmul sums in another order, so runs compared bitwise must match thread counts."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def peaked_prompts() -> list[str]:

@@ -22,7 +22,7 @@ from speculators.data.tokenization import TokenizedSample
 from speculators.errors import SpeculatorsError
 from speculators.train.plan import TrainingPlan, replica_steps
 from speculators.train.trainer import TrainConfig, train
-from tests.conftest import PEAKED_AUX
+from tests.conftest import PEAKED_AUX, one_torch_thread
 from tests.paths import ROOT_DIR
 from tests.unit.train.test_train import config_for as train_config
 
@@ -69,18 +69,12 @@ def make_index(store: Path, folder: Path, computed: tuple[str, ...] = ()) -> Pat
 @pytest.fixture(scope="module")
 def batch1_store(store, peaked_verifier, tmp_path_factory):
     """The `store` fixture's samples captured one per forward (as the streamed runs below capture them)."""
-    import torch
-
     from speculators.data.capture import capture_samples
     from speculators.verifier.loading import load_verifier
 
     folder = tmp_path_factory.mktemp("batch1-store")
     verifier = load_verifier(peaked_verifier, dtype="float32")
-    # On one thread, as a producer pinned to its one core computes: on some CPUs a 2-thread matmul sums in
-    # another order, and the states (so the trained weights) differ in their last bits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():  # as a streamed producer pinned to its one core computes
         capture_samples(
             store_samples(store),
             verifier,
@@ -90,8 +84,6 @@ def batch1_store(store, peaked_verifier, tmp_path_factory):
             storage="float32",
             progress=False,
         )
-    finally:
-        torch.set_num_threads(threads)
     for vocab in store.glob("draft_vocab.*"):
         shutil.copyfile(vocab, folder / vocab.name)
     return folder
@@ -120,15 +112,9 @@ def streamed(index, verifier, output, **overrides) -> TrainConfig:
 @pytest.fixture(scope="module")
 def stored_run(batch1_store, peaked_verifier, tmp_path_factory):
     """The offline run every streamed run is compared with."""
-    import torch
-
     output = tmp_path_factory.mktemp("stored-run")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the streamed trainer on the core its producer leaves (see batch1_store)
-    try:
+    with one_torch_thread():  # as the streamed trainer on the core its producer leaves
         train(config_for(batch1_store, peaked_verifier, output))
-    finally:
-        torch.set_num_threads(threads)
     return output
 
 

@@ -21,7 +21,7 @@ from speculators.errors import SpeculatorsError
 from speculators.models.eagle3 import Eagle3Drafter
 from speculators.models.ttt import expected_acceptance_length, ttt_loss
 from speculators.train.trainer import TrainConfig, train
-from tests.conftest import PEAKED_AUX
+from tests.conftest import PEAKED_AUX, one_torch_thread
 from tests.paths import ROOT_DIR
 
 ROOT = ROOT_DIR
@@ -352,14 +352,9 @@ def test_a_run_of_one_process_resumes_on_two_with_the_same_packs_per_step(store,
         store, peaked_verifier, tmp_path / "single", max_steps=4, checkpoint_every=2, grad_accumulation=2
     )
     output = tmp_path / "resumed"
-    # One thread, as each torchrun process below runs: on some CPUs a 2-thread matmul sums in another order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():  # as each torchrun process below runs (OMP_NUM_THREADS=1)
         train(single)
         interrupt_at_checkpoint(single.model_copy(update={"output": str(output)}), 2)
-    finally:
-        torch.set_num_threads(threads)
     on_two = single.model_copy(update={"output": str(output), "grad_accumulation": 1, "progress": False})
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
