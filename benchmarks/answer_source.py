@@ -38,6 +38,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from recipe_sweep import link_shards, vocab_like  # (this script's folder is on sys.path when it runs)
+
 
 def say(message: str) -> None:
     print(f"[answer_source] {message}", flush=True)
@@ -110,15 +112,13 @@ def capture(samples: Path, store: Path, like: Path, verifier: str, batch_size: i
         )
         say(f"capturing {samples} -> {store}")
         subprocess.run([sys.executable, "-m", "speculators.cli", "datagen", *to_argv(settings)], check=True)
-        vocab = json.loads((like / "draft_vocab.json").read_text())["draft_vocab_size"]
-        command = ["vocab", "--store", str(store), "--draft-vocab-size", str(vocab)]
-        subprocess.run([sys.executable, "-m", "speculators.cli", *command], check=True, stdout=subprocess.DEVNULL)
+        vocab_like(like, store)
     return float(json.loads((store / "datagen_report.json").read_text())["seconds"])
 
 
 def combined_store(regenerated: Path, original: Path, directory: Path) -> Path:
     """One store of both arms: every regenerated sample and, beside it, the same prompt's original
-    answer (its id prefixed `original-`); the shards are the two stores' own, linked; its own draft
+    answer (its id prefixed `original-`); the shards are the two stores' own, hard-linked; its own draft
     vocabulary of the same size."""
     from speculators.data.conversation import VALIDATION_PREFIX
     from speculators.data.store import StoreManifest, StoreTotals
@@ -134,18 +134,12 @@ def combined_store(regenerated: Path, original: Path, directory: Path) -> Path:
         if not e.id.startswith(VALIDATION_PREFIX)
     ]
     samples = [*first.samples, *extra]
-    for store, entries in ((regenerated, first.samples), (original, extra)):
-        for entry in entries:
-            link = directory / entry.shard
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.exists():
-                link.symlink_to((store / entry.shard).resolve())
+    link_shards(regenerated, first.samples, directory)
+    link_shards(original, extra, directory)
     first.model_copy(update={"samples": samples, "totals": StoreTotals.over(samples)}).write(
         directory / "manifest.json"
     )
-    vocab = json.loads((regenerated / "draft_vocab.json").read_text())["draft_vocab_size"]
-    command = ["vocab", "--store", str(directory), "--draft-vocab-size", str(vocab)]
-    subprocess.run([sys.executable, "-m", "speculators.cli", *command], check=True, stdout=subprocess.DEVNULL)
+    vocab_like(regenerated, directory)
     return directory
 
 

@@ -65,15 +65,25 @@ def sub_store(store: Path, train_samples: int, directory: Path) -> Path:
 
 def select_store(store: Path, train_keys: list[str], directory: Path) -> Path:
     """A store holding the training samples of `store` whose keys are `train_keys` and all its
-    validation-source samples, with its own draft vocabulary of the same size. Its shards are hard links
-    to the store's (copies across file systems): a store reads nothing through a symlink out of it."""
+    validation-source samples, with its own draft vocabulary of the same size (shards: link_shards)."""
     from speculators.data.conversation import VALIDATION_PREFIX
     from speculators.data.store import StoreManifest, StoreTotals
 
     manifest = StoreManifest.read(store / "manifest.json")
     keep = set(train_keys) | {e.key for e in manifest.samples if e.id.startswith(VALIDATION_PREFIX)}
     samples = [e for e in manifest.samples if e.key in keep]
-    for entry in samples:
+    link_shards(store, samples, directory)
+    manifest.model_copy(update={"samples": samples, "totals": StoreTotals.over(samples)}).write(
+        directory / "manifest.json"
+    )
+    vocab_like(store, directory)
+    return directory
+
+
+def link_shards(store: Path, entries: list[Any], directory: Path) -> None:
+    """Each entry's shard of `store` hard-linked into the store being built in `directory` (copied across
+    file systems): a store reads nothing through a symlink out of it."""
+    for entry in entries:
         target = directory / entry.shard
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,25 +91,13 @@ def select_store(store: Path, train_keys: list[str], directory: Path) -> Path:
                 os.link(store / entry.shard, target)
             except OSError:
                 shutil.copy2(store / entry.shard, target)
-    manifest.model_copy(update={"samples": samples, "totals": StoreTotals.over(samples)}).write(
-        directory / "manifest.json"
-    )
+
+
+def vocab_like(store: Path, directory: Path) -> None:
+    """`speculators vocab` for the store in `directory`, at `store`'s draft vocabulary size."""
     vocab = json.loads((store / "draft_vocab.json").read_text())
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "speculators.cli",
-            "vocab",
-            "--store",
-            str(directory),
-            "--draft-vocab-size",
-            str(vocab["draft_vocab_size"]),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return directory
+    command = ["vocab", "--store", str(directory), "--draft-vocab-size", str(vocab["draft_vocab_size"])]
+    subprocess.run([sys.executable, "-m", "speculators.cli", *command], check=True, stdout=subprocess.DEVNULL)
 
 
 def main() -> None:
