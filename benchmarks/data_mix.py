@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,6 +66,16 @@ CODE_OR_MATH = re.compile(
     r"|\b\d+(\.\d+)?\s*[+*/^=×÷]\s*\(?\d",
     re.IGNORECASE | re.MULTILINE,
 )
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool's store, its training samples (manifest entries, in order) and its rows' code/maths and turns."""
+
+    store: Path
+    training: list[Any]
+    code_math: set[str]
+    user_turns: dict[str, int]
 
 
 class Sample(Protocol):
@@ -108,23 +119,17 @@ def epochs_of(arm: str, epochs: float) -> float:
     return {"twice-once": epochs / 2, "half-twice": epochs * 2}.get(arm, epochs)
 
 
-def conversation_texts(data: Path) -> dict[str, str]:
-    """Each conversation's text (every message) by id, from a prepare folder's conversations.jsonl."""
-    texts = {}
+def read_conversations(data: Path) -> tuple[set[str], dict[str, int]]:
+    """From a prepare folder's conversations.jsonl: the ids of the code or maths rows (CODE_OR_MATH over
+    every message), and each row's user turns."""
+    code_math, turns = set(), {}
     with open(data / "conversations.jsonl", encoding="utf-8") as handle:
         for line in handle:
             row = json.loads(line)
-            texts[row["id"]] = "\n".join(str(m.get("content") or "") for m in row["messages"])
-    return texts
-
-
-def user_turns(data: Path) -> dict[str, int]:
-    turns = {}
-    with open(data / "conversations.jsonl", encoding="utf-8") as handle:
-        for line in handle:
-            row = json.loads(line)
+            if CODE_OR_MATH.search("\n".join(str(m.get("content") or "") for m in row["messages"])):
+                code_math.add(row["id"])
             turns[row["id"]] = sum(1 for m in row["messages"] if m["role"] == "user")
-    return turns
+    return code_math, turns
 
 
 def compare(args: argparse.Namespace, drafters: dict[str, Path]) -> dict[str, Any]:
@@ -168,32 +173,26 @@ def main() -> None:
     args.verifier = base.verifier
     work: Path = args.work_dir
 
-    def pool(name: str, samples: int, turns: int | None) -> tuple[Path, Path]:
+    def pool(name: str, samples: int, turns: int | None) -> Pool:
         prompts = base.prompts.model_copy(update={"max_samples": samples, "max_user_turns": turns})
         started = time.perf_counter()
         store = build_store(base.model_copy(update={"prompts": prompts}), work / name)
         print(f"{name}: {store} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
-        return store, work / name / "data"
+        entries = StoreManifest.read(store / "manifest.json").samples
+        # Each pool's rows are told apart on their own text (every-turn rows hold more turns than first-turn ones).
+        code_math, user_turns = read_conversations(work / name / "data")
+        training = [e for e in entries if not e.id.startswith(VALIDATION_PREFIX)]
+        return Pool(store, training, code_math, user_turns)
 
-    first_store, first_data = pool("pool-first", args.pool, 1)
-    pools = {"first": (first_store, first_data)}
+    pools = {"first": pool("pool-first", args.pool, 1)}
     if "every-turn" in arms:
         pools["turns"] = pool("pool-turns", args.turns_pool, None)
 
-    def training(store: Path) -> list[Any]:
-        samples = StoreManifest.read(store / "manifest.json").samples
-        return [e for e in samples if not e.id.startswith(VALIDATION_PREFIX)]
-
-    first = training(first_store)
+    first = pools["first"].training
     budget = args.budget_tokens or sum(e.num_tokens for e in first[: base.prompts.max_samples])
-    # Each pool's rows told apart on their own text (every-turn rows hold more turns than first-turn ones).
-    code_math = {
-        name: {key for key, text in conversation_texts(data).items() if CODE_OR_MATH.search(text)}
-        for name, (_, data) in pools.items()
-    }
     epochs = float(base.training.epochs or 1)
     pool_tokens = sum(e.num_tokens for e in first)
-    share = sum(e.num_tokens for e in first if e.id in code_math["first"]) / pool_tokens
+    share = sum(e.num_tokens for e in first if e.id in pools["first"].code_math) / pool_tokens
     print(
         f"pool-first: {len(first)} samples, {pool_tokens} tokens, code and maths {share:.1%} of them; "
         f"budget T = {budget} tokens x {epochs:g} epochs",
@@ -202,16 +201,13 @@ def main() -> None:
 
     rows, drafters = [], {}
     for arm in arms:
-        name = "turns" if arm == "every-turn" else "first"
-        store, data = pools[name]
-        marks = code_math[name]
-        chosen = select_arm(arm, training(store), marks.__contains__, budget)
-        sub = select_store(store, [e.key for e in chosen], work / f"store-{arm}")
+        drawn = pools["turns" if arm == "every-turn" else "first"]
+        chosen = select_arm(arm, drawn.training, drawn.code_math.__contains__, budget)
+        sub = select_store(drawn.store, [e.key for e in chosen], work / f"store-{arm}")
         arm_epochs = epochs_of(arm, epochs)
         recipe = base.training.model_copy(update={"epochs": arm_epochs})
         summary = train(base.model_copy(update={"training": recipe}), sub, work / f"drafter-{arm}")
         drafters[arm] = work / f"drafter-{arm}" / "drafter"
-        turns = user_turns(data)
         tokens = sum(e.num_tokens for e in chosen)
         rows.append(
             {
@@ -220,8 +216,8 @@ def main() -> None:
                 "tokens": tokens,
                 "epochs": arm_epochs,
                 "mean_tokens": tokens / len(chosen),
-                "mean_user_turns": sum(turns.get(e.id, 1) for e in chosen) / len(chosen),
-                "code_math_share": sum(e.num_tokens for e in chosen if e.id in marks) / tokens,
+                "mean_user_turns": sum(drawn.user_turns.get(e.id, 1) for e in chosen) / len(chosen),
+                "code_math_share": sum(e.num_tokens for e in chosen if e.id in drawn.code_math) / tokens,
                 "train_minutes": summary.train_seconds / 60,
                 "replayed": best_validation(summary, work / f"drafter-{arm}")["replayed_acceptance_length"],
             }
