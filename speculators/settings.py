@@ -51,6 +51,8 @@ CheckpointDtype = Literal[HalfDtype, "float32"]
 ComputeDtype = Literal["auto", CheckpointDtype]
 # The dtypes a hidden-state store keeps its states in (speculators/data/store.py).
 StorageFormat = Literal["bfloat16", "float32", "fp8_e4m3"]
+# Which training samples a token budget keeps first (prepare --prefer).
+SamplePreference = Literal["order", "shortest"]
 # The decoder layer of an EAGLE-3 drafter (speculators/models/config.py).
 DraftLayerType = Literal["llama", "qwen3"]
 # The drafting algorithms (speculators_model_type); speculators.models.algorithms holds each one's parts.
@@ -368,6 +370,19 @@ class RegenerationSettings(VerifierCompute):
         description="the sources' own answers: each clipped to its first N tokens, which ends its conversation "
         "(as a regenerated answer stops at --max-new-tokens) (default: not clipped)",
     )
+    max_train_tokens: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_SAMPLES * MAX_TOKENS,
+        description="keep training samples (final answers, tokenized) until their tokens reach N: the sample that "
+        "crosses N is the last one kept; the rest are counted in the report, validation samples all kept "
+        "(default: every sample)",
+    )
+    prefer: SamplePreference = Field(
+        "order",
+        description="which training samples --max-train-tokens keeps first: order (the sources') or shortest "
+        "(shortest first, ties in order; on the demo's budget they trained a better drafter per token)",
+    )
     # (past 10 the logits barely matter: the answers are noise, not the verifier's)
     temperature: float = Field(0.0, ge=0, le=10, description="regeneration: 0 is greedy")
     batch_size: int | None = Field(
@@ -378,6 +393,15 @@ class RegenerationSettings(VerifierCompute):
         f"{VLLM_REGENERATION_BATCH} with vllm, whose scheduler fits them into its preallocated KV cache; "
         f"{TRANSFORMERS_REGENERATION_BATCH} with transformers, whose padded batch grows its memory with every prompt)",
     )
+
+    @model_validator(mode="after")
+    def budget_for_preference(self) -> RegenerationSettings:
+        if self.prefer != "order" and self.max_train_tokens is None:
+            raise ValueError(
+                f"prefer {self.prefer} keeps every sample without a token budget: set max_train_tokens "
+                "(--max-train-tokens N) too, or drop it"
+            )
+        return self
 
     def regeneration_batch(self) -> int:
         """--batch-size, or the backend's default."""
@@ -397,6 +421,25 @@ class PrepareSettings(MultiNode, PromptSources, RegenerationSettings, QuantizedV
     )
     server_url: str | None = Field(None, description="vllm backend: a running OpenAI-compatible vLLM server")
     server_model: str | None = Field(None, description="model name on that server (default: its first model)")
+
+    @model_validator(mode="after")
+    def verifier_for_samples(self) -> PrepareSettings:
+        # Without a verifier prepare writes conversations only: these would do nothing, silently.
+        asked = [
+            flag
+            for flag, on in (
+                ("--regenerate", self.regenerate),
+                ("--max-answer-tokens", self.max_answer_tokens is not None),
+                ("--max-train-tokens", self.max_train_tokens is not None),
+            )
+            if on
+        ]
+        if asked and self.verifier is None:
+            raise ValueError(
+                f"{asked[0]} works on tokenized samples, which only a verifier's tokenizer makes: pass "
+                "--verifier V too, or drop it"
+            )
+        return self
 
 
 # ----- datagen -------------------------------------------------------------------------------------

@@ -86,6 +86,15 @@ def key_of(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+# The datagen settings that joined after stores were keyed, at their defaults (stores made before keep their keys).
+DATAGEN_ADDED_LATER: dict[str, Any] = {
+    "regenerate_validation": None,
+    "max_answer_tokens": None,
+    "max_train_tokens": None,
+    "prefer": "order",
+}
+
+
 def dump_for_key(settings: BaseModel, added_later: dict[str, Any]) -> dict[str, Any]:
     """A settings section as a key hashes it: fields added after keys existed (`added_later`, name ->
     default) are left out while at their default, so artifacts made before them keep their keys."""
@@ -444,7 +453,7 @@ def hidden_states_key(v: Variant, conversations: str, verifier: Any) -> str:
     """The key of the prepared data, store and vocabulary: the conversations' digest, the verifier's
     identity (verifier_identity) and quantization, the datagen settings, the store's aux layers and the draft
     vocabulary size; for a streamed variant, that its store is an index and its probe's size."""
-    datagen = dump_for_key(v.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
+    datagen = dump_for_key(v.datagen, DATAGEN_ADDED_LATER)
     del datagen["aux_layer_ids"]  # (keyed as the store's layers below, whichever section names them)
     # A streamed variant's store is an index with a probe: its own key (a stored variant keeps its key, and
     # switching modes rebuilds the store rather than reading an index as a store).

@@ -50,7 +50,7 @@ from speculators.flags import to_argv
 from speculators.precision import with_compute_dtype
 from speculators.serving.engine import decoding_enforce_eager, vllm_log
 from speculators.serving.serve import ServerSettings, VllmServer
-from speculators.settings import PrepareSettings, node_group_of
+from speculators.settings import PrepareSettings, SamplePreference, node_group_of
 from speculators.verifier.loading import (
     load_tokenizer,
     load_verifier,
@@ -122,6 +122,8 @@ def prepare_into(settings: PrepareSettings) -> dict[str, Any]:
             if not resumable and partial.is_file() and not partial.stat().st_size:
                 partial.unlink()  # (the resume file this run opened, holding no answer)
             raise SpeculatorsError(no_sample(len(conversations), details, s.max_length))
+        if s.max_train_tokens is not None and not is_replica():  # (a replica's share: its parent chooses)
+            samples, details["token_budget"] = within_token_budget(samples, s.max_train_tokens, s.prefer)
     write_jsonl_atomic(output / "conversations.jsonl", conversations)
     if s.verifier:
         result["tokenization"] = write_samples(output, samples, details)
@@ -243,6 +245,39 @@ def with_own_answers(
         "rejected": dict(rejected),
         "longest_over_length": longest.to_dict(),
     }
+
+
+def within_token_budget(
+    samples: list[TokenizedSample], max_train_tokens: int, prefer: SamplePreference
+) -> tuple[list[TokenizedSample], dict[str, Any]]:
+    """The training samples --max-train-tokens keeps (in their order, `prefer`'s first: the one that crosses
+    the budget is the last), every validation sample, and the report of what was left out."""
+    training = [sample for sample in samples if not sample.id.startswith(VALIDATION_PREFIX)]
+    ranked = sorted(training, key=lambda sample: len(sample.input_ids)) if prefer == "shortest" else training
+    kept_ids, tokens = set(), 0
+    for sample in ranked:  # (sorted() is stable: equal lengths keep the sources' order)
+        if tokens >= max_train_tokens:
+            break
+        kept_ids.add(sample.id)
+        tokens += len(sample.input_ids)
+    kept = [s for s in samples if s.id in kept_ids or s.id.startswith(VALIDATION_PREFIX)]
+    report = {
+        "max_train_tokens": max_train_tokens,
+        "prefer": prefer,
+        "training_samples": len(training),
+        "kept": len(kept_ids),
+        "kept_tokens": tokens,
+        "left_out": len(training) - len(kept_ids),
+        "left_out_tokens": sum(len(s.input_ids) for s in training) - tokens,
+    }
+    which = "the shortest " if prefer == "shortest" else "the first "
+    print(
+        f"  kept {which}{len(kept_ids)} of {len(training)} training samples: {tokens} tokens for --max-train-tokens "
+        f"{max_train_tokens} ({report['left_out']} samples, {report['left_out_tokens']} tokens left out)"
+    )
+    if tokens < max_train_tokens:
+        print(f"  every training sample fits --max-train-tokens {max_train_tokens}: raise --max-samples for more")
+    return kept, report
 
 
 def verifier_image_inputs(config: PreTrainedConfig, location: str) -> ImageInputs | None:

@@ -533,19 +533,18 @@ def test_a_variant_that_keeps_its_rows_answers_has_the_verifier_answer_only_vali
     smollm2_135m_full) regenerate, and their commands and keys are what they were."""
     from speculators.cli import build_parser
     from speculators_assets.variants import PACKAGE_VARIANTS, load_variant
-    from speculators_assets.workload import dump_for_key, hidden_state_commands, prompts_command
+    from speculators_assets.workload import DATAGEN_ADDED_LATER, dump_for_key, hidden_state_commands, prompts_command
 
     parser = build_parser()
     for name in ("qwen3_8b", "smollm2_135m_full"):
         regenerating = load_variant(PACKAGE_VARIANTS / f"{name}.yaml")
         assert regenerating.datagen.regenerate and regenerating.datagen.regenerate_validation is None
-        assert not {"regenerate_validation", "max_answer_tokens"} & set(
-            dump_for_key(regenerating.datagen, {"regenerate_validation": None, "max_answer_tokens": None})
-        )
+        assert not set(DATAGEN_ADDED_LATER) & set(dump_for_key(regenerating.datagen, DATAGEN_ADDED_LATER))
         assert "--regenerate-validation" not in prompts_command(regenerating, tmp_path)
         commands = hidden_state_commands(regenerating, tmp_path / "c.jsonl", tmp_path / "d", tmp_path / "s")
         prepare = parser.parse_args(commands[0])
         assert prepare.regenerate is True and prepare.max_answer_tokens is None
+        assert prepare.max_train_tokens is None and prepare.prefer == "order"
     own = load_variant(PACKAGE_VARIANTS / "smollm2_135m.yaml")
     raw = parser.parse_args(prompts_command(own, tmp_path))
     assert raw.require_assistant is True and raw.regenerate_validation is True
@@ -555,6 +554,8 @@ def test_a_variant_that_keeps_its_rows_answers_has_the_verifier_answer_only_vali
     assert prepare.require_assistant is True
     assert prepare.backend == "vllm" and prepare.batch_size == 256 and prepare.max_new_tokens == 256
     assert prepare.max_answer_tokens == 256
+    # The demo's data: the shortest of its 1,800 first turns until 291,392 tokens (BENCHMARKS.md, "Data").
+    assert (own.prompts.max_samples, prepare.max_train_tokens, prepare.prefer) == (1800, 291_392, "shortest")
 
 
 def test_regeneration_replicas_get_the_sources_folders_as_image_roots(tmp_path, monkeypatch):

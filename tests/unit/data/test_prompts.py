@@ -674,3 +674,78 @@ def test_bad_source_weights_are_one_clear_error(tmp_path, capsys):
         error = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and message in error[-1], (extra, error)
     assert not (tmp_path / "out" / "conversations.jsonl").exists()
+
+
+def test_a_token_budget_keeps_the_shortest_training_samples_and_every_validation_one(
+    tmp_path, tiny_verifier_dir, capsys
+):
+    """prepare --max-train-tokens N --prefer shortest (the demo's data): the shortest training samples, ties in
+    the sources' order, until their tokens reach N (the one that crosses N is the last), kept in the sources'
+    order; validation samples are all kept; what was left out is counted in the report."""
+    from speculators.cli import main
+    from speculators.data.conversation import VALIDATION_PREFIX
+    from speculators.data.tokenization import TokenizedSample
+
+    answers = ["one two three four five six seven eight", "one", "one two three", "one two", "one", "one two three"]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": a}]}
+        for i, a in enumerate(answers)
+    ]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    held_out = [{"role": "user", "content": "held out"}, {"role": "assistant", "content": "yes"}]
+    validation = write_jsonl(tmp_path / "validation.jsonl", [{"messages": held_out}])
+    verifier = str(tiny_verifier_dir("llama"))
+    common = ["prepare", "--source", source, "--validation-source", validation, "--verifier", verifier]
+
+    def samples(out):
+        lines = (out / "samples.jsonl").read_text().splitlines()
+        return [TokenizedSample.from_row(json.loads(line)) for line in lines]
+
+    assert main([*common, "--output", str(tmp_path / "all")]) == 0
+    every = samples(tmp_path / "all")
+    training = [s for s in every if not s.id.startswith(VALIDATION_PREFIX)]
+    length = {s.id: len(s.input_ids) for s in training}
+    assert len(training) == 6 and len(every) == 7
+    # Rows 1 and 4 are the same length (ties keep the order); a budget one token past the three shortest.
+    by_length = sorted(training, key=lambda s: len(s.input_ids))
+    assert [s.id for s in by_length[:2]] == [training[1].id, training[4].id]
+    budget = sum(length[s.id] for s in by_length[:3]) + 1
+
+    shortest = ["--max-train-tokens", str(budget), "--prefer", "shortest"]
+    assert main([*common, "--output", str(tmp_path / "short"), *shortest]) == 0
+    kept = samples(tmp_path / "short")
+    wanted = {s.id for s in by_length[:4]}  # the fourth crosses the budget: the last one kept
+    assert [s.id for s in kept] == [s.id for s in every if s.id in wanted or s.id.startswith(VALIDATION_PREFIX)]
+    assert [s.input_ids for s in kept if s.id in wanted] == [s.input_ids for s in training if s.id in wanted]
+    report = json.loads((tmp_path / "short" / "prepare_report.json").read_text())["tokenization"]
+    tokens = sum(length[i] for i in wanted)
+    assert report["token_budget"] == {
+        "max_train_tokens": budget,
+        "prefer": "shortest",
+        "training_samples": 6,
+        "kept": 4,
+        "kept_tokens": tokens,
+        "left_out": 2,
+        "left_out_tokens": sum(length.values()) - tokens,
+    }
+    assert f"kept the shortest 4 of 6 training samples: {tokens} tokens" in capsys.readouterr().out
+
+    # In the sources' order: the first samples until the budget (one token past the first sample: two of them).
+    budget = length[training[0].id] + 1
+    assert main([*common, "--output", str(tmp_path / "first"), "--max-train-tokens", str(budget)]) == 0
+    first = [s.id for s in samples(tmp_path / "first")]
+    two = (training[0].id, training[1].id)
+    assert first == [s.id for s in every if s.id in two or s.id.startswith(VALIDATION_PREFIX)]
+
+    # Settings that would do nothing are one line each, and write nothing.
+    for extra, message in (
+        (["--prefer", "shortest"], "prefer shortest keeps every sample without a token budget: set max_train_tokens"),
+        (["--max-train-tokens", "0"], "greater than 0"),
+    ):
+        assert main([*common, "--output", str(tmp_path / "bad"), *extra]) == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    no_verifier = ["prepare", "--source", source, "--output", str(tmp_path / "bad"), "--max-train-tokens", "9"]
+    assert main(no_verifier) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--max-train-tokens works on tokenized samples, which only a verifier's tokenizer makes: pass" in error
+    assert not (tmp_path / "bad").exists()
