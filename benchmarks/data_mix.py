@@ -12,14 +12,15 @@ steps run them; `data_scaling.build_store`), differing in one knob only:
 - `pool-turns`: `max_samples` = --turns-pool, every user turn (`max_user_turns` unset); an answer clipped at
   the variant's `max_answer_tokens` still ends its conversation, as it does in the variant.
 
-The budget T is the training tokens of the variant's own `max_samples` first training samples of
-`pool-first` (the demo's data; --budget-tokens sets it). Each arm takes training samples until their
+The budget T is the variant's datagen `max_train_tokens` (the demo's 291,392), or without one the training
+tokens of its `max_samples` first training samples of `pool-first`; --budget-tokens sets it. The pools keep
+every sample (the variant's token budget is left out of them). Each arm takes training samples until their
 tokens reach its budget (the sample that crosses it is the last), keeps every validation sample
 (`natural:validation`, answered by the verifier: the replayed acceptance), gets a draft vocabulary of its
 own, and trains for the variant's epochs unless said:
-- `first`: pool-first in its order, T tokens: the demo's data (the baseline);
+- `first`: pool-first in its order, T tokens: the demo's data until 2026-12-06 (the baseline);
 - `every-turn`: pool-turns in its order, T tokens;
-- `short` / `long`: pool-first's shortest / longest samples first, T tokens;
+- `short` / `long`: pool-first's shortest / longest samples first, T tokens (`short`: the demo's data since);
 - `code-math` / `prose`: pool-first's code and maths rows only (CODE_OR_MATH below) / none of them, T tokens
   each, against `first`'s natural share (the script prints it);
 - `twice-once`: pool-first in order, 2T tokens, half the epochs;
@@ -47,9 +48,9 @@ from data_scaling import build_store, train  # (this script's folder is on sys.p
 from recipe_sweep import best_validation, select_store
 
 ARMS = {
-    "first": "pool-first in order, T tokens (the demo's data)",
+    "first": "pool-first in order, T tokens (the demo's data until 2026-12-06)",
     "every-turn": "every user turn (pool-turns in order), T tokens",
-    "short": "the shortest first turns, T tokens",
+    "short": "the shortest first turns, T tokens (the demo's data since)",
     "long": "the longest first turns, T tokens",
     "code-math": "code and maths rows only, T tokens",
     "prose": "no code or maths rows, T tokens",
@@ -154,7 +155,9 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=1800, help="pool-first's conversations (max_samples)")
     parser.add_argument("--turns-pool", type=int, default=600, help="pool-turns' conversations (max_samples)")
     parser.add_argument("--arms", default=",".join(ARMS), help="the arms, the first one the baseline")
-    parser.add_argument("--budget-tokens", type=int, help="T (default: the variant's max_samples first samples)")
+    parser.add_argument(
+        "--budget-tokens", type=int, help="T (default: the variant's max_train_tokens, else its first max_samples)"
+    )
     parser.add_argument("--compare", action="append", help="a prompt source for speculators compare (repeatable)")
     parser.add_argument("--compare-questions", type=int, default=80, help="compare: prompts per source")
     parser.add_argument("--compare-max-new-tokens", type=int, default=128)
@@ -189,7 +192,11 @@ def main() -> None:
         pools["turns"] = pool("pool-turns", args.turns_pool, None)
 
     first = pools["first"].training
-    budget = args.budget_tokens or sum(e.num_tokens for e in first[: base.prompts.max_samples])
+    budget = (
+        args.budget_tokens
+        or base.datagen.max_train_tokens
+        or sum(e.num_tokens for e in first[: base.prompts.max_samples])
+    )
     epochs = float(base.training.epochs or 1)
     pool_tokens = sum(e.num_tokens for e in first)
     share = sum(e.num_tokens for e in first if e.id in pools["first"].code_math) / pool_tokens

@@ -112,3 +112,37 @@ def test_a_selected_store_holds_exactly_the_chosen_samples_with_a_vocabulary_of_
     assert all((sub / e.shard).samefile(store / e.shard) and not (sub / e.shard).is_symlink() for e in chosen)
     vocab = json.loads((sub / "draft_vocab.json").read_text())
     assert vocab["draft_vocab_size"] == json.loads((store / "draft_vocab.json").read_text())["draft_vocab_size"]
+
+
+def test_the_demo_keeps_what_the_short_arm_kept(data_mix):
+    """prepare --max-train-tokens T --prefer shortest (the demo's data) keeps exactly the `short` arm's samples
+    of the same pool, and `--prefer order` the `first` arm's: the study's winner is what the demo trains on."""
+    from speculators.data.prepare import within_token_budget
+    from speculators.data.tokenization import TokenizedSample
+
+    samples = [TokenizedSample(row.id, [1] * row.num_tokens, [1] * row.num_tokens) for row in POOL]
+    validation = TokenizedSample("validation-x", [1] * 999, [1] * 999)
+    for arm, prefer in (("short", "shortest"), ("first", "order")):
+        for budget in (1, 250, 450, 1000, 10_000):
+            kept, report = within_token_budget([validation, *samples], budget, prefer)
+            chosen = set(ids(data_mix.select_arm(arm, POOL, CODE.__contains__, budget)))
+            assert [s.id for s in kept] == ["validation-x", *(row.id for row in POOL if row.id in chosen)]
+            assert report["kept"] == len(chosen) and report["left_out"] == len(POOL) - len(chosen)
+
+
+def test_the_pools_keep_every_sample_of_a_variant_with_a_token_budget(data_mix, monkeypatch, tmp_path):
+    """The demo's datagen keeps a token budget; the pools the study (and data_scaling) draw from must not."""
+    import data_scaling
+
+    from speculators.cli import build_parser
+    from speculators_assets.variants import PACKAGE_VARIANTS, load_variant
+
+    demo = load_variant(PACKAGE_VARIANTS / "smollm2_135m.yaml")
+    assert demo.datagen.max_train_tokens == 291_392
+    commands: list[list[str]] = []
+    monkeypatch.setattr(data_scaling, "run", lambda arguments, log: commands.append(arguments))
+    data_scaling.build_store(demo, tmp_path)
+    prepare = next(command for command in commands if command[0] == "prepare" and "--verifier" in command)
+    settings = build_parser().parse_args(prepare)
+    assert settings.max_train_tokens is None and settings.prefer == "order"
+    assert demo.datagen.max_train_tokens == 291_392  # (the caller's variant is left as it was)
