@@ -134,8 +134,11 @@ def read_conversations(data: Path) -> tuple[set[str], dict[str, int]]:
 
 
 def compare(args: argparse.Namespace, drafters: dict[str, Path]) -> dict[str, Any]:
-    out = args.work_dir / "compare.json"
-    if not out.is_file():
+    """`speculators compare` of the drafters on the --compare sources against the first one, in
+    compare-<sources>.json; an earlier report is reused only when it compared the same drafters the same way
+    (otherwise the new comparison replaces it)."""
+    out = args.work_dir / f"compare-{'+'.join(re.sub(r'[^A-Za-z0-9.-]+', '-', s) for s in args.compare)}.json"
+    if not out.is_file() or not same_comparison(json.loads(out.read_text()), args, drafters):
         command = [sys.executable, "-m", "speculators.cli", "compare", "--verifier", args.verifier]
         for name, drafter in drafters.items():
             command += ["--speculator", f"{name}={drafter}"]
@@ -146,6 +149,17 @@ def compare(args: argparse.Namespace, drafters: dict[str, Path]) -> dict[str, An
         print(f"\n$ speculators {' '.join(command[3:])}", flush=True)
         subprocess.run(command, check=True)
     return json.loads(out.read_text())
+
+
+def same_comparison(report: dict[str, Any], args: argparse.Namespace, drafters: dict[str, Path]) -> bool:
+    settings = report["settings"]
+    return (
+        {name: d["speculator"] for name, d in report["drafters"].items()} == {n: str(d) for n, d in drafters.items()}
+        and report["baseline"] == next(iter(drafters))
+        and settings["prompts"] == args.compare
+        and settings["max_prompts"] == args.compare_questions
+        and settings["max_new_tokens"] == args.compare_max_new_tokens
+    )
 
 
 def main() -> None:

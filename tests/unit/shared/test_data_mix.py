@@ -146,3 +146,20 @@ def test_the_pools_keep_every_sample_of_a_variant_with_a_token_budget(data_mix, 
     settings = build_parser().parse_args(prepare)
     assert settings.max_train_tokens is None and settings.prefer == "order"
     assert demo.datagen.max_train_tokens == 291_392  # (the caller's variant is left as it was)
+
+
+def test_a_comparison_is_reused_only_for_the_same_drafters_and_settings(data_mix, tmp_path):
+    import argparse
+
+    drafters = {"first": tmp_path / "drafter-first" / "drafter", "short": tmp_path / "drafter-short" / "drafter"}
+    report = {
+        "settings": {"prompts": ["mt-bench"], "max_prompts": 80, "max_new_tokens": 128},
+        "baseline": "first",
+        "drafters": {name: {"speculator": str(path)} for name, path in drafters.items()},
+    }
+    args = argparse.Namespace(compare=["mt-bench"], compare_questions=80, compare_max_new_tokens=128)
+    assert data_mix.same_comparison(report, args, drafters)
+    for change in ({"compare": ["natural:eval"]}, {"compare_questions": 40}, {"compare_max_new_tokens": 64}):
+        assert not data_mix.same_comparison(report, argparse.Namespace(**{**vars(args), **change}), drafters)
+    assert not data_mix.same_comparison(report, args, {"short": drafters["short"], "first": drafters["first"]})
+    assert not data_mix.same_comparison(report, args, {"first": drafters["first"]})
