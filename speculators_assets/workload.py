@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from speculators.checkpoint.records import CheckpointFacts, ValidationResult
-from speculators.data.records import DatagenReport, DraftVocabSummary, PreparedDataReport
+from speculators.data.records import DatagenReport, DraftVocabSummary, PreparedDataReport, TokenBudgetSection
 from speculators.data.store import StoreManifest
 from speculators.eval.records import BenchReport, MachineLoad, MtBenchReport
 from speculators.flags import to_argv
@@ -558,11 +558,23 @@ def verifier_hidden_states(step: Step) -> tuple[Metadata, str]:
         "path": path_value(store),
         "mode": v.hidden_states.mode,
     }
+    if prepared.token_budget:
+        metadata.update(token_budget_metadata(prepared.token_budget))
     if streamed:
         metadata.update(index_metadata(manifest, capture, prepared.statistics.tokens))
     version = store_version(store, manifest)
     metadata["data_version"] = version
     return metadata, version
+
+
+def token_budget_metadata(budget: TokenBudgetSection) -> Metadata:
+    """The training samples a datagen `max_train_tokens` kept and left out (prepare_report.json's count)."""
+    return {
+        "token_budget": f"{budget.max_train_tokens} tokens, {budget.prefer} first",
+        "kept_by_token_budget": budget.kept,
+        "left_out_by_token_budget": budget.left_out,
+        "left_out_tokens": budget.left_out_tokens,
+    }
 
 
 def index_metadata(manifest: StoreManifest, capture: DatagenReport, tokens: int) -> Metadata:

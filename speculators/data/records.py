@@ -46,6 +46,17 @@ class RegenerationSection(DataRecord):
     resumed: int = 0
 
 
+class TokenBudgetSection(DataRecord):
+    """What `prepare --max-train-tokens` kept of the training samples, and what it left out."""
+
+    max_train_tokens: int
+    prefer: str
+    kept: int
+    kept_tokens: int
+    left_out: int
+    left_out_tokens: int
+
+
 class TokenizationSection(DataRecord):
     """prepare_report.json's `tokenization` (written with a verifier): the samples and how their answers
     were made."""
@@ -54,6 +65,7 @@ class TokenizationSection(DataRecord):
     regeneration: RegenerationSection = RegenerationSection()  # (absent where the verifier answered nothing)
     answers: str | None = None  # whose answers, in words (absent in early reports)
     clipped_answers: int = 0
+    token_budget: TokenBudgetSection | None = None  # (only with --max-train-tokens)
 
 
 class PreparedDataReport(DataRecord):

@@ -729,6 +729,21 @@ def test_a_token_budget_keeps_the_shortest_training_samples_and_every_validation
         "left_out_tokens": sum(length.values()) - tokens,
     }
     assert f"kept the shortest 4 of 6 training samples: {tokens} tokens" in capsys.readouterr().out
+    # The Dagster step shows the count as the store's metadata.
+    from speculators.data.records import PreparedDataReport
+    from speculators_assets.workload import token_budget_metadata
+
+    def tokenization(out):
+        return PreparedDataReport.model_validate_json((out / "prepare_report.json").read_bytes()).tokenization
+
+    budget_read = tokenization(tmp_path / "short").token_budget
+    assert token_budget_metadata(budget_read) == {
+        "token_budget": f"{budget} tokens, shortest first",
+        "kept_by_token_budget": 4,
+        "left_out_by_token_budget": 2,
+        "left_out_tokens": sum(length.values()) - tokens,
+    }
+    assert tokenization(tmp_path / "all").token_budget is None
 
     # In the sources' order: the first samples until the budget (one token past the first sample: two of them).
     budget = length[training[0].id] + 1
