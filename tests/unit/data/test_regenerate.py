@@ -517,7 +517,7 @@ def test_prepare_batch_size_defaults_to_what_each_backend_should_run():
     from speculators.data.prepare import requests_in_flight
     from speculators.settings import PrepareSettings
 
-    vllm = PrepareSettings(sources=["demo:train"], output="out", regenerate=True, backend="vllm")
+    vllm = PrepareSettings(sources=["demo:train"], output="out", verifier="v", regenerate=True, backend="vllm")
     assert vllm.batch_size is None and requests_in_flight(vllm) == 256
     assert requests_in_flight(vllm.model_copy(update={"data_parallel_size": 2})) == 512
     assert requests_in_flight(vllm.model_copy(update={"backend": "transformers"})) == 8
