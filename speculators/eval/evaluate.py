@@ -31,7 +31,7 @@ from speculators.data.packaged import MT_BENCH
 from speculators.data.prompt_set import load_prompts
 from speculators.data.tokenization import render_ids, turn_end_ids
 from speculators.errors import SpeculatorsError
-from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_two
+from speculators.eval.lossless import DEFAULT_TIE_ULPS, LosslessJudge, top_candidates, top_two
 from speculators.models.algorithms import algorithm_of_checkpoint
 from speculators.models.eagle3 import DraftKVCache, Eagle3Drafter
 from speculators.precision import with_compute_dtype
@@ -162,6 +162,8 @@ class Generation:
     # Per generated token: the verifier's top two (id, logit) at that position.
     top2: list[tuple[int, float, int, float]]
     seconds: float
+    # Per generated token: the verifier's largest few (id, logit), for splits past the second (top_candidates).
+    candidates: list[list[tuple[int, float]]] = field(default_factory=list)
     steps: int = 0  # verifier passes after the prefill
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -224,6 +226,7 @@ def greedy_generate(
             best = top_two(logits[-1:])[0]
             generation.tokens.append(best[0])
             generation.top2.append(best)
+            generation.candidates.extend(top_candidates(logits[-1:]))
             if len(generation.tokens) == max_new_tokens:
                 generation.seconds = time.perf_counter() - started
             if best[0] in stop_ids:
@@ -263,10 +266,11 @@ def speculative_generate(
         tokens.append(first[0])
         generation.tokens.append(first[0])
         generation.top2.append(first)
+        generation.candidates.extend(top_candidates(logits[-1:]))
         while len(generation.tokens) < max_new_tokens and generation.tokens[-1] not in stop_ids:
             drafts = proposer.propose(tokens, new_aux, num_tokens)
             logits, cache, new_aux = verifier_pass(verifier, [tokens[-1], *drafts], cache, captured, layer_ids)
-            best = top_two(logits)
+            best, candidates = top_two(logits), top_candidates(logits)
             choices = [row[0] for row in best]
             accepted = 0
             while accepted < num_tokens and drafts[accepted] == choices[accepted]:
@@ -283,6 +287,7 @@ def speculative_generate(
                 tokens.append(token)
                 generation.tokens.append(token)
                 generation.top2.append(best[position])
+                generation.candidates.append(candidates[position])
                 if position < accepted:  # counted only when output: not past a stop token or the budget
                     generation.accepted_per_position[position] += 1
                 if len(generation.tokens) == max_new_tokens or token in stop_ids:
@@ -313,8 +318,8 @@ def compare_outputs(
 ) -> Comparison:
     """Classify speculative output against the baseline's (both cut at the same token budget) by the
     lossless judge (speculators.eval.lossless), from the two decoders' own logits at the split: where the
-    other decoder's token is one decoder's second, it lies that decoder's top-two gap below its top
-    logit (the smaller gap where both are)."""
+    other decoder's token is one decoder's second (or among its few largest logits, `candidates`), it lies
+    that gap below that decoder's top logit (the smaller gap where both are)."""
     expected, judge = baseline.tokens, LosslessJudge(dtype, tie_tolerance)
     if speculative.tokens == expected:
         return Comparison("identical")
@@ -328,6 +333,10 @@ def compare_outputs(
         gaps.append((b_logit - b_second_logit, b_logit))
     if s_second == b_top:
         gaps.append((s_logit - s_second_logit, s_logit))
+    # Past the second: a tie of three or more at the top (bf16), each decoder free to pick any of them.
+    for own, own_logit, other_top in ((baseline, b_logit, s_top), (speculative, s_logit, b_top)):
+        if position < len(own.candidates):
+            gaps += [(own_logit - logit, own_logit) for token, logit in own.candidates[position] if token == other_top]
     comparison = Comparison("diverged", position, b_top, s_top)
     if gaps:
         margin, logit = min(gaps)
@@ -455,7 +464,7 @@ class EvaluationReport:
         for r in self.results:
             c = r.comparison
             if c.status != "identical":
-                margin = "" if c.margin is None else f", top-2 margin {c.margin:.3g} (tolerance {c.tolerance:.3g})"
+                margin = "" if c.margin is None else f", {c.margin:.3g} below the top (tolerance {c.tolerance:.3g})"
                 lines.append(
                     f"  {c.status}: prompt {r.id} at generated token {c.position}: baseline "
                     f"{c.baseline_token}, speculative {c.speculative_token}{margin}"
@@ -607,6 +616,7 @@ def evaluate_prompt(
         images=images,
     )
     baseline.tokens, baseline.top2 = baseline.tokens[:max_new_tokens], baseline.top2[:max_new_tokens]
+    baseline.candidates = baseline.candidates[:max_new_tokens]
     result = PromptResult(
         id=prompt_id,
         prompt_tokens=len(prompt_ids),

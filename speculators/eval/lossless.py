@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_TIE_ULPS = 4
+TIE_CANDIDATES = 8  # logits kept per generated token for the judge (top_candidates)
 
 
 def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
@@ -30,6 +31,15 @@ def top_two(logits: torch.Tensor) -> list[tuple[int, float, int, float]]:
     values, ids = logits.float().topk(2, dim=-1)
     rows = zip(ids.tolist(), values.tolist(), strict=True)
     return [(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for i, v in rows]
+
+
+def top_candidates(logits: torch.Tensor, count: int = TIE_CANDIDATES) -> list[list[tuple[int, float]]]:
+    """The `count` largest (id, logit) per row of [T, V] logits: what the judge reads when a split's token is
+    not the other decoder's second (bf16 rounds logits near 20 to steps of 0.125, so three or more tokens can
+    tie at the top, and either decoder may pick any of them)."""
+    values, ids = logits.float().topk(min(count, logits.shape[-1]), dim=-1)
+    return [[(int(i), float(v)) for i, v in zip(row_ids, row_values, strict=True)] for row_ids, row_values in
+            zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
 
 
 def default_tie_tolerance(dtype: torch.dtype, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:

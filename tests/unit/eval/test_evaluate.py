@@ -19,6 +19,7 @@ from speculators.eval.evaluate import (
     WrongProposer,
     compare_outputs,
     evaluate,
+    greedy_generate,
     load_proposer,
     run_evaluation,
     tokenize_prompts,
@@ -169,6 +170,42 @@ def test_divergences_are_classified_by_the_top_two_margin():
     )
     # Stopping early with the same tokens so far is a divergence too.
     assert compare_outputs(baseline, generation([5], same), torch.float32).status == "diverged"
+
+
+def test_a_split_among_three_tied_tokens_is_judged_by_the_other_tokens_logit():
+    """bf16 rounds logits near 20 to steps of 0.125: three tokens can tie at the top, and the speculative
+    decoder may pick the third, which is neither decoder's runner-up (seen on a DFlash drafter at K = 7)."""
+    same = [(5, 10.0, 6, 9.0)]
+    baseline = generation([5, 7], [*same, (7, 20.0, 8, 20.0)])
+    baseline.candidates = [[(5, 10.0), (6, 9.0)], [(7, 20.0), (8, 20.0), (9, 20.0), (3, 19.0)]]
+    speculative = generation([5, 9], [*same, (9, 20.125, 8, 20.125)])
+    speculative.candidates = [[(5, 10.0), (6, 9.0)], [(9, 20.125), (8, 20.125), (7, 20.0), (3, 19.0)]]
+    split = compare_outputs(baseline, speculative, torch.bfloat16)
+    assert (split.status, split.position, split.baseline_token, split.speculative_token) == ("near_tie", 1, 7, 9)
+    assert split.margin == 0.0 and split.tolerance == pytest.approx(4 * 2**-7 * 16)
+    # One decoder's candidates suffice (here the speculative one's: the baseline's 7 lies 0.125 below its top).
+    one_sided = compare_outputs(generation([5, 7], baseline.top2), speculative, torch.bfloat16)
+    assert (one_sided.status, one_sided.margin) == ("near_tie", 0.125)
+    # With each token a whole logit below the other decoder's top, it is a divergence.
+    baseline.candidates[1][2] = (9, 19.0)
+    speculative.candidates[1][2] = (7, 19.125)
+    far = compare_outputs(baseline, speculative, torch.bfloat16)
+    assert (far.status, far.margin) == ("diverged", 1.0)
+    # Neither decoder kept the other's token (it lies below every kept logit): nothing explains the split.
+    speculative.candidates = []
+    assert compare_outputs(generation([5, 7], baseline.top2), speculative, torch.bfloat16).status == "diverged"
+
+
+def test_decoders_keep_their_largest_logits_for_the_judge(peaked_verifier):
+    """greedy_generate and speculative_generate record top_candidates for every token they output."""
+    from speculators.eval.lossless import TIE_CANDIDATES
+
+    verifier = load_verifier(str(peaked_verifier), dtype="float32")
+    baseline = greedy_generate(verifier, [1, 2, 3, 4], 6, set())
+    assert len(baseline.candidates) == len(baseline.tokens) == 6
+    for token, row, top2 in zip(baseline.tokens, baseline.candidates, baseline.top2, strict=True):
+        assert len(row) == TIE_CANDIDATES and row[0] == (token, top2[1])
+        assert [logit for _, logit in row] == sorted((logit for _, logit in row), reverse=True)
 
 
 def test_a_real_divergence_is_an_error_naming_prompt_and_position():
