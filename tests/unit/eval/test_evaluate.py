@@ -22,6 +22,7 @@ from speculators.eval.evaluate import (
     greedy_generate,
     load_proposer,
     run_evaluation,
+    speculative_generate,
     tokenize_prompts,
 )
 from speculators.settings import EvaluateSettings
@@ -206,6 +207,11 @@ def test_decoders_keep_their_largest_logits_for_the_judge(peaked_verifier):
     for token, row, top2 in zip(baseline.tokens, baseline.candidates, baseline.top2, strict=True):
         assert len(row) == TIE_CANDIDATES and row[0] == (token, top2[1])
         assert [logit for _, logit in row] == sorted((logit for _, logit in row), reverse=True)
+    # The speculative decoder keeps one row per output token too, from its K+1-token passes: the same ids.
+    speculative = speculative_generate(verifier, [1, 2, 3, 4], OracleProposer(), 3, 6, set(), baseline.tokens)
+    assert speculative.tokens == baseline.tokens and speculative.steps < 6
+    ids = [[[i for i, _ in row] for row in g.candidates] for g in (baseline, speculative)]
+    assert ids[0] == ids[1]
 
 
 def test_a_real_divergence_is_an_error_naming_prompt_and_position():
