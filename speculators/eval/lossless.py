@@ -38,8 +38,8 @@ def top_candidates(logits: torch.Tensor, count: int = TIE_CANDIDATES) -> list[li
     not the other decoder's second (bf16 rounds logits near 20 to steps of 0.125, so three or more tokens can
     tie at the top, and either decoder may pick any of them)."""
     values, ids = logits.float().topk(min(count, logits.shape[-1]), dim=-1)
-    return [[(int(i), float(v)) for i, v in zip(row_ids, row_values, strict=True)] for row_ids, row_values in
-            zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
+    rows = zip(ids.tolist(), values.tolist(), strict=True)  # (tolist: Python ints and floats)
+    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in rows]
 
 
 def default_tie_tolerance(dtype: torch.dtype, logit: float, ulps: int = DEFAULT_TIE_ULPS) -> float:
